@@ -1,0 +1,23 @@
+# Every dependency comes from a Debian 12 package (scripts/install_deps.sh).
+find_package(Torch REQUIRED)            # libtorch-dev 1.13 here, torch 2.x on GPU machines
+find_package(nlohmann_json 3 REQUIRED)  # nlohmann-json3-dev: safetensors headers
+find_package(Boost 1.74 REQUIRED)       # libboost-dev: header-only Asio
+find_package(Threads REQUIRED)
+
+# CUDA runtime: we only call the runtime API from .cpp files, so the toolkit's
+# libraries are what we need; nvcc is located for the .cu parts of offload/.
+set(SHARDEMA_CUDA_ENABLED OFF)
+if(NOT SHARDEMA_WITH_CUDA STREQUAL "OFF")
+  if(NOT CUDAToolkit_ROOT AND NOT DEFINED ENV{CUDA_PATH} AND EXISTS /usr/local/cuda)
+    set(CUDAToolkit_ROOT /usr/local/cuda)
+  endif()
+  find_package(CUDAToolkit QUIET)
+  if(CUDAToolkit_FOUND)
+    set(SHARDEMA_CUDA_ENABLED ON)
+    message(STATUS "shardema: CUDA toolkit ${CUDAToolkit_VERSION} found; CUDA engine enabled")
+  elseif(SHARDEMA_WITH_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "SHARDEMA_WITH_CUDA=ON but no CUDA toolkit was found (set CUDAToolkit_ROOT)")
+  else()
+    message(STATUS "shardema: no CUDA toolkit; host engine only")
+  endif()
+endif()

@@ -1,0 +1,22 @@
+include(CMakePackageConfigHelpers)
+set(SHARDEMA_CMAKE_DIR "${CMAKE_INSTALL_LIBDIR}/cmake/shardema")
+
+install(TARGETS shardema_core shardema_shard shardema_offload shardema
+        EXPORT shardemaTargets
+        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+        LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+        RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR}
+        INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+foreach(part lib shard offload)
+  install(DIRECTORY ${PROJECT_SOURCE_DIR}/${part}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+endforeach()
+if(TARGET shardema_cli)
+  install(TARGETS shardema_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+endif()
+install(EXPORT shardemaTargets NAMESPACE shardema:: DESTINATION ${SHARDEMA_CMAKE_DIR})
+configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/shardemaConfig.cmake.in
+  ${PROJECT_BINARY_DIR}/shardemaConfig.cmake INSTALL_DESTINATION ${SHARDEMA_CMAKE_DIR})
+write_basic_package_version_file(${PROJECT_BINARY_DIR}/shardemaConfigVersion.cmake
+  COMPATIBILITY SameMinorVersion)
+install(FILES ${PROJECT_BINARY_DIR}/shardemaConfig.cmake ${PROJECT_BINARY_DIR}/shardemaConfigVersion.cmake
+        DESTINATION ${SHARDEMA_CMAKE_DIR})

@@ -1,0 +1,58 @@
+#pragma once
+// What happens to each tensor of a model: averaged, copied, or copied once.
+// Spec section 7: the default follows the VersatIL callback, the option
+// follows ema-pytorch.
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+
+namespace shardema {
+
+enum class TrackRole {
+  /// fp32 EMA: ema = lerp(ema, source, 1 - decay) on every due update.
+  kAverage,
+  /// Copied from the source on every due update (kept in the source dtype).
+  kCopy,
+  /// Copied when the Averager is built and then left alone (ema-pytorch's
+  /// integer buffers keep their deepcopy-time value).
+  kCopyOnce,
+};
+
+enum class TrackingPolicy {
+  /// VersatIL (default): every buffer copied; parameters of BatchNorm
+  /// modules and parameters with requires_grad == false copied; the other
+  /// parameters averaged.
+  kVersatil,
+  /// ema-pytorch: floating parameters and floating buffers averaged
+  /// (requires_grad and BatchNorm play no role); integer/bool tensors copied
+  /// once.
+  kEmaPytorch,
+};
+
+/// What a policy needs to know about one tensor of a module.
+struct TensorTraits {
+  bool isBuffer = false;
+  bool isFloating = true;
+  bool requiresGrad = true;
+  /// The tensor is a direct parameter/buffer of a BatchNorm module.
+  bool inBatchNorm = false;
+};
+
+/// The role a policy gives a tensor.
+TrackRole roleFor(TrackingPolicy policy, const TensorTraits& traits);
+
+const char* trackRoleName(TrackRole role);
+/// Parses trackRoleName() output; c10::ValueError naming the text otherwise.
+TrackRole parseTrackRole(const std::string& name);
+
+/// One tensor an Averager follows. `source` is a handle to the live tensor
+/// (a module parameter or buffer): the Averager reads it at every update and
+/// writes it only when asked to (swapping EMA weights in).
+struct TrackedTensor {
+  std::string name;
+  at::Tensor source;
+  TrackRole role = TrackRole::kAverage;
+};
+
+}  // namespace shardema

@@ -1,0 +1,124 @@
+// Averager state for resume: EMA tensors plus step, flags, schedule, roles.
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <unordered_set>
+
+#include "shardema/averager.h"
+
+namespace shardema {
+namespace {
+
+constexpr const char* kKindKey = "shardema.kind";
+constexpr const char* kAveragerKind = "averager_state";
+
+std::string formatDouble(double value) {
+  char buffer[32];
+  std::snprintf(buffer, sizeof(buffer), "%.17g", value);
+  return buffer;
+}
+
+const std::string& requireKey(const TensorFile& file, const char* key) {
+  const auto it = file.metadata.find(key);
+  TORCH_CHECK_VALUE(it != file.metadata.end(), "Averager::loadState: metadata key '", key,
+                    "' is missing; this is not an Averager state");
+  return it->second;
+}
+
+std::string joinNames(const std::vector<std::string>& names) {
+  std::ostringstream out;
+  const size_t shown = std::min<size_t>(names.size(), 10);
+  for (size_t i = 0; i < shown; ++i) out << (i ? ", " : "") << "'" << names[i] << "'";
+  if (names.size() > shown) out << " and " << names.size() - shown << " more";
+  return out.str();
+}
+
+}  // namespace
+
+LoadReport Averager::loadEmaValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
+                                   LoadStrictness strictness) {
+  LoadReport report;
+  std::unordered_set<std::string> given;
+  for (const auto& [name, tensor] : values) {
+    given.insert(name);
+    const auto it = index_.find(name);
+    if (it == index_.end()) {
+      report.unexpected.push_back(name);
+      continue;
+    }
+    const at::Tensor& ema = slots_[it->second].ema;
+    TORCH_CHECK_VALUE(tensor.sizes() == ema.sizes(), "Averager::loadEmaValues: tensor '", name,
+                      "' has shape ", tensor.sizes(), " but the tracked tensor has shape ",
+                      ema.sizes());
+  }
+  for (const Slot& s : slots_) {
+    if (!given.count(s.tracked.name)) report.missing.push_back(s.tracked.name);
+  }
+  if (strictness == LoadStrictness::kStrict) {
+    TORCH_CHECK_VALUE(report.missing.empty(), "Averager::loadEmaValues: missing tensors ",
+                      joinNames(report.missing),
+                      " (tracked but not given; load non-strictly to keep them)");
+    TORCH_CHECK_VALUE(report.unexpected.empty(), "Averager::loadEmaValues: unexpected tensors ",
+                      joinNames(report.unexpected),
+                      " (given but not tracked; load non-strictly to ignore them)");
+  }
+  // Everything is checked before the first write, so a failed load leaves
+  // the Averager as it was.
+  for (const auto& [name, tensor] : values) {
+    const auto it = index_.find(name);
+    if (it != index_.end()) slots_[it->second].ema.copy_(tensor);
+  }
+  return report;
+}
+
+TensorFile Averager::state() const {
+  TensorFile file;
+  file.tensors = emaTensors();
+  nlohmann::json roles = nlohmann::json::object();
+  for (const Slot& s : slots_) roles[s.tracked.name] = trackRoleName(s.tracked.role);
+  file.metadata[kKindKey] = kAveragerKind;
+  file.metadata["shardema.step"] = std::to_string(step_);
+  file.metadata["shardema.initialized"] = initialized_ ? "true" : "false";
+  file.metadata["shardema.last_decay"] = formatDouble(lastDecay_);
+  file.metadata["shardema.schedule"] = options_.schedule.toJson();
+  file.metadata["shardema.roles"] = roles.dump();
+  return file;
+}
+
+LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness) {
+  TORCH_CHECK_VALUE(requireKey(file, kKindKey) == kAveragerKind, "Averager::loadState: ",
+                    kKindKey, " is '", file.metadata.at(kKindKey), "', expected '", kAveragerKind,
+                    "'");
+  const DecaySchedule saved = DecaySchedule::fromJson(requireKey(file, "shardema.schedule"));
+  TORCH_CHECK_VALUE(strictness == LoadStrictness::kNonStrict || saved == options_.schedule,
+                    "Averager::loadState: the state was saved with schedule ", saved.describe(),
+                    " but this Averager uses ", options_.schedule.describe(),
+                    "; build it with the saved schedule or load non-strictly");
+  int64_t step = 0;
+  double lastDecay = 0.0;
+  try {
+    step = std::stoll(requireKey(file, "shardema.step"));
+    lastDecay = std::stod(requireKey(file, "shardema.last_decay"));
+  } catch (const std::logic_error&) {
+    TORCH_CHECK_VALUE(false, "Averager::loadState: shardema.step or shardema.last_decay is not a number");
+  }
+  const std::string& initialized = requireKey(file, "shardema.initialized");
+  TORCH_CHECK_VALUE(initialized == "true" || initialized == "false",
+                    "Averager::loadState: shardema.initialized must be true or false, got '",
+                    initialized, "'");
+  LoadReport report = loadEmaValues(file.tensors, strictness);
+  step_ = step;
+  lastDecay_ = lastDecay;
+  initialized_ = initialized == "true";
+  return report;
+}
+
+void Averager::save(const std::string& path) const { writeTensorFile(path, state()); }
+
+LoadReport Averager::load(const std::string& path, LoadStrictness strictness) {
+  return loadState(readTensorFile(path), strictness);
+}
+
+}  // namespace shardema

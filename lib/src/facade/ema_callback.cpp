@@ -1,0 +1,133 @@
+#include "shardema/ema_callback.h"
+
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+#include <unordered_map>
+
+#include "shardema/module_tracking.h"
+
+namespace shardema {
+namespace {
+
+// The averager's progress travels in the checkpoint's metadata under this
+// prefix, next to (not mixed with) the trainer's own keys.
+constexpr const char* kEmaMetadataPrefix = "shardema.ema.";
+constexpr const char* kLibraryPrefix = "shardema.";
+
+std::string withoutPrefix(const std::string& key, const std::string& prefix) {
+  return key.compare(0, prefix.size(), prefix) == 0 ? key.substr(prefix.size()) : std::string();
+}
+
+}  // namespace
+
+EmaCallback::EmaCallback(EmaCallbackOptions options) : options_(std::move(options)) {
+  TORCH_CHECK_VALUE(options_.logEveryNSteps >= 0, "EmaCallback: logEveryNSteps must be >= 0, got ",
+                    options_.logEveryNSteps);
+  DecaySchedule::warmup(options_.schedule);  // validate now, not at the first fit
+}
+
+void EmaCallback::onFitStart(torch::nn::Module& module) {
+  module_ = &module;
+  AveragerOptions averagerOptions;
+  averagerOptions.schedule = DecaySchedule::warmup(options_.schedule);
+  averagerOptions.pool = options_.pool;
+  // VersatIL deep-copies the model here and every optimizer step then
+  // lerps with the scheduled decay (which is 0, an exact copy, early on).
+  averagerOptions.copyOnFirstUpdate = false;
+  averager_ = std::make_unique<Averager>(trackModule(module, options_.policy), averagerOptions);
+  if (!queuedState_) return;
+  if (queuedState_->metadata.count("shardema.kind")) {
+    averager_->loadState(*queuedState_, LoadStrictness::kNonStrict);
+  } else {
+    averager_->loadEmaValues(queuedState_->tensors, LoadStrictness::kNonStrict);
+  }
+  queuedState_.reset();
+}
+
+bool EmaCallback::onTrainBatchEnd(int64_t globalStep, int64_t batchIdx,
+                                  int64_t accumulateGradBatches, bool isLastBatch) {
+  TORCH_CHECK_VALUE(accumulateGradBatches >= 1,
+                    "EmaCallback::onTrainBatchEnd: accumulateGradBatches must be >= 1, got ",
+                    accumulateGradBatches);
+  TORCH_CHECK_VALUE(batchIdx >= 0, "EmaCallback::onTrainBatchEnd: batchIdx must be >= 0, got ",
+                    batchIdx);
+  if (!averager_) return false;
+  TORCH_CHECK(!emaSwappedIn(), "EmaCallback::onTrainBatchEnd: called while the EMA weights are "
+              "swapped in; call onValidationEnd() first");
+  // Micro-batches inside an accumulation window did not step the
+  // optimizer; averaging them would decay the EMA too fast. The epoch's last
+  // batch flushes a partial window, so that step counts.
+  const bool windowIncomplete = (batchIdx + 1) % accumulateGradBatches != 0;
+  if (windowIncomplete && !isLastBatch) return false;
+  const bool updated = averager_->update(globalStep);
+  if (updated && logger_ && options_.logEveryNSteps > 0 &&
+      globalStep % options_.logEveryNSteps == 0) {
+    logger_(globalStep, averager_->lastDecay());
+  }
+  return updated;
+}
+
+void EmaCallback::onSaveCheckpoint(TrainingCheckpoint& checkpoint) const {
+  if (!averager_) return;
+  TORCH_CHECK(!emaSwappedIn(), "EmaCallback::onSaveCheckpoint: the EMA weights are swapped in; "
+              "save outside validation so the raw weights are the ones kept for resume");
+  std::unordered_map<std::string, size_t> position;
+  for (size_t i = 0; i < checkpoint.weights.size(); ++i) position[checkpoint.weights[i].first] = i;
+  for (const auto& [name, ema] : averager_->emaTensors()) {
+    const auto it = position.find(name);
+    if (it == position.end()) continue;
+    at::Tensor& slot = checkpoint.weights[it->second].second;
+    checkpoint.rawWeights.emplace_back(name, slot.detach().clone());
+    slot = ema.clone();
+  }
+  for (const auto& [key, value] : averager_->state().metadata) {
+    checkpoint.metadata[kEmaMetadataPrefix + withoutPrefix(key, kLibraryPrefix)] = value;
+  }
+}
+
+void EmaCallback::onLoadCheckpoint(torch::nn::Module& module,
+                                   const TrainingCheckpoint& checkpoint) {
+  if (checkpoint.rawWeights.empty()) return;
+  std::unordered_map<std::string, const at::Tensor*> weights;
+  for (const auto& [name, tensor] : checkpoint.weights) weights[name] = &tensor;
+  TensorFile queued;
+  for (const auto& [name, raw] : checkpoint.rawWeights) {
+    const auto it = weights.find(name);
+    if (it != weights.end()) queued.tensors.emplace_back(name, *it->second);
+  }
+  for (const auto& [key, value] : checkpoint.metadata) {
+    const std::string rest = withoutPrefix(key, kEmaMetadataPrefix);
+    if (!rest.empty()) queued.metadata[kLibraryPrefix + rest] = value;
+  }
+  loadIntoModule(module, checkpoint.rawWeights, LoadStrictness::kNonStrict);
+  queuedState_ = std::move(queued);
+}
+
+void EmaCallback::onValidationStart() {
+  if (!averager_) return;
+  TORCH_CHECK(!emaSwappedIn(), "EmaCallback::onValidationStart: the EMA weights are already "
+              "swapped in");
+  NamedTensors raw;
+  for (const TrackedTensor& t : averager_->tracked()) {
+    raw.emplace_back(t.name, t.source.detach().clone());
+  }
+  averager_->copyEmaToSources();
+  rawDuringValidation_ = std::move(raw);
+}
+
+void EmaCallback::onValidationEnd() {
+  if (!emaSwappedIn()) return;
+  c10::NoGradGuard noGrad;
+  std::unordered_map<std::string, at::Tensor> sources;
+  for (const TrackedTensor& t : averager_->tracked()) sources[t.name] = t.source;
+  for (const auto& [name, raw] : rawDuringValidation_) sources.at(name).detach().copy_(raw);
+  rawDuringValidation_.clear();
+}
+
+const Averager& EmaCallback::averager() const {
+  TORCH_CHECK(averager_ != nullptr, "EmaCallback::averager: no EMA yet; call onFitStart first");
+  return *averager_;
+}
+
+}  // namespace shardema

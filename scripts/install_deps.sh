@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages shardema builds, tests and runs with.
+# Idempotent and quiet when everything is already there.
+set -euo pipefail
+
+packages=(
+  build-essential cmake git
+  libtorch-dev libgloo-dev          # LibTorch 1.13 (CPU) with c10d; Gloo headers
+  libboost-dev                      # Boost.Asio (header-only)
+  nlohmann-json3-dev                # safetensors headers
+  libxxhash-dev                     # checksums in manifests
+  libgtest-dev libbenchmark-dev     # tests and benchmarks
+  python3-torch python3-numpy       # interop tests (Debian's /usr/bin/python3)
+  clang libclang-rt-14-dev          # libFuzzer run in CI
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
+  [[ "$status" == "install ok installed" ]] || missing+=("$p")
+done
+[[ ${#missing[@]} -eq 0 ]] && exit 0
+
+echo "install_deps: installing ${missing[*]}"
+sudo_cmd=()
+[[ $(id -u) -eq 0 ]] || sudo_cmd=(sudo)
+export DEBIAN_FRONTEND=noninteractive
+"${sudo_cmd[@]}" apt-get update -qq
+"${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

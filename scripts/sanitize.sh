@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Builds and runs the tests under sanitizers.
+#   scripts/sanitize.sh address,undefined   every test suite
+#   scripts/sanitize.sh thread              the concurrency suite
+source "$(dirname "$0")/common.sh"
+kind=${1:?usage: sanitize.sh address,undefined|thread}
+bash "$repo_root/scripts/install_deps.sh"
+build="$repo_root/build/sanitize-${kind//,/-}"
+configure "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSHARDEMA_SANITIZE="$kind" \
+  -DSHARDEMA_BUILD_BENCHMARKS=OFF -DSHARDEMA_BUILD_EXAMPLES=OFF -DSHARDEMA_INSTALL=OFF
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+# LibTorch keeps process-lifetime allocations LeakSanitizer would report.
+export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1
+export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1"
+if [[ "$kind" == thread ]]; then
+  cmake --build "$build" -j "$jobs" --target concurrency_tests
+  cd "$build" && ctest -j "$jobs" -L concurrency --output-on-failure
+else
+  cmake --build "$build" -j "$jobs"
+  cd "$build" && ctest -j "$jobs" --output-on-failure
+fi

@@ -1,0 +1,310 @@
+// Raw update kernels against independent references: a float64
+// recomputation for the lerp, c10::BFloat16 / c10::Half for the conversions
+// (every one of the 65536 bit patterns), and the serial result for any split.
+#include "shardema/update_kernels.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "shardema/worker_pool.h"
+
+namespace shardema {
+namespace {
+
+uint32_t bitsOf(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
+}
+
+// A source buffer of one type plus the float value of every element, the
+// latter converted by c10 (not by the code under test).
+struct Source {
+  SourceType type;
+  std::vector<float> f32;
+  std::vector<uint16_t> u16;
+  std::vector<float> asFloat;
+  const void* data() const { return type == SourceType::kFloat32 ? (const void*)f32.data() : u16.data(); }
+};
+
+// Values spread over magnitudes 2^-10..2^10 and both signs, so the
+// tolerance is exercised relative to the operands, not near one scale.
+float randomValue(std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> mantissa(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> exponent(-10, 10);
+  return std::ldexp(mantissa(rng), exponent(rng));
+}
+
+Source makeSource(SourceType type, int64_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Source s{type, {}, {}, {}};
+  s.asFloat.resize(n);
+  if (type == SourceType::kFloat32) {
+    s.f32.resize(n);
+  } else {
+    s.u16.resize(n);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = randomValue(rng);
+    if (type == SourceType::kFloat32) {
+      s.f32[i] = s.asFloat[i] = v;
+    } else if (type == SourceType::kBFloat16) {
+      const c10::BFloat16 b(v);
+      s.u16[i] = b.x;
+      s.asFloat[i] = static_cast<float>(b);
+    } else {
+      const c10::Half h(v);
+      s.u16[i] = h.x;
+      s.asFloat[i] = static_cast<float>(h);
+    }
+  }
+  return s;
+}
+
+std::vector<float> makeEma(int64_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<float> ema(n);
+  for (float& v : ema) {
+    v = randomValue(rng);
+  }
+  return ema;
+}
+
+// Bound on one fp32 evaluation of e + w*(x - e) against the exact value,
+// with u = 2^-24 and M = max(|e|, |x|): (x - e) is rounded once (error
+// <= u*|x - e| <= 2uM, scaled by w), w*d once (<= u*w*2M), the sum once
+// (<= u*M since the exact lerp lies between e and x). Total (1 + 4w)*u*M,
+// which is 1 to 2.5 ulp(M) (u*M lies in [ulp/2, ulp)): about 1 ulp for the
+// usual small w. The 1e-6 slack covers the second-order terms.
+double lerpTolerance(double e, double x, double w) {
+  return (1.0 + 4.0 * w) * std::ldexp(1.0, -24) * std::max(std::fabs(e), std::fabs(x)) *
+         (1.0 + 1e-6);
+}
+
+const SourceType kTypes[] = {SourceType::kFloat32, SourceType::kBFloat16, SourceType::kFloat16};
+const int64_t kSizes[] = {0, 1, 7, 4097, 10000000};
+
+TEST(UpdateKernelsTest, SourceTypeSize) {
+  EXPECT_EQ(sourceTypeSize(SourceType::kFloat32), 4);
+  EXPECT_EQ(sourceTypeSize(SourceType::kBFloat16), 2);
+  EXPECT_EQ(sourceTypeSize(SourceType::kFloat16), 2);
+}
+
+TEST(UpdateKernelsTest, LerpMatchesFloat64Reference) {
+  for (SourceType type : kTypes) {
+    for (int64_t n : kSizes) {
+      const Source src = makeSource(type, n, 1000 + n);
+      const std::vector<float> before = makeEma(n, 2000 + n);
+      for (float w : {0.0f, 0.001f, 0.5f, 1.0f}) {
+        std::vector<float> ema = before;
+        // Poison past the end: the kernel must stop at count.
+        ema.push_back(123.0f);
+        lerpRange(ema.data(), src.data(), type, n, w);
+        ASSERT_EQ(ema[n], 123.0f);
+        int64_t bad = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          const double e = before[i], x = src.asFloat[i];
+          const double exact = e + double(w) * (x - e);
+          if (!(std::fabs(ema[i] - exact) <= lerpTolerance(e, x, w))) {
+            if (++bad <= 3) {
+              ADD_FAILURE() << "type " << int(type) << " n " << n << " w " << w << " i " << i
+                            << ": got " << ema[i] << " expected " << exact;
+            }
+          }
+        }
+        EXPECT_EQ(bad, 0);
+        if (w == 0.0f) {
+          EXPECT_EQ(std::memcmp(ema.data(), before.data(), n * sizeof(float)), 0);
+        }
+      }
+    }
+  }
+}
+
+// The header fixes the fp32 formula exactly; volatile keeps this TU from
+// contracting it into an FMA whatever its flags.
+TEST(UpdateKernelsTest, LerpIsTheDocumentedFloat32Formula) {
+  const int64_t n = 4097;
+  for (SourceType type : kTypes) {
+    const Source src = makeSource(type, n, 7);
+    std::vector<float> ema = makeEma(n, 8);
+    const std::vector<float> before = ema;
+    const float w = 0.0123f;
+    lerpRange(ema.data(), src.data(), type, n, w);
+    for (int64_t i = 0; i < n; ++i) {
+      volatile float d = src.asFloat[i] - before[i];
+      volatile float m = w * d;
+      const float expected = before[i] + m;
+      ASSERT_EQ(bitsOf(ema[i]), bitsOf(expected)) << "type " << int(type) << " i " << i;
+    }
+  }
+}
+
+TEST(UpdateKernelsTest, CopyConvertsExactly) {
+  for (SourceType type : kTypes) {
+    for (int64_t n : kSizes) {
+      const Source src = makeSource(type, n, 3000 + n);
+      std::vector<float> ema(n + 1, -5.0f);
+      copyRange(ema.data(), src.data(), type, n);
+      EXPECT_EQ(std::memcmp(ema.data(), src.asFloat.data(), n * sizeof(float)), 0)
+          << "type " << int(type) << " n " << n;
+      EXPECT_EQ(ema[n], -5.0f);
+    }
+  }
+}
+
+// Every 16-bit pattern (normals, subnormals, +-0, +-inf, every NaN) against
+// c10's converters, bit for bit; then lerp on the same values.
+void checkAllPatterns(SourceType type) {
+  std::vector<uint16_t> all(65536);
+  for (uint32_t i = 0; i < all.size(); ++i) {
+    all[i] = static_cast<uint16_t>(i);
+  }
+  std::vector<float> reference(all.size());
+  for (size_t i = 0; i < all.size(); ++i) {
+    reference[i] = type == SourceType::kBFloat16
+                       ? static_cast<float>(c10::BFloat16(all[i], c10::BFloat16::from_bits()))
+                       : static_cast<float>(c10::Half(all[i], c10::Half::from_bits()));
+  }
+  std::vector<float> copied(all.size());
+  copyRange(copied.data(), all.data(), type, static_cast<int64_t>(all.size()));
+  for (size_t i = 0; i < all.size(); ++i) {
+    ASSERT_EQ(bitsOf(copied[i]), bitsOf(reference[i])) << "pattern 0x" << std::hex << i;
+  }
+  std::vector<float> ema(all.size(), 0.75f);
+  const float w = 0.25f;
+  lerpRange(ema.data(), all.data(), type, static_cast<int64_t>(all.size()), w);
+  for (size_t i = 0; i < all.size(); ++i) {
+    const float expected = 0.75f + w * (reference[i] - 0.75f);
+    if (std::isnan(expected)) {
+      ASSERT_TRUE(std::isnan(ema[i])) << "pattern 0x" << std::hex << i;
+    } else {
+      ASSERT_EQ(bitsOf(ema[i]), bitsOf(expected)) << "pattern 0x" << std::hex << i;
+    }
+  }
+}
+
+TEST(UpdateKernelsTest, BFloat16AllBitPatterns) { checkAllPatterns(SourceType::kBFloat16); }
+
+TEST(UpdateKernelsTest, Float16AllBitPatterns) { checkAllPatterns(SourceType::kFloat16); }
+
+// Hand-written expectations, independent of c10, for the values that
+// conversions get wrong most often.
+TEST(UpdateKernelsTest, SpecialValuesByHand) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<uint16_t> half = {0x0001, 0x03ff, 0x0400, 0x8000, 0x7c00, 0xfc00, 0x3c00, 0x7bff};
+  const std::vector<float> halfExpected = {std::ldexp(1.0f, -24), std::ldexp(1023.0f, -24),
+                                           std::ldexp(1.0f, -14), -0.0f, inf, -inf, 1.0f, 65504.0f};
+  std::vector<float> out(half.size());
+  copyRange(out.data(), half.data(), SourceType::kFloat16, static_cast<int64_t>(half.size()));
+  for (size_t i = 0; i < half.size(); ++i) {
+    EXPECT_EQ(bitsOf(out[i]), bitsOf(halfExpected[i])) << "half 0x" << std::hex << half[i];
+  }
+  const std::vector<uint16_t> bf = {0x0001, 0x8000, 0x7f80, 0xff80, 0x3f80, 0x0080};
+  const std::vector<float> bfExpected = {std::ldexp(1.0f, -133), -0.0f, inf, -inf, 1.0f,
+                                         std::ldexp(1.0f, -126)};
+  out.resize(bf.size());
+  copyRange(out.data(), bf.data(), SourceType::kBFloat16, static_cast<int64_t>(bf.size()));
+  for (size_t i = 0; i < bf.size(); ++i) {
+    EXPECT_EQ(bitsOf(out[i]), bitsOf(bfExpected[i])) << "bf16 0x" << std::hex << bf[i];
+  }
+  // NaNs: quiet (7e00) and signalling (7d00) halves both become quiet NaNs
+  // with the payload kept, like F16C; bf16 widening keeps the bits.
+  const std::vector<uint16_t> nans = {0x7e00, 0x7d00, 0xfe01};
+  out.resize(nans.size());
+  copyRange(out.data(), nans.data(), SourceType::kFloat16, 3);
+  EXPECT_EQ(bitsOf(out[0]), 0x7fc00000u);
+  EXPECT_EQ(bitsOf(out[1]), 0x7fe00000u);
+  EXPECT_EQ(bitsOf(out[2]), 0xffc02000u);
+  copyRange(out.data(), nans.data(), SourceType::kBFloat16, 3);
+  EXPECT_EQ(bitsOf(out[1]), 0x7d000000u);
+}
+
+// Many spans of mixed type, op and size (zeros included), laid out in
+// separate buffers; returns the EMAs after one updateSpans.
+struct SpanSet {
+  std::vector<Source> sources;
+  std::vector<std::vector<float>> emas;
+  std::vector<UpdateSpan> spans;
+};
+
+SpanSet makeSpanSet(uint64_t seed, int count) {
+  std::mt19937_64 rng(seed);
+  SpanSet set;
+  set.sources.reserve(count);
+  set.emas.reserve(count);
+  for (int i = 0; i < count; ++i) {
+    const int64_t n = i % 7 == 0 ? 0 : static_cast<int64_t>(rng() % 5000);
+    const SourceType type = kTypes[rng() % 3];
+    set.sources.push_back(makeSource(type, n, seed + i));
+    set.emas.push_back(makeEma(n, seed + 100000 + i));
+    UpdateSpan span;
+    span.ema = set.emas.back().data();
+    span.src = set.sources.back().data();
+    span.type = type;
+    span.count = n;
+    span.op = rng() % 4 == 0 ? UpdateOp::kCopy : UpdateOp::kLerp;
+    set.spans.push_back(span);
+  }
+  return set;
+}
+
+TEST(UpdateKernelsTest, UpdateSpansMatchesPerSpanKernels) {
+  SpanSet set = makeSpanSet(11, 60);
+  SpanSet expected = makeSpanSet(11, 60);
+  updateSpans(set.spans, 0.3f, nullptr, 1);
+  for (const UpdateSpan& s : expected.spans) {
+    if (s.op == UpdateOp::kLerp) {
+      lerpRange(s.ema, s.src, s.type, s.count, 0.3f);
+    } else {
+      copyRange(s.ema, s.src, s.type, s.count);
+    }
+  }
+  EXPECT_EQ(set.emas, expected.emas);
+}
+
+TEST(UpdateKernelsTest, ResultIndependentOfThreadsAndGrain) {
+  SpanSet serial = makeSpanSet(21, 200);
+  updateSpans(serial.spans, 0.01f, nullptr);
+  for (int threads : {0, 1, 3}) {
+    WorkerPool pool(threads);
+    for (int64_t grain : {int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{1} << 15}) {
+      SpanSet split = makeSpanSet(21, 200);
+      updateSpans(split.spans, 0.01f, &pool, grain);
+      // Bitwise, NaN-safe: vectors of float compare with ==, but the data
+      // has no NaNs, so == is bit equality up to the sign of zero; memcmp
+      // closes that gap.
+      for (size_t i = 0; i < split.emas.size(); ++i) {
+        ASSERT_EQ(std::memcmp(split.emas[i].data(), serial.emas[i].data(),
+                              split.emas[i].size() * sizeof(float)),
+                  0)
+            << "threads " << threads << " grain " << grain << " span " << i;
+      }
+    }
+  }
+}
+
+TEST(UpdateKernelsTest, UpdateSpansEmptyInputs) {
+  updateSpans({}, 0.5f, nullptr);
+  std::vector<UpdateSpan> zeros(5);  // null pointers, count 0: never touched
+  WorkerPool pool(2);
+  updateSpans(zeros, 0.5f, &pool, 1);
+}
+
+TEST(UpdateKernelsTest, UpdateSpansRejectsBadArguments) {
+  std::vector<UpdateSpan> spans(1);
+  EXPECT_THROW(updateSpans(spans, 0.5f, nullptr, 0), c10::ValueError);
+  spans[0].count = -1;
+  EXPECT_THROW(updateSpans(spans, 0.5f, nullptr), c10::ValueError);
+}
+
+}  // namespace
+}  // namespace shardema
