@@ -21,7 +21,8 @@ bool isBoolWord(const std::string& token) { return token == "true" || token == "
 
 // Resolves the value of one flag occurrence; `next` is the index of the
 // token after the flag and is advanced past a consumed value.
-std::optional<std::string> takeValue(const FlagSpec& spec, const std::optional<std::string>& attached,
+std::optional<std::string> takeValue(const FlagSpec& spec,
+                                     const std::optional<std::string>& attached,
                                      const std::vector<std::string>& args, size_t& next) {
   const std::string flag = dashed(spec.name);
   switch (spec.arity) {

@@ -14,9 +14,8 @@ namespace {
 
 // Flags of each kind; the option names in library messages are these with
 // '-' replaced by '_', which is how a ValueError is mapped back to its flag.
-const std::vector<std::string> kWarmupFlags = {"inv-gamma",         "power",       "min-value",
-                                               "max-value",         "update-after-step",
-                                               "update-every"};
+const std::vector<std::string> kWarmupFlags = {
+    "inv-gamma", "power", "min-value", "max-value", "update-after-step", "update-every"};
 const std::vector<std::string> kPowerFlags = {"sigma-rel", "gamma", "convention", "update-every",
                                               "step-size-correction"};
 const std::vector<std::string> kConstantFlags = {"decay", "update-every"};
@@ -51,8 +50,8 @@ std::string joinFlags(const std::vector<std::string>& names) {
 void checkFlagsApply(const ParsedFlags& flags, const std::string& kind,
                      const std::vector<std::string>& allowed) {
   for (const std::string& name : flags.names()) {
-    const bool scheduleFlag =
-        contains(kWarmupFlags, name) || contains(kPowerFlags, name) || contains(kConstantFlags, name);
+    const bool scheduleFlag = contains(kWarmupFlags, name) || contains(kPowerFlags, name) ||
+                              contains(kConstantFlags, name);
     if (scheduleFlag && !contains(allowed, name)) {
       throw UsageError("--" + name + " does not apply to --kind " + kind + " (it takes " +
                        joinFlags(allowed) + ")");
@@ -129,8 +128,8 @@ std::string flagNamedIn(const std::string& message, const std::vector<std::strin
 DecaySchedule scheduleFromFlags(const ParsedFlags& flags) {
   if (!flags.has("kind")) throw UsageError("--kind is required (warmup, power or constant)");
   const std::string& kind = flags.text("kind");
-  const std::vector<std::string>* allowed = kind == "warmup"   ? &kWarmupFlags
-                                            : kind == "power"  ? &kPowerFlags
+  const std::vector<std::string>* allowed = kind == "warmup"     ? &kWarmupFlags
+                                            : kind == "power"    ? &kPowerFlags
                                             : kind == "constant" ? &kConstantFlags
                                                                  : nullptr;
   if (allowed == nullptr) {
@@ -162,8 +161,10 @@ StepRange parseStepItem(const std::string& item) {
   if (colon != std::string::npos) range.stride = parseInteger("steps", item.substr(colon + 1));
   const size_t dash = span.find('-', 1);
   range.first = parseInteger("steps", span.substr(0, dash));
-  range.last = dash == std::string::npos ? range.first : parseInteger("steps", span.substr(dash + 1));
-  if (range.first < 1 || range.last < range.first || range.stride < 1) {
+  range.last =
+      dash == std::string::npos ? range.first : parseInteger("steps", span.substr(dash + 1));
+  const bool strideWithoutRange = colon != std::string::npos && dash == std::string::npos;
+  if (range.first < 1 || range.last < range.first || range.stride < 1 || strideWithoutRange) {
     throw UsageError("--steps: '" + item +
                      "' must be N, A-B or A-B:STRIDE with 1 <= N, 1 <= A <= B, STRIDE >= 1");
   }
@@ -172,7 +173,8 @@ StepRange parseStepItem(const std::string& item) {
 
 std::vector<StepRange> parseSteps(const std::string& list) {
   std::vector<StepRange> ranges;
-  for (const std::string& item : splitList("steps", list, ',')) ranges.push_back(parseStepItem(item));
+  for (const std::string& item : splitList("steps", list, ','))
+    ranges.push_back(parseStepItem(item));
   return ranges;
 }
 

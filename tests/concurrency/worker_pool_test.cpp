@@ -69,11 +69,9 @@ TEST(WorkerPoolTest, NestedParallelForDoesNotDeadlock) {
 TEST(WorkerPoolTest, ExceptionIsRethrownAfterAllTasksEnded) {
   WorkerPool pool(3);
   std::atomic<int> running{0};
-  std::atomic<int> started{0};
   try {
     pool.parallelFor(100, [&](int64_t i) {
       running.fetch_add(1);
-      started.fetch_add(1);
       std::this_thread::sleep_for(std::chrono::microseconds(200));
       running.fetch_sub(1);
       if (i == 3) {
@@ -85,7 +83,6 @@ TEST(WorkerPoolTest, ExceptionIsRethrownAfterAllTasksEnded) {
     EXPECT_STREQ(e.what(), "task 3 failed");
   }
   EXPECT_EQ(running.load(), 0) << "parallelFor returned while tasks were still running";
-  EXPECT_GE(started.load(), 4);
   // The pool stays usable.
   std::atomic<int> after{0};
   pool.parallelFor(10, [&](int64_t) { after.fetch_add(1); });
@@ -163,10 +160,10 @@ Buffers makeBuffers(uint64_t seed, int count) {
     for (uint32_t& w : b.sources[i]) {
       const float f = value(rng);
       std::memcpy(&w, &f, sizeof w);
-      // 16-bit types read the high half of each word as a finite number:
-      // the high half of an fp32 is its bf16 truncation; for fp16 clear the
-      // exponent's top bit so no inf/nan appears.
-      w = type == SourceType::kFloat16 ? (w & 0xbfffbfffu) : w;
+      // 16-bit types read both halves of a word: clearing bit 14 of each
+      // keeps every bf16/fp16 exponent below all-ones (no inf/nan), so
+      // float == below is bit equality.
+      w = type == SourceType::kFloat32 ? w : (w & 0xbfffbfffu);
     }
     b.spans.push_back({b.emas[i].data(), b.sources[i].data(), type, n,
                        rng() % 3 == 0 ? UpdateOp::kCopy : UpdateOp::kLerp});

@@ -41,16 +41,16 @@ std::string valueErrorMessage(const std::function<void()>& fn) {
   return "<did not throw>";
 }
 
-#define EXPECT_VALUE_ERROR(statement, substring)                                  \
-  do {                                                                            \
-    EXPECT_THROW(statement, c10::ValueError);                                     \
-    const std::string message_ = valueErrorMessage([&] { (void)(statement); });   \
-    EXPECT_NE(message_.find(substring), std::string::npos)                        \
-        << "message '" << message_ << "' should name '" << (substring) << "'";    \
+#define EXPECT_VALUE_ERROR(statement, substring)                                \
+  do {                                                                          \
+    EXPECT_THROW(statement, c10::ValueError);                                   \
+    const std::string message_ = valueErrorMessage([&] { (void)(statement); }); \
+    EXPECT_NE(message_.find(substring), std::string::npos)                      \
+        << "message '" << message_ << "' should name '" << (substring) << "'";  \
   } while (0)
 
-WarmupScheduleOptions warmupOptions(double invGamma, double power, double minValue,
-                                    double maxValue, int64_t updateAfterStep) {
+WarmupScheduleOptions warmupOptions(double invGamma, double power, double minValue, double maxValue,
+                                    int64_t updateAfterStep) {
   WarmupScheduleOptions options;
   options.invGamma = invGamma;
   options.power = power;
@@ -77,10 +77,10 @@ TEST(DecayScheduleTest, WarmupMatchesGolden) {
   ASSERT_EQ(golden["cases"].size(), 5u);
   for (const json& item : golden["cases"]) {
     const json& settings = item["settings"];
-    const DecaySchedule schedule = DecaySchedule::warmup(warmupOptions(
-        settings["inv_gamma"].get<double>(), settings["power"].get<double>(),
-        settings["min_value"].get<double>(), settings["beta"].get<double>(),
-        settings["update_after_step"].get<int64_t>()));
+    const DecaySchedule schedule = DecaySchedule::warmup(
+        warmupOptions(settings["inv_gamma"].get<double>(), settings["power"].get<double>(),
+                      settings["min_value"].get<double>(), settings["beta"].get<double>(),
+                      settings["update_after_step"].get<int64_t>()));
     const auto steps = item["step_buffer_values"].get<std::vector<int64_t>>();
     const auto decay = item["decay"].get<std::vector<double>>();
     const auto diffusers = item["diffusers_get_decay_same_argument"].get<std::vector<double>>();
@@ -276,9 +276,8 @@ TEST(DecayScheduleTest, RejectsStepsBelowOneAndPowerAccessorsOnOtherKinds) {
 
 TEST(DecayScheduleTest, JsonRoundTripIsExact) {
   std::vector<DecaySchedule> schedules = schedulesOfEveryKind();
-  schedules.push_back(
-      DecaySchedule::warmup(warmupOptions(1.0 / 3.0, 2.0 / 3.0, 0.1 + 1e-17, 0.9999999999999999,
-                                          int64_t(1) << 40)));
+  schedules.push_back(DecaySchedule::warmup(
+      warmupOptions(1.0 / 3.0, 2.0 / 3.0, 0.1 + 1e-17, 0.9999999999999999, int64_t(1) << 40)));
   PowerScheduleOptions byGamma;
   byGamma.gamma = std::nextafter(7.0, 8.0);
   schedules.push_back(DecaySchedule::powerFunction(byGamma));
@@ -294,7 +293,9 @@ TEST(DecayScheduleTest, JsonRoundTripIsExact) {
     for (int64_t n : {1, 2, 3, 17, 1000, 123456789}) {
       EXPECT_EQ(back.decayAt(n), schedule.decayAt(n)) << text << " n " << n;  // bitwise
     }
-    if (schedule.kind() == ScheduleKind::kPower) EXPECT_EQ(back.gamma(), schedule.gamma());
+    if (schedule.kind() == ScheduleKind::kPower) {
+      EXPECT_EQ(back.gamma(), schedule.gamma());
+    }
   }
   EXPECT_EQ(schedules.back().toJson(), DecaySchedule::fromJson(schedules.back().toJson()).toJson());
   EXPECT_NE(DecaySchedule::warmup(), DecaySchedule::constant());
@@ -306,13 +307,13 @@ TEST(DecayScheduleTest, JsonFieldsAreSnakeCaseWithSeventeenDigits) {
             "\"max_value\":0.99990000000000001,\"update_after_step\":0,\"update_every\":1}");
   EXPECT_EQ(DecaySchedule::constant().toJson(),
             "{\"kind\":\"constant\",\"decay\":0.99990000000000001,\"update_every\":1}");
-  EXPECT_EQ(DecaySchedule::powerFunction(powerOptions(0.1, BetaConvention::kEdm2, 10, true))
-                .toJson(),
-            "{\"kind\":\"power\",\"sigma_rel\":0.10000000000000001,\"convention\":\"edm2\","
-            "\"update_every\":10,\"step_size_correction\":true}");
+  EXPECT_EQ(
+      DecaySchedule::powerFunction(powerOptions(0.1, BetaConvention::kEdm2, 10, true)).toJson(),
+      "{\"kind\":\"power\",\"sigma_rel\":0.10000000000000001,\"convention\":\"edm2\","
+      "\"update_every\":10,\"step_size_correction\":true}");
   // Fields may come in any order and with whitespace.
-  const DecaySchedule parsed = DecaySchedule::fromJson(
-      R"({ "update_every": 1, "decay": 0.5, "kind": "constant" })");
+  const DecaySchedule parsed =
+      DecaySchedule::fromJson(R"({ "update_every": 1, "decay": 0.5, "kind": "constant" })");
   EXPECT_EQ(parsed.decayAt(4), 0.5);
 }
 

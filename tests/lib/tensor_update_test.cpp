@@ -105,11 +105,12 @@ TEST(TensorUpdateTest, ResultIndependentOfPoolSize) {
   }
   std::vector<at::Tensor> reference;
   for (int threads : {-1, 0, 1, 3}) {
-    std::unique_ptr<WorkerPool> pool = threads < 0 ? nullptr : std::make_unique<WorkerPool>(threads);
+    std::unique_ptr<WorkerPool> pool =
+        threads < 0 ? nullptr : std::make_unique<WorkerPool>(threads);
     std::vector<TensorUpdate> updates;
     for (size_t i = 0; i < sources.size(); ++i) {
-      updates.push_back({initial[i].clone(), sources[i], i % 5 == 0 ? UpdateOp::kCopy : UpdateOp::kLerp,
-                         "t" + std::to_string(i)});
+      updates.push_back({initial[i].clone(), sources[i],
+                         i % 5 == 0 ? UpdateOp::kCopy : UpdateOp::kLerp, "t" + std::to_string(i)});
     }
     applyTensorUpdates(updates, 0.25, pool.get());
     for (size_t i = 0; i < updates.size(); ++i) {
@@ -127,9 +128,10 @@ TEST(TensorUpdateTest, NonContiguousSourceSaysPassContiguous) {
   const at::Tensor ema = at::zeros({4, 3});
   const at::Tensor source = at::ones({3, 4}).t();
   expectError<c10::ValueError>(
-      [&] { applyTensorUpdates({{ema, source, UpdateOp::kLerp, "block.0.w"}}, 0.5); },
-      {"shardema::applyTensorUpdates", "source of 'block.0.w'", "not contiguous",
-       ".contiguous()"});
+      [&] {
+        applyTensorUpdates({{ema, source, UpdateOp::kLerp, "block.0.w"}}, 0.5);
+      },
+      {"shardema::applyTensorUpdates", "source of 'block.0.w'", "not contiguous", ".contiguous()"});
   EXPECT_NO_THROW(lerpInto(ema, source.contiguous(), 0.5));
   EXPECT_TRUE(at::equal(ema, at::full({4, 3}, 0.5f)));
 }
@@ -141,14 +143,18 @@ TEST(TensorUpdateTest, RejectsBadDtypes) {
   expectError<c10::TypeError>([&] { lerpInto(at::zeros({5}, at::kBFloat16), f32, 0.5); },
                               {"ema must be float32", "BFloat16"});
   expectError<c10::TypeError>(
-      [&] { applyTensorUpdates({{f32, at::zeros({5}, at::kLong), UpdateOp::kLerp, "emb"}}, 0.5); },
+      [&] {
+        applyTensorUpdates({{f32, at::zeros({5}, at::kLong), UpdateOp::kLerp, "emb"}}, 0.5);
+      },
       {"source of 'emb'", "float32, bfloat16 or float16", "Long"});
 }
 
 TEST(TensorUpdateTest, RejectsBadShapesDevicesLayouts) {
   const at::Tensor f32 = at::zeros({2, 3});
   expectError<c10::ValueError>(
-      [&] { applyTensorUpdates({{f32, at::zeros({3, 2}), UpdateOp::kLerp, "fc"}}, 0.5); },
+      [&] {
+        applyTensorUpdates({{f32, at::zeros({3, 2}), UpdateOp::kLerp, "fc"}}, 0.5);
+      },
       {"shape mismatch", "ema of 'fc'", "[2, 3]", "[3, 2]"});
   expectError<c10::ValueError>([&] { copyInto(f32, at::zeros({6})); }, {"shape mismatch"});
   const at::Tensor meta = at::empty({2, 3}, at::TensorOptions().device(at::kMeta));
@@ -157,8 +163,11 @@ TEST(TensorUpdateTest, RejectsBadShapesDevicesLayouts) {
   expectError<c10::ValueError>([&] { lerpInto(f32, meta, 0.5); }, {"source must be on the CPU"});
   expectError<c10::ValueError>([&] { lerpInto(f32, f32.to_sparse(), 0.5); },
                                {"source must be a dense"});
-  expectError<c10::ValueError>([&] { lerpInto(at::zeros({3, 2}).t(), f32, 0.5); },
-                               {"ema must be contiguous"});
+  expectError<c10::ValueError>(
+      [&] {
+        lerpInto(at::zeros({3, 2}).t(), f32, 0.5);
+      },
+      {"ema must be contiguous"});
   expectError<c10::ValueError>([&] { lerpInto(f32, at::Tensor(), 0.5); },
                                {"source is an undefined tensor"});
 }
@@ -203,10 +212,13 @@ TEST(TensorUpdateTest, ValidatesAllBeforeTouchingAny) {
 
 TEST(TensorUpdateTest, CheckTensorUpdateAcceptsValidPairs) {
   for (at::ScalarType dtype : kDtypes) {
-    EXPECT_NO_THROW(checkTensorUpdate({at::zeros({2, 2}), at::zeros({2, 2}, dtype), UpdateOp::kCopy, "x"}));
+    EXPECT_NO_THROW(
+        checkTensorUpdate({at::zeros({2, 2}), at::zeros({2, 2}, dtype), UpdateOp::kCopy, "x"}));
   }
   expectError<c10::ValueError>(
-      [] { checkTensorUpdate({at::zeros({2}), at::zeros({3}), UpdateOp::kCopy, "x"}); },
+      [] {
+        checkTensorUpdate({at::zeros({2}), at::zeros({3}), UpdateOp::kCopy, "x"});
+      },
       {"shardema::checkTensorUpdate", "shape mismatch"});
 }
 

@@ -32,7 +32,9 @@ struct Source {
   std::vector<float> f32;
   std::vector<uint16_t> u16;
   std::vector<float> asFloat;
-  const void* data() const { return type == SourceType::kFloat32 ? (const void*)f32.data() : u16.data(); }
+  const void* data() const {
+    return type == SourceType::kFloat32 ? (const void*)f32.data() : u16.data();
+  }
 };
 
 // Values spread over magnitudes 2^-10..2^10 and both signs, so the
@@ -200,9 +202,16 @@ TEST(UpdateKernelsTest, Float16AllBitPatterns) { checkAllPatterns(SourceType::kF
 // conversions get wrong most often.
 TEST(UpdateKernelsTest, SpecialValuesByHand) {
   const float inf = std::numeric_limits<float>::infinity();
-  const std::vector<uint16_t> half = {0x0001, 0x03ff, 0x0400, 0x8000, 0x7c00, 0xfc00, 0x3c00, 0x7bff};
-  const std::vector<float> halfExpected = {std::ldexp(1.0f, -24), std::ldexp(1023.0f, -24),
-                                           std::ldexp(1.0f, -14), -0.0f, inf, -inf, 1.0f, 65504.0f};
+  const std::vector<uint16_t> half = {0x0001, 0x03ff, 0x0400, 0x8000,
+                                      0x7c00, 0xfc00, 0x3c00, 0x7bff};
+  const std::vector<float> halfExpected = {std::ldexp(1.0f, -24),
+                                           std::ldexp(1023.0f, -24),
+                                           std::ldexp(1.0f, -14),
+                                           -0.0f,
+                                           inf,
+                                           -inf,
+                                           1.0f,
+                                           65504.0f};
   std::vector<float> out(half.size());
   copyRange(out.data(), half.data(), SourceType::kFloat16, static_cast<int64_t>(half.size()));
   for (size_t i = 0; i < half.size(); ++i) {

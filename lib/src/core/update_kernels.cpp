@@ -168,7 +168,8 @@ void updateSpans(const std::vector<UpdateSpan>& spans, float weight, WorkerPool*
     return;
   }
   const int64_t threads = pool == nullptr ? 1 : pool->size() + 1;
-  const int64_t pieces = std::clamp<int64_t>(total / minGrain, 1, threads * kPiecesPerThread);
+  const int64_t pieces =
+      threads == 1 ? 1 : std::clamp<int64_t>(total / minGrain, 1, threads * kPiecesPerThread);
   if (pieces == 1) {
     applyGlobalRange(spans, starts, 0, total, weight);
     return;

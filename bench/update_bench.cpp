@@ -1,0 +1,302 @@
+// update_bench: GB/s of the fused EMA update (shardema::applyTensorUpdates)
+// beside the bandwidth limit and the ATen peers, measured in one process.
+//
+// Data: 256M elements (fp32 EMA 1 GiB, fp32 source 1 GiB, one 2-byte source
+// 0.5 GiB read as bf16 or fp16), allocated once on 2 MiB-aligned, huge-page
+// advised memory and shared by every row. Layouts: "one" = one tensor of
+// 256M; "small" = the same memory as 1000 contiguous tensors of 134K-403K
+// elements (0.5-1.6 MiB of fp32 each), so both layouts move the same bytes.
+// Peak memory: 2.5 GiB plus ATen's temporaries (1 GiB for the bf16 peers).
+//
+// Bytes counted per element, for every row alike: 12 for an fp32 source
+// (read ema, read source, write ema), 10 for bf16/fp16. The ATen peers move
+// more (a float copy of bf16, or ema twice for mul_ then add_): counting
+// the same work makes GB/s compare times.
+//   GBps            counted bytes / wall seconds / 1e9
+//   frac_of_limit   GBps / limit GBps for the same thread count
+//   x_foreach       GBps / aten_foreach GBps, same dtype and layout
+//   x_lerp_loop     GBps / aten_lerp_loop GBps, same dtype and layout
+// limit: in-place a[i] += b[i] (a -= b on odd passes, so values stay put)
+// over the fp32 ema and source arrays: 12 B/elem in the access pattern of
+// the update (two streams read, one written back in place), our own plain
+// loop split over the same WorkerPool. It is registered first so it is
+// measured before the rows that divide by it.
+// Threads (the benchmark arg) = pool workers + the calling thread; ATen
+// rows run with at::set_num_threads(threads) for a fair comparison.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <benchmark/benchmark.h>
+#include <sys/mman.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardema/tensor_update.h"
+#include "shardema/worker_pool.h"
+
+namespace {
+
+constexpr int64_t kElements = int64_t{256} << 20;
+constexpr int kSmallTensors = 1000;
+constexpr double kWeight = 0.001;        // 1 - decay at decay 0.999
+constexpr int64_t kPiecesPerThread = 4;  // as updateSpans splits
+
+enum class Layout { kOne, kSmall };
+const char* layoutName(Layout l) { return l == Layout::kOne ? "one" : "small"; }
+const char* dtypeName(at::ScalarType t) {
+  return t == at::kFloat ? "f32" : t == at::kBFloat16 ? "bf16" : "f16";
+}
+double bytesPerElement(at::ScalarType t) { return t == at::kFloat ? 12.0 : 10.0; }
+
+at::Tensor hugePageTensor(int64_t n, at::ScalarType dtype) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t bytes =
+      (static_cast<size_t>(n) * c10::elementSize(dtype) + kHuge - 1) / kHuge * kHuge;
+  void* p = std::aligned_alloc(kHuge, bytes);
+  TORCH_CHECK(p != nullptr, "update_bench: cannot allocate ", bytes, " bytes");
+  madvise(p, bytes, MADV_HUGEPAGE);  // advice only; runs without it too
+  return at::from_blob(
+      p, {n}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(dtype));
+}
+
+struct Arena {
+  at::Tensor ema, f32, half16;   // half16: bits that are normal as bf16 and as fp16
+  std::vector<int64_t> offsets;  // kSmallTensors + 1 boundaries of the "small" layout
+};
+
+Arena makeArena() {
+  Arena a{hugePageTensor(kElements, at::kFloat),
+          hugePageTensor(kElements, at::kFloat),
+          hugePageTensor(kElements, at::kBFloat16),
+          {}};
+  float* ema = a.ema.data_ptr<float>();
+  float* f32 = a.f32.data_ptr<float>();
+  auto* u16 = static_cast<uint16_t*>(a.half16.data_ptr());
+  for (int64_t i = 0; i < kElements; ++i) {
+    ema[i] = 0.5f + static_cast<float>(i % 1024) / 4096.0f;
+    f32[i] = static_cast<float>(i % 777) / 777.0f;
+    // 0x3800..0x3ffe: fp16 0.5..2, bf16 2^-15..2: never subnormal, which
+    // would slow every row down through microcode assists.
+    u16[i] = static_cast<uint16_t>(0x3800 + i % 0x07ff);
+  }
+  const int64_t base = kElements / kSmallTensors;
+  a.offsets.push_back(0);
+  for (int i = 0; i < kSmallTensors - 1; ++i) {
+    a.offsets.push_back(a.offsets.back() + base / 2 + base * ((i * 389) % 1000) / 1000);
+  }
+  a.offsets.push_back(kElements);
+  return a;
+}
+
+Arena& arena() {
+  static Arena a = makeArena();
+  return a;
+}
+
+at::Tensor sourceOf(at::ScalarType dtype) {
+  Arena& a = arena();
+  return dtype == at::kFloat ? a.f32 : dtype == at::kBFloat16 ? a.half16 : a.half16.view(at::kHalf);
+}
+
+std::vector<at::Tensor> parts(const at::Tensor& t, Layout layout) {
+  if (layout == Layout::kOne) {
+    return {t};
+  }
+  const std::vector<int64_t>& o = arena().offsets;
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i + 1 < o.size(); ++i) {
+    out.push_back(t.narrow(0, o[i], o[i + 1] - o[i]));
+  }
+  return out;
+}
+
+shardema::WorkerPool& poolFor(int threads) {
+  static std::map<int, std::unique_ptr<shardema::WorkerPool>> pools;
+  auto& p = pools[threads];
+  if (!p) {
+    p = std::make_unique<shardema::WorkerPool>(threads - 1);
+  }
+  return *p;
+}
+
+// GB/s of earlier rows, keyed "<row>/<dtype>/<layout>/<threads>".
+std::map<std::string, double>& rates() {
+  static std::map<std::string, double> r;
+  return r;
+}
+
+std::string key(const std::string& row, const std::string& dtype, Layout l, int threads) {
+  return row + "/" + dtype + "/" + layoutName(l) + "/" + std::to_string(threads);
+}
+
+// Times the state loop on the wall clock, sets bytes processed and GBps, and
+// records the rate under `k`. Returns GB/s.
+template <typename F>
+double timed(benchmark::State& state, double bytesPerIteration, const std::string& k, F body) {
+  const auto start = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    body();
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double bytes = bytesPerIteration * static_cast<double>(state.iterations());
+  state.SetBytesProcessed(static_cast<int64_t>(bytes));
+  const double gbps = bytes / seconds / 1e9;
+  state.counters["GBps"] = gbps;
+  rates()[k] = gbps;
+  return gbps;
+}
+
+void addInPlace(float* __restrict a, const float* __restrict b, int64_t n, float sign) {
+  for (int64_t i = 0; i < n; ++i) {
+    a[i] += sign * b[i];
+  }
+}
+
+void benchLimit(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  shardema::WorkerPool& pool = poolFor(threads);
+  float* a = arena().ema.data_ptr<float>();
+  const float* b = arena().f32.data_ptr<float>();
+  const int64_t pieces = threads * kPiecesPerThread;
+  float sign = 1.0f;
+  timed(state, 12.0 * kElements, key("limit", "f32", Layout::kOne, threads), [&] {
+    pool.parallelFor(pieces, [&](int64_t p) {
+      const int64_t begin = kElements / pieces * p,
+                    end = p + 1 == pieces ? kElements : begin + kElements / pieces;
+      addInPlace(a + begin, b + begin, end - begin, sign);
+    });
+    sign = -sign;
+  });
+}
+
+void benchAtenLerpLoop(benchmark::State& state, at::ScalarType dtype, Layout layout) {
+  const int threads = static_cast<int>(state.range(0));
+  at::set_num_threads(threads);
+  const std::vector<at::Tensor> emas = parts(arena().ema, layout);
+  const std::vector<at::Tensor> srcs = parts(sourceOf(dtype), layout);
+  timed(state, bytesPerElement(dtype) * kElements,
+        key("lerp_loop", dtypeName(dtype), layout, threads), [&] {
+          for (size_t i = 0; i < emas.size(); ++i) {
+            at::Tensor ema = emas[i];
+            ema.lerp_(dtype == at::kFloat ? srcs[i] : srcs[i].to(at::kFloat), kWeight);
+          }
+        });
+}
+
+void benchAtenForeach(benchmark::State& state, at::ScalarType dtype, Layout layout) {
+  const int threads = static_cast<int>(state.range(0));
+  at::set_num_threads(threads);
+  const std::vector<at::Tensor> emas = parts(arena().ema, layout);
+  const std::vector<at::Tensor> srcs = parts(sourceOf(dtype), layout);
+  timed(state, bytesPerElement(dtype) * kElements,
+        key("foreach", dtypeName(dtype), layout, threads), [&] {
+          std::vector<at::Tensor> floats;
+          if (dtype != at::kFloat) {
+            for (const at::Tensor& s : srcs) {
+              floats.push_back(s.to(at::kFloat));
+            }
+          }
+          at::_foreach_mul_(emas, 1.0 - kWeight);
+          at::_foreach_add_(emas, dtype == at::kFloat ? srcs : floats, kWeight);
+        });
+}
+
+void setRatio(benchmark::State& state, const char* name, double gbps, const std::string& k) {
+  auto it = rates().find(k);
+  if (it != rates().end()) {
+    state.counters[name] = gbps / it->second;
+  }
+}
+
+void benchOurs(benchmark::State& state, at::ScalarType dtype, Layout layout) {
+  const int threads = static_cast<int>(state.range(0));
+  shardema::WorkerPool& pool = poolFor(threads);
+  const std::vector<at::Tensor> emas = parts(arena().ema, layout);
+  const std::vector<at::Tensor> srcs = parts(sourceOf(dtype), layout);
+  std::vector<shardema::TensorUpdate> updates;
+  for (size_t i = 0; i < emas.size(); ++i) {
+    updates.push_back({emas[i], srcs[i], shardema::UpdateOp::kLerp, "t" + std::to_string(i)});
+  }
+  const std::string d = dtypeName(dtype);
+  const double gbps =
+      timed(state, bytesPerElement(dtype) * kElements, key("ours", d, layout, threads),
+            [&] { shardema::applyTensorUpdates(updates, kWeight, &pool); });
+  setRatio(state, "frac_of_limit", gbps, key("limit", "f32", Layout::kOne, threads));
+  setRatio(state, "x_foreach", gbps, key("foreach", d, layout, threads));
+  setRatio(state, "x_lerp_loop", gbps, key("lerp_loop", d, layout, threads));
+}
+
+void registerAll() {
+  const std::vector<int> threadCounts = {2, 1};
+  auto common = [&](benchmark::internal::Benchmark* b) {
+    b->ArgName("threads")->UseRealTime()->Unit(benchmark::kMillisecond);
+    for (int t : threadCounts) {
+      b->Arg(t);
+    }
+  };
+  common(benchmark::RegisterBenchmark("limit_add_inplace/f32/one", benchLimit));
+  for (Layout layout : {Layout::kOne, Layout::kSmall}) {
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      const std::string suffix = std::string("/") + dtypeName(dtype) + "/" + layoutName(layout);
+      if (dtype != at::kHalf) {  // the peers' fp16 numbers would mirror bf16
+        common(benchmark::RegisterBenchmark(("aten_lerp_loop" + suffix).c_str(), benchAtenLerpLoop,
+                                            dtype, layout));
+        common(benchmark::RegisterBenchmark(("aten_foreach" + suffix).c_str(), benchAtenForeach,
+                                            dtype, layout));
+      }
+      common(benchmark::RegisterBenchmark(("ours" + suffix).c_str(), benchOurs, dtype, layout));
+    }
+  }
+}
+
+// Correctness in the same run: ours against ATen's lerp_ (which for w < 0.5
+// evaluates the same ema + w*(x - ema)) on a prefix of the real data.
+void checkAgainstAten() {
+  const int64_t n = 1 << 20;
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    at::Tensor ours = arena().ema.narrow(0, 0, n).clone();
+    const at::Tensor src = sourceOf(dtype).narrow(0, 0, n);
+    const at::Tensor theirs = ours.clone().lerp_(src.to(at::kFloat), kWeight);
+    shardema::lerpInto(ours, src, kWeight, &poolFor(2));
+    TORCH_CHECK(at::allclose(ours, theirs, 1e-6, 0.0), "update_bench: ", dtypeName(dtype),
+                " result differs from ATen lerp_");
+  }
+}
+
+void warnIfUnoptimised() {
+  const std::string type = SHARDEMA_BUILD_TYPE;
+  bool optimised = type == "Release" || type == "RelWithDebInfo" || type == "MinSizeRel";
+#ifndef NDEBUG
+  optimised = false;
+#endif
+  benchmark::AddCustomContext("shardema_build_type", type.empty() ? "<none>" : type);
+  if (!optimised) {
+    std::fprintf(stderr,
+                 "WARNING: update_bench built as '%s' (assertions on or unoptimised): the numbers "
+                 "below do not describe a Release build\n",
+                 type.c_str());
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) {
+    return 1;
+  }
+  warnIfUnoptimised();
+  benchmark::AddCustomContext("elements", std::to_string(kElements));
+  benchmark::AddCustomContext("small_layout_tensors", std::to_string(kSmallTensors));
+  checkAgainstAten();
+  registerAll();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
