@@ -221,6 +221,21 @@ TEST(AveragerTest, StrictLoadRejectsAnotherSchedule) {
   EXPECT_EQ(other.schedule().kind(), ScheduleKind::kConstant) << "non-strict keeps ours";
 }
 
+TEST(AveragerTest, StrictLoadRejectsAnotherRole) {
+  testing::TempDir dir;
+  Averager saved({{"a", at::ones({2}), TrackRole::kAverage}});
+  saved.save(dir.file("s.safetensors"));
+  Averager copying({{"a", at::ones({2}), TrackRole::kCopy}});
+  try {
+    copying.load(dir.file("s.safetensors"));
+    FAIL() << "expected an error";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("'a' was saved with role average"), std::string::npos)
+        << e.what();
+  }
+  copying.load(dir.file("s.safetensors"), LoadStrictness::kNonStrict);
+}
+
 TEST(AveragerTest, UnknownNameIsAnIndexError) {
   Averager averager({{"a", at::ones({2}), TrackRole::kAverage}});
   EXPECT_THROW(averager.ema("nope"), c10::IndexError);

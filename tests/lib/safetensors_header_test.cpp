@@ -63,12 +63,12 @@ TEST(SafetensorsHeaderTest, ParsesValidHeader) {
 
 TEST(SafetensorsHeaderTest, SortsByOffsetAndKeepsJsonOrderForTies) {
   // JSON order differs from data order; two empty tensors share offset 4.
-  const SafetensorsHeader header = parse(fileWith(
-      R"({"late":{"dtype":"U8","shape":[4],"data_offsets":[4,8]},)"
-      R"("empty2":{"dtype":"F32","shape":[0],"data_offsets":[4,4]},)"
-      R"("empty1":{"dtype":"F32","shape":[3,0],"data_offsets":[4,4]},)"
-      R"("early":{"dtype":"I8","shape":[4],"data_offsets":[0,4]}})",
-      8));
+  const SafetensorsHeader header =
+      parse(fileWith(R"({"late":{"dtype":"U8","shape":[4],"data_offsets":[4,8]},)"
+                     R"("empty2":{"dtype":"F32","shape":[0],"data_offsets":[4,4]},)"
+                     R"("empty1":{"dtype":"F32","shape":[3,0],"data_offsets":[4,4]},)"
+                     R"("early":{"dtype":"I8","shape":[4],"data_offsets":[0,4]}})",
+                     8));
   std::vector<std::string> names;
   for (const TensorEntry& entry : header.tensors) names.push_back(entry.name);
   EXPECT_EQ(names, (std::vector<std::string>{"early", "empty2", "empty1", "late"}));
@@ -79,6 +79,11 @@ TEST(SafetensorsHeaderTest, AcceptsPaddingUnknownFieldsAndEmptyHeader) {
   EXPECT_EQ(parse(fileWith(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":[1]}})", 1))
                 .tensors.size(),
             1u);
+  // "-0" is an integer zero to JSON parsers (and to serde): accepted.
+  EXPECT_EQ(parse(fileWith(R"({"a":{"dtype":"U8","shape":[-0],"data_offsets":[-0,0]}})"))
+                .tensors[0]
+                .numel(),
+            0);
   const SafetensorsHeader empty = parse(fileWith("{}"));
   EXPECT_TRUE(empty.tensors.empty());
   EXPECT_TRUE(empty.metadata.empty());
@@ -139,8 +144,7 @@ TEST(SafetensorsHeaderTest, RejectsHeaderLengthAboveLimit) {
 TEST(SafetensorsHeaderTest, RejectsIncompletePrefix) {
   const std::string file = fileWith(kOneF32, 8);
   try {
-    parseSafetensorsHeader(reinterpret_cast<const uint8_t*>(file.data()), 20, file.size(),
-                           kSource);
+    parseSafetensorsHeader(reinterpret_cast<const uint8_t*>(file.data()), 20, file.size(), kSource);
     ADD_FAILURE() << "accepted a prefix missing part of the header";
   } catch (const c10::ValueError& error) {
     EXPECT_NE(error.msg().find("header were given"), std::string::npos) << error.msg();
@@ -195,8 +199,7 @@ TEST(SafetensorsHeaderTest, RejectsShapeSizeMismatch) {
 TEST(SafetensorsHeaderTest, RejectsShapeOverflow) {
   // 2^32 * 2^32 * 4 bytes wraps to 0 in 64 bits: must not pass as empty.
   expectRejected(
-      fileWith(
-          R"({"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,0]}})"),
+      fileWith(R"({"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,0]}})"),
       "overflows");
   // A zero dimension does not excuse an overflowing product.
   expectRejected(fileWith(R"({"a":{"dtype":"U8","shape":[4611686018427387904,4,0],)"
@@ -233,8 +236,7 @@ TEST(SafetensorsHeaderTest, RejectsHole) {
                           R"("b":{"dtype":"U8","shape":[4],"data_offsets":[5,9]}})",
                           9),
                  "bytes 4-5 of the data area belong to no tensor (hole before tensor \"b\")");
-  expectRejected(fileWith(R"({"b":{"dtype":"U8","shape":[4],"data_offsets":[1,5]}})", 5),
-                 "hole");
+  expectRejected(fileWith(R"({"b":{"dtype":"U8","shape":[4],"data_offsets":[1,5]}})", 5), "hole");
 }
 
 TEST(SafetensorsHeaderTest, RejectsTrailingBytes) {

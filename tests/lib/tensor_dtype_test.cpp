@@ -16,9 +16,9 @@ struct Expected {
 
 // Written out from the safetensors specification, not from our table.
 const std::vector<Expected> kSpec = {
-    {FileDType::kF64, "F64", 8}, {FileDType::kF32, "F32", 4},  {FileDType::kF16, "F16", 2},
+    {FileDType::kF64, "F64", 8},   {FileDType::kF32, "F32", 4}, {FileDType::kF16, "F16", 2},
     {FileDType::kBF16, "BF16", 2}, {FileDType::kI64, "I64", 8}, {FileDType::kI32, "I32", 4},
-    {FileDType::kI16, "I16", 2}, {FileDType::kI8, "I8", 1},    {FileDType::kU8, "U8", 1},
+    {FileDType::kI16, "I16", 2},   {FileDType::kI8, "I8", 1},   {FileDType::kU8, "U8", 1},
     {FileDType::kBool, "BOOL", 1},
 };
 
@@ -39,8 +39,8 @@ TEST(FileDTypeTest, ParseInvertsName) {
 }
 
 TEST(FileDTypeTest, ParseRejectsUnknownAndMisspelledNames) {
-  for (const char* name : {"", "f32", "FP32", "F32 ", "U16", "U32", "U64", "F8_E4M3", "C64",
-                           "bool", "BOOL\n"}) {
+  for (const char* name :
+       {"", "f32", "FP32", "F32 ", "U16", "U32", "U64", "F8_E4M3", "C64", "bool", "BOOL\n"}) {
     EXPECT_FALSE(parseFileDType(name).has_value()) << '"' << name << '"';
   }
   EXPECT_FALSE(parseFileDType(std::string("F32\0", 4)).has_value());

@@ -79,9 +79,8 @@ at::Tensor patterned(int64_t seed, at::IntArrayRef shape, at::ScalarType dtype) 
   return values.to(dtype).reshape(shape);
 }
 
-const at::ScalarType kAllTypes[] = {at::kDouble, at::kFloat, at::kHalf,  at::kBFloat16,
-                                    at::kLong,   at::kInt,   at::kShort, at::kChar,
-                                    at::kByte,   at::kBool};
+const at::ScalarType kAllTypes[] = {at::kDouble, at::kFloat, at::kHalf, at::kBFloat16, at::kLong,
+                                    at::kInt,    at::kShort, at::kChar, at::kByte,     at::kBool};
 
 // Expects c10::Error of type E whose message starts with the path.
 template <typename E, typename F>
@@ -139,8 +138,9 @@ TEST(TensorFileTest, WritesNonContiguousTensorsInRowMajorOrder) {
   file.tensors.emplace_back("transposed", base.t());
   file.tensors.emplace_back("strided", base.slice(0, 1, 4).slice(1, 0, 6, 2));
   file.tensors.emplace_back("expanded", patterned(2, {1, 3}, at::kInt).expand({4, 3}));
-  file.tensors.emplace_back("channels_last", patterned(3, {2, 3, 2, 2}, at::kBFloat16)
-                                                 .contiguous(at::MemoryFormat::ChannelsLast));
+  file.tensors.emplace_back(
+      "channels_last",
+      patterned(3, {2, 3, 2, 2}, at::kBFloat16).contiguous(at::MemoryFormat::ChannelsLast));
   for (const auto& item : file.tensors) ASSERT_FALSE(item.second.is_contiguous()) << item.first;
   writeTensorFile(dir.file("nc.safetensors"), file);
   const TensorFile read = readTensorFile(dir.file("nc.safetensors"));
@@ -170,10 +170,10 @@ TEST(TensorFileTest, WritesTheSafetensorsLayoutExactly) {
   const auto json = nlohmann::json::parse(bytes.substr(8, n));
   EXPECT_EQ(json["__metadata__"],
             (nlohmann::json{{"shardema.format", "1"}, {"shardema.step", "7"}}));
-  EXPECT_EQ(json["b"], (nlohmann::json{{"dtype", "I16"}, {"shape", {3}},
-                                       {"data_offsets", {0, 6}}}));
-  EXPECT_EQ(json["a"], (nlohmann::json{{"dtype", "F64"}, {"shape", {2, 2}},
-                                       {"data_offsets", {6, 38}}}));
+  EXPECT_EQ(json["b"],
+            (nlohmann::json{{"dtype", "I16"}, {"shape", {3}}, {"data_offsets", {0, 6}}}));
+  EXPECT_EQ(json["a"],
+            (nlohmann::json{{"dtype", "F64"}, {"shape", {2, 2}}, {"data_offsets", {6, 38}}}));
   const char* data = bytes.data() + 8 + n;
   EXPECT_EQ(std::memcmp(data, file.tensors[0].second.data_ptr(), 6), 0);
   EXPECT_EQ(std::memcmp(data + 6, file.tensors[1].second.data_ptr(), 32), 0);
@@ -186,10 +186,9 @@ TEST(TensorFileTest, KeepsMetadataAndAddsFormatKey) {
   writeTensorFile(dir.file("m.safetensors"), file);
   const TensorFile read = readTensorFile(dir.file("m.safetensors"));
   EXPECT_TRUE(read.tensors.empty());
-  EXPECT_EQ(read.metadata, (std::map<std::string, std::string>{
-                               {"shardema.format", "1"},
-                               {"shardema.kind", "posthoc_snapshot"},
-                               {"user", "x"}}));
+  EXPECT_EQ(read.metadata,
+            (std::map<std::string, std::string>{
+                {"shardema.format", "1"}, {"shardema.kind", "posthoc_snapshot"}, {"user", "x"}}));
   file.metadata[kFormatKey] = "2";
   expectErrorNamingFile<c10::ValueError>([&] { writeTensorFile(dir.file("f2"), file); },
                                          dir.file("f2"), "reserved");

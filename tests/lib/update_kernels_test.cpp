@@ -178,18 +178,29 @@ void checkAllPatterns(SourceType type) {
   }
   std::vector<float> copied(all.size());
   copyRange(copied.data(), all.data(), type, static_cast<int64_t>(all.size()));
+  // One element per call: forces the scalar software conversion even where
+  // the bulk of a long call takes a hardware (F16C) path.
+  std::vector<float> single(all.size());
+  for (size_t i = 0; i < all.size(); ++i) {
+    copyRange(&single[i], &all[i], type, 1);
+  }
   for (size_t i = 0; i < all.size(); ++i) {
     ASSERT_EQ(bitsOf(copied[i]), bitsOf(reference[i])) << "pattern 0x" << std::hex << i;
+    ASSERT_EQ(bitsOf(single[i]), bitsOf(reference[i])) << "pattern 0x" << std::hex << i;
   }
-  std::vector<float> ema(all.size(), 0.75f);
+  std::vector<float> ema(all.size(), 0.75f), emaSingle(all.size(), 0.75f);
   const float w = 0.25f;
   lerpRange(ema.data(), all.data(), type, static_cast<int64_t>(all.size()), w);
   for (size_t i = 0; i < all.size(); ++i) {
+    lerpRange(&emaSingle[i], &all[i], type, 1, w);
+  }
+  for (size_t i = 0; i < all.size(); ++i) {
     const float expected = 0.75f + w * (reference[i] - 0.75f);
     if (std::isnan(expected)) {
-      ASSERT_TRUE(std::isnan(ema[i])) << "pattern 0x" << std::hex << i;
+      ASSERT_TRUE(std::isnan(ema[i]) && std::isnan(emaSingle[i])) << "pattern 0x" << std::hex << i;
     } else {
       ASSERT_EQ(bitsOf(ema[i]), bitsOf(expected)) << "pattern 0x" << std::hex << i;
+      ASSERT_EQ(bitsOf(emaSingle[i]), bitsOf(expected)) << "pattern 0x" << std::hex << i;
     }
   }
 }
@@ -197,6 +208,41 @@ void checkAllPatterns(SourceType type) {
 TEST(UpdateKernelsTest, BFloat16AllBitPatterns) { checkAllPatterns(SourceType::kBFloat16); }
 
 TEST(UpdateKernelsTest, Float16AllBitPatterns) { checkAllPatterns(SourceType::kFloat16); }
+
+// IEEE 754 binary16 decoded from its definition, independent of c10 and of
+// the kernel's bit tricks. NaNs: quiet, payload kept (what F16C produces).
+uint32_t halfBitsToFloatBitsByDefinition(uint16_t h) {
+  const bool negative = (h & 0x8000) != 0;
+  const int exponent = (h >> 10) & 0x1f;
+  const int mantissa = h & 0x3ff;
+  float value;
+  if (exponent == 31) {
+    if (mantissa != 0) {
+      return (negative ? 0x80000000u : 0u) | 0x7fc00000u | (uint32_t(mantissa) << 13);
+    }
+    value = std::numeric_limits<float>::infinity();
+  } else if (exponent == 0) {
+    value = std::ldexp(float(mantissa), -24);
+  } else {
+    value = std::ldexp(1.0f + float(mantissa) / 1024.0f, exponent - 15);
+  }
+  return bitsOf(negative ? -value : value);
+}
+
+TEST(UpdateKernelsTest, Float16MatchesTheDefinition) {
+  std::vector<uint16_t> all(65536);
+  for (uint32_t i = 0; i < all.size(); ++i) {
+    all[i] = static_cast<uint16_t>(i);
+  }
+  std::vector<float> copied(all.size());
+  copyRange(copied.data(), all.data(), SourceType::kFloat16, static_cast<int64_t>(all.size()));
+  for (uint32_t i = 0; i < all.size(); ++i) {
+    float single;
+    copyRange(&single, &all[i], SourceType::kFloat16, 1);
+    ASSERT_EQ(bitsOf(copied[i]), halfBitsToFloatBitsByDefinition(all[i])) << std::hex << i;
+    ASSERT_EQ(bitsOf(single), halfBitsToFloatBitsByDefinition(all[i])) << std::hex << i;
+  }
+}
 
 // Hand-written expectations, independent of c10, for the values that
 // conversions get wrong most often.

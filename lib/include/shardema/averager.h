@@ -118,6 +118,7 @@ class Averager {
   };
   const Slot& slot(const std::string& name, const char* api) const;
   void copyAll(bool includeCopyOnce);
+  void checkRoles(const TensorFile& file) const;
   void lerpAveraged(double weight);
 
   AveragerOptions options_;

@@ -70,8 +70,8 @@ uint64_t readSafetensorsHeaderLength(const uint8_t* prefix, size_t prefixSize,
 /// Reads the length prefix N and checks it against the file size and
 /// kMaxSafetensorsHeaderBytes, so a reader can size its header buffer from
 /// it safely. c10::ValueError "<source>: ..." on a short or corrupt prefix.
-uint64_t checkedSafetensorsHeaderLength(const uint8_t* prefix, size_t prefixSize,
-                                        uint64_t fileSize, const std::string& source);
+uint64_t checkedSafetensorsHeaderLength(const uint8_t* prefix, size_t prefixSize, uint64_t fileSize,
+                                        const std::string& source);
 
 /// Builds the on-disk header bytes (length prefix + JSON, padded with spaces
 /// to a multiple of 8 so the data area is 8-byte aligned) for entries laid

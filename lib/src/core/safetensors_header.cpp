@@ -31,6 +31,14 @@ std::string jsonQuoted(const std::string& text) {
   return out;
 }
 
+// nlohmann quotes the raw bytes it choked on, which may be invalid UTF-8.
+std::string asciiOnly(std::string text) {
+  for (char& c : text) {
+    if (static_cast<unsigned char>(c) >= 0x80 || static_cast<unsigned char>(c) < 0x20) c = '?';
+  }
+  return text;
+}
+
 // First pass over the header text. nlohmann's DOM silently keeps one of two
 // duplicate keys, and its callback parser rescans a parent on every child
 // (quadratic in the tensor count), so duplicates, nesting depth and the
@@ -49,9 +57,8 @@ class KeyChecker {
   bool string(json::string_t&) { return true; }
   bool binary(json::binary_t&) { return true; }
   bool start_object(size_t) {
-    enter();
-    objects_.emplace_back(depth_);
-    return true;
+    objects_.push_back({depth_ + 1, {}});
+    return enter();
   }
   bool key(json::string_t& key) {
     ObjectKeys& object = objects_.back();
@@ -59,40 +66,38 @@ class KeyChecker {
       const std::string where = object.depth == 1 || rootKeys_.empty()
                                     ? std::string(" (a tensor name)")
                                     : " inside " + jsonQuoted(rootKeys_.back());
-      TORCH_CHECK_VALUE(false, source_, ": duplicate key ", jsonQuoted(key), where, " in the header");
+      TORCH_CHECK_VALUE(false, source_, ": duplicate key ", jsonQuoted(key), where,
+                        " in the header");
     }
     if (object.depth == 1) rootKeys_.push_back(key);
     return true;
   }
   bool end_object() {
     objects_.pop_back();
-    --depth_;
-    return true;
+    return leave();
   }
-  bool start_array(size_t) {
-    enter();
-    return true;
-  }
-  bool end_array() {
-    --depth_;
-    return true;
-  }
+  bool start_array(size_t) { return enter(); }
+  bool end_array() { return leave(); }
   bool parse_error(size_t, const std::string&, const nlohmann::detail::exception& error) {
-    TORCH_CHECK_VALUE(false, source_, ": header is not valid JSON: ", error.what());
+    TORCH_CHECK_VALUE(false, source_, ": header is not valid JSON: ", asciiOnly(error.what()));
     return false;
   }
 
  private:
   struct ObjectKeys {
-    explicit ObjectKeys(int d) : depth(d) {}
     int depth;
     std::unordered_set<std::string> keys;
   };
 
-  void enter() {
+  bool enter() {
     ++depth_;
     TORCH_CHECK_VALUE(depth_ <= kMaxSafetensorsJsonDepth, source_,
                       ": header JSON is nested deeper than ", kMaxSafetensorsJsonDepth, " levels");
+    return true;
+  }
+  bool leave() {
+    --depth_;
+    return true;
   }
 
   const std::string& source_;
@@ -102,8 +107,9 @@ class KeyChecker {
 };
 
 // shape x element size in bytes, or nullopt when it overflows int64. Zero
-// dimensions count as one in the overflow test so that [2^62, 2^62, 0],
-// whose strides ATen could not represent, is refused too.
+// dimensions count as one in the overflow test, so [2^62, 2^62, 0] is
+// refused too: no real tensor has it, and code that multiplies the
+// dimensions in another order (ours, ATen's, a Python reader's) overflows.
 std::optional<uint64_t> shapeBytes(const std::vector<int64_t>& shape, FileDType dtype) {
   uint64_t bytes = static_cast<uint64_t>(fileDTypeSize(dtype));
   bool empty = false;
@@ -133,26 +139,34 @@ std::string shapeText(const std::vector<int64_t>& shape) {
   return out + (shape.size() > kMaxDims ? ", ...]" : "]");
 }
 
+// nlohmann stores "-0" as a signed zero integer: accepted, as serde does.
+std::optional<uint64_t> nonNegativeInteger(const json& value) {
+  if (value.is_number_unsigned()) return value.get<uint64_t>();
+  if (value.is_number_integer() && value.get<int64_t>() == 0) return 0;
+  return std::nullopt;
+}
+
 uint64_t jsonOffset(const json& value, const std::string& source, const std::string& name) {
-  TORCH_CHECK_VALUE(value.is_number_unsigned(), source, ": tensor ", jsonQuoted(name),
+  const auto offset = nonNegativeInteger(value);
+  TORCH_CHECK_VALUE(offset, source, ": tensor ", jsonQuoted(name),
                     ": data_offsets must hold non-negative integers, found ", scalarText(value));
-  return value.get<uint64_t>();
+  return *offset;
 }
 
 std::vector<int64_t> parseShape(const json& entry, const std::string& source,
                                 const std::string& name) {
   auto found = entry.find("shape");
-  TORCH_CHECK_VALUE(found != entry.end() && found->is_array(), source, ": tensor ", jsonQuoted(name),
-                    ": \"shape\" must be an array of integers");
+  TORCH_CHECK_VALUE(found != entry.end() && found->is_array(), source, ": tensor ",
+                    jsonQuoted(name), ": \"shape\" must be an array of integers");
   std::vector<int64_t> shape;
   shape.reserve(found->size());
   for (const json& dim : *found) {
-    TORCH_CHECK_VALUE(dim.is_number_unsigned() &&
-                          dim.get<uint64_t>() <= uint64_t{std::numeric_limits<int64_t>::max()},
-                      source, ": tensor ", jsonQuoted(name),
+    const auto value = nonNegativeInteger(dim);
+    TORCH_CHECK_VALUE(value && *value <= uint64_t{std::numeric_limits<int64_t>::max()}, source,
+                      ": tensor ", jsonQuoted(name),
                       ": shape dimensions must be non-negative integers below 2^63, found ",
                       scalarText(dim));
-    shape.push_back(static_cast<int64_t>(dim.get<uint64_t>()));
+    shape.push_back(static_cast<int64_t>(*value));
   }
   return shape;
 }
@@ -166,8 +180,8 @@ TensorEntry parseEntry(const std::string& name, const json& value, uint64_t data
   entry.name = name;
 
   auto dtype = value.find("dtype");
-  TORCH_CHECK_VALUE(dtype != value.end() && dtype->is_string(), source, ": tensor ", jsonQuoted(name),
-                    ": \"dtype\" must be a string");
+  TORCH_CHECK_VALUE(dtype != value.end() && dtype->is_string(), source, ": tensor ",
+                    jsonQuoted(name), ": \"dtype\" must be a string");
   auto parsed = parseFileDType(dtype->get<std::string>());
   TORCH_CHECK_VALUE(parsed, source, ": tensor ", jsonQuoted(name), ": unknown dtype ",
                     jsonQuoted(dtype->get<std::string>()));
@@ -186,8 +200,9 @@ TensorEntry parseEntry(const std::string& name, const json& value, uint64_t data
                     " bytes (file truncated?)");
 
   auto bytes = shapeBytes(entry.shape, entry.dtype);
-  TORCH_CHECK_VALUE(bytes, source, ": tensor ", jsonQuoted(name), ": shape ", shapeText(entry.shape),
-                    " of ", fileDTypeName(entry.dtype), " overflows 2^63 bytes");
+  TORCH_CHECK_VALUE(bytes, source, ": tensor ", jsonQuoted(name), ": shape ",
+                    shapeText(entry.shape), " of ", fileDTypeName(entry.dtype),
+                    " overflows 2^63 bytes");
   TORCH_CHECK_VALUE(*bytes == entry.byteSize(), source, ": tensor ", jsonQuoted(name), ": shape ",
                     shapeText(entry.shape), " of ", fileDTypeName(entry.dtype), " needs ", *bytes,
                     " bytes but data_offsets span ", entry.byteSize());
@@ -218,8 +233,8 @@ void sortAndCheckCover(std::vector<TensorEntry>& tensors, uint64_t dataSize,
   for (const TensorEntry& entry : tensors) {
     TORCH_CHECK_VALUE(entry.begin >= covered, source, ": tensor ", jsonQuoted(entry.name),
                       " (bytes ", entry.begin, "-", entry.end, ") overlaps tensor ",
-                      jsonQuoted(previous ? previous->name : std::string()), " (ending at ", covered,
-                      ")");
+                      jsonQuoted(previous ? previous->name : std::string()), " (ending at ",
+                      covered, ")");
     TORCH_CHECK_VALUE(entry.begin == covered, source, ": bytes ", covered, "-", entry.begin,
                       " of the data area belong to no tensor (hole before tensor ",
                       jsonQuoted(entry.name), ")");
@@ -238,13 +253,14 @@ json parseDocument(const char* begin, const char* end, const std::string& source
   try {
     return json::parse(begin, end);
   } catch (const json::exception& error) {
-    TORCH_CHECK_VALUE(false, source, ": header is not valid JSON: ", error.what());
+    TORCH_CHECK_VALUE(false, source, ": header is not valid JSON: ", asciiOnly(error.what()));
   }
   return json();  // not reached: the check above always throws
 }
 
 void appendLittleEndian(std::string& out, uint64_t value) {
-  for (size_t i = 0; i < kLengthBytes; ++i) out.push_back(static_cast<char>((value >> (8 * i)) & 0xff));
+  for (size_t i = 0; i < kLengthBytes; ++i)
+    out.push_back(static_cast<char>((value >> (8 * i)) & 0xff));
 }
 
 // dump() refuses invalid UTF-8 (type_error 316); nullopt then.
@@ -259,17 +275,12 @@ std::optional<std::string> dumpUtf8(const json& value) {
 std::string entryJson(const TensorEntry& entry, const std::string& source) {
   std::optional<std::string> name = dumpUtf8(json(entry.name));
   TORCH_CHECK_VALUE(name, source, ": tensor name ", jsonQuoted(entry.name), " is not valid UTF-8");
-  std::string out = *name;
-  out += ":{\"dtype\":\"";
-  out += fileDTypeName(entry.dtype);
-  out += "\",\"shape\":[";
-  for (size_t i = 0; i < entry.shape.size(); ++i) {
-    if (i > 0) out += ',';
-    out += std::to_string(entry.shape[i]);
-  }
-  out += "],\"data_offsets\":[" + std::to_string(entry.begin) + "," + std::to_string(entry.end) +
-         "]}";
-  return out;
+  // Written by hand, not as a json object: nlohmann objects are either
+  // sorted (std::map) or quadratic to build (ordered_map), and the writer's
+  // order must be kept.
+  return *name + ":{\"dtype\":\"" + fileDTypeName(entry.dtype) +
+         "\",\"shape\":" + json(entry.shape).dump() + ",\"data_offsets\":[" +
+         std::to_string(entry.begin) + "," + std::to_string(entry.end) + "]}";
 }
 
 void checkEntriesToBuild(std::vector<TensorEntry>& entries, const std::string& source) {
@@ -313,8 +324,8 @@ uint64_t readSafetensorsHeaderLength(const uint8_t* prefix, size_t prefixSize,
   return length;
 }
 
-uint64_t checkedSafetensorsHeaderLength(const uint8_t* prefix, size_t prefixSize,
-                                        uint64_t fileSize, const std::string& source) {
+uint64_t checkedSafetensorsHeaderLength(const uint8_t* prefix, size_t prefixSize, uint64_t fileSize,
+                                        const std::string& source) {
   TORCH_CHECK_VALUE(fileSize >= kLengthBytes, source, ": file is ", fileSize,
                     " bytes, too short for the 8-byte header length of a safetensors file");
   const uint64_t length = readSafetensorsHeaderLength(prefix, prefixSize, source);

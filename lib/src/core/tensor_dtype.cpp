@@ -15,9 +15,9 @@ struct DTypeInfo {
 
 // Indexed by the enum value; the static_assert below keeps the two in step.
 constexpr DTypeInfo kDTypes[] = {
-    {FileDType::kF64, "F64", 8},  {FileDType::kF32, "F32", 4}, {FileDType::kF16, "F16", 2},
+    {FileDType::kF64, "F64", 8},   {FileDType::kF32, "F32", 4}, {FileDType::kF16, "F16", 2},
     {FileDType::kBF16, "BF16", 2}, {FileDType::kI64, "I64", 8}, {FileDType::kI32, "I32", 4},
-    {FileDType::kI16, "I16", 2},  {FileDType::kI8, "I8", 1},   {FileDType::kU8, "U8", 1},
+    {FileDType::kI16, "I16", 2},   {FileDType::kI8, "I8", 1},   {FileDType::kU8, "U8", 1},
     {FileDType::kBool, "BOOL", 1},
 };
 static_assert(std::size(kDTypes) == static_cast<size_t>(FileDType::kBool) + 1,

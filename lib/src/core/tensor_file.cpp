@@ -28,33 +28,54 @@ std::string osError(int error) { return std::generic_category().message(error); 
 
 at::ScalarType toScalarType(FileDType dtype) {
   switch (dtype) {
-    case FileDType::kF64: return at::kDouble;
-    case FileDType::kF32: return at::kFloat;
-    case FileDType::kF16: return at::kHalf;
-    case FileDType::kBF16: return at::kBFloat16;
-    case FileDType::kI64: return at::kLong;
-    case FileDType::kI32: return at::kInt;
-    case FileDType::kI16: return at::kShort;
-    case FileDType::kI8: return at::kChar;
-    case FileDType::kU8: return at::kByte;
-    case FileDType::kBool: return at::kBool;
+    case FileDType::kF64:
+      return at::kDouble;
+    case FileDType::kF32:
+      return at::kFloat;
+    case FileDType::kF16:
+      return at::kHalf;
+    case FileDType::kBF16:
+      return at::kBFloat16;
+    case FileDType::kI64:
+      return at::kLong;
+    case FileDType::kI32:
+      return at::kInt;
+    case FileDType::kI16:
+      return at::kShort;
+    case FileDType::kI8:
+      return at::kChar;
+    case FileDType::kU8:
+      return at::kByte;
+    case FileDType::kBool:
+      return at::kBool;
   }
   TORCH_INTERNAL_ASSERT(false, "unhandled FileDType");
 }
 
 FileDType toFileDType(at::ScalarType type, const std::string& path, const std::string& name) {
   switch (type) {
-    case at::kDouble: return FileDType::kF64;
-    case at::kFloat: return FileDType::kF32;
-    case at::kHalf: return FileDType::kF16;
-    case at::kBFloat16: return FileDType::kBF16;
-    case at::kLong: return FileDType::kI64;
-    case at::kInt: return FileDType::kI32;
-    case at::kShort: return FileDType::kI16;
-    case at::kChar: return FileDType::kI8;
-    case at::kByte: return FileDType::kU8;
-    case at::kBool: return FileDType::kBool;
-    default: break;
+    case at::kDouble:
+      return FileDType::kF64;
+    case at::kFloat:
+      return FileDType::kF32;
+    case at::kHalf:
+      return FileDType::kF16;
+    case at::kBFloat16:
+      return FileDType::kBF16;
+    case at::kLong:
+      return FileDType::kI64;
+    case at::kInt:
+      return FileDType::kI32;
+    case at::kShort:
+      return FileDType::kI16;
+    case at::kChar:
+      return FileDType::kI8;
+    case at::kByte:
+      return FileDType::kU8;
+    case at::kBool:
+      return FileDType::kBool;
+    default:
+      break;
   }
   TORCH_CHECK_TYPE(false, path, ": tensor '", name, "' has dtype ", type,
                    ", which tensor files cannot hold (use float64/32/16, bfloat16, int64/32/16/8, "
@@ -108,7 +129,8 @@ class InputFile {
     if (size_ >= prefix.size()) readAt(prefix.data(), prefix.size(), 0, "the header length");
     // Checked before the buffer is sized from it: a corrupt length must not
     // become a huge allocation.
-    const uint64_t length = checkedSafetensorsHeaderLength(prefix.data(), prefix.size(), size_, path_);
+    const uint64_t length =
+        checkedSafetensorsHeaderLength(prefix.data(), prefix.size(), size_, path_);
     prefix.resize(prefix.size() + length);
     readAt(prefix.data() + 8, length, 8, "the header");
     return parseSafetensorsHeader(prefix.data(), prefix.size(), size_, path_);
@@ -136,8 +158,7 @@ at::Tensor readEntry(const InputFile& file, const SafetensorsHeader& header,
   TORCH_INTERNAL_ASSERT(tensor.nbytes() == entry.byteSize(), "size mismatch for ", entry.name);
   if (entry.byteSize() > 0) {
     const std::string what = "tensor '" + entry.name + "'";
-    file.readAt(tensor.data_ptr(), entry.byteSize(), header.dataOffset + entry.begin,
-                what.c_str());
+    file.readAt(tensor.data_ptr(), entry.byteSize(), header.dataOffset + entry.begin, what.c_str());
   }
   if (entry.dtype == FileDType::kBool) checkBoolBytes(tensor, path, entry.name);
   return tensor;
@@ -211,7 +232,8 @@ void writeTensorFile(const std::string& path, const TensorFile& file) {
                           entries[i].name);
     if (host.nbytes() > 0) writer.write(host.data_ptr(), host.nbytes());
   }
-  TORCH_INTERNAL_ASSERT(writer.size() == header.size() + (entries.empty() ? 0 : entries.back().end));
+  TORCH_INTERNAL_ASSERT(writer.size() ==
+                        header.size() + (entries.empty() ? 0 : entries.back().end));
   writer.commit();
 }
 

@@ -37,6 +37,23 @@ std::string joinNames(const std::vector<std::string>& names) {
 
 }  // namespace
 
+// A tensor averaged in one run and copied in the other would silently change
+// meaning on resume, so a strict load insists the roles agree.
+void Averager::checkRoles(const TensorFile& file) const {
+  const auto it = file.metadata.find("shardema.roles");
+  if (it == file.metadata.end()) return;
+  const nlohmann::json roles = nlohmann::json::parse(it->second, nullptr, /*allow_exceptions=*/false);
+  TORCH_CHECK_VALUE(roles.is_object(), "Averager::loadState: shardema.roles is not a JSON object");
+  for (const Slot& s : slots_) {
+    const auto role = roles.find(s.tracked.name);
+    if (role == roles.end() || !role->is_string()) continue;
+    TORCH_CHECK_VALUE(role->get<std::string>() == trackRoleName(s.tracked.role),
+                      "Averager::loadState: tensor '", s.tracked.name, "' was saved with role ",
+                      role->get<std::string>(), " but is tracked here with role ",
+                      trackRoleName(s.tracked.role), "; use the same TrackingPolicy or load non-strictly");
+  }
+}
+
 LoadReport Averager::loadEmaValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
                                    LoadStrictness strictness) {
   LoadReport report;
@@ -108,6 +125,7 @@ LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness
   TORCH_CHECK_VALUE(initialized == "true" || initialized == "false",
                     "Averager::loadState: shardema.initialized must be true or false, got '",
                     initialized, "'");
+  if (strictness == LoadStrictness::kStrict) checkRoles(file);
   LoadReport report = loadEmaValues(file.tensors, strictness);
   step_ = step;
   lastDecay_ = lastDecay;
