@@ -191,6 +191,7 @@ void benchLimit(benchmark::State& state) {
 void benchAtenLerpLoop(benchmark::State& state, at::ScalarType dtype, Layout layout) {
   const int threads = static_cast<int>(state.range(0));
   at::set_num_threads(threads);
+  state.counters["aten_threads"] = at::get_num_threads();  // what ATen really took
   const std::vector<at::Tensor> emas = parts(arena().ema, layout);
   const std::vector<at::Tensor> srcs = parts(sourceOf(dtype), layout);
   timed(state, bytesPerElement(dtype) * kElements,
@@ -205,6 +206,7 @@ void benchAtenLerpLoop(benchmark::State& state, at::ScalarType dtype, Layout lay
 void benchAtenForeach(benchmark::State& state, at::ScalarType dtype, Layout layout) {
   const int threads = static_cast<int>(state.range(0));
   at::set_num_threads(threads);
+  state.counters["aten_threads"] = at::get_num_threads();  // what ATen really took
   const std::vector<at::Tensor> emas = parts(arena().ema, layout);
   const std::vector<at::Tensor> srcs = parts(sourceOf(dtype), layout);
   timed(state, bytesPerElement(dtype) * kElements,
