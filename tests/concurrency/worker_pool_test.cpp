@@ -18,6 +18,8 @@
 
 #include "shardema/update_kernels.h"
 
+#include "support/same_bytes.h"
+
 namespace shardema {
 namespace {
 
@@ -179,9 +181,8 @@ TEST(WorkerPoolTest, ParallelUpdateSpansBitEqualToSerial) {
     Buffers parallel = makeBuffers(5, 400);
     updateSpans(parallel.spans, 0.001f, &pool, grain);
     for (size_t i = 0; i < parallel.emas.size(); ++i) {
-      ASSERT_EQ(std::memcmp(parallel.emas[i].data(), serial.emas[i].data(),
-                            parallel.emas[i].size() * sizeof(float)),
-                0)
+      ASSERT_TRUE(testing::sameBytes(parallel.emas[i].data(), serial.emas[i].data(),
+                            parallel.emas[i].size() * sizeof(float)))
           << "grain " << grain << " span " << i;
     }
   }

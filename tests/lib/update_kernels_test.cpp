@@ -16,6 +16,8 @@
 
 #include "shardema/worker_pool.h"
 
+#include "support/same_bytes.h"
+
 namespace shardema {
 namespace {
 
@@ -124,7 +126,7 @@ TEST(UpdateKernelsTest, LerpMatchesFloat64Reference) {
         }
         EXPECT_EQ(bad, 0);
         if (w == 0.0f) {
-          EXPECT_EQ(std::memcmp(ema.data(), before.data(), n * sizeof(float)), 0);
+          EXPECT_TRUE(testing::sameBytes(ema.data(), before.data(), n * sizeof(float)));
         }
       }
     }
@@ -156,7 +158,7 @@ TEST(UpdateKernelsTest, CopyConvertsExactly) {
       const Source src = makeSource(type, n, 3000 + n);
       std::vector<float> ema(n + 1, -5.0f);
       copyRange(ema.data(), src.data(), type, n);
-      EXPECT_EQ(std::memcmp(ema.data(), src.asFloat.data(), n * sizeof(float)), 0)
+      EXPECT_TRUE(testing::sameBytes(ema.data(), src.asFloat.data(), n * sizeof(float)))
           << "type " << int(type) << " n " << n;
       EXPECT_EQ(ema[n], -5.0f);
     }
@@ -338,9 +340,8 @@ TEST(UpdateKernelsTest, ResultIndependentOfThreadsAndGrain) {
       // has no NaNs, so == is bit equality up to the sign of zero; memcmp
       // closes that gap.
       for (size_t i = 0; i < split.emas.size(); ++i) {
-        ASSERT_EQ(std::memcmp(split.emas[i].data(), serial.emas[i].data(),
-                              split.emas[i].size() * sizeof(float)),
-                  0)
+        ASSERT_TRUE(testing::sameBytes(split.emas[i].data(), serial.emas[i].data(),
+                              split.emas[i].size() * sizeof(float)))
             << "threads " << threads << " grain " << grain << " span " << i;
       }
     }
