@@ -8,7 +8,10 @@ install(TARGETS shardema_core shardema_shard shardema_offload shardema
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 foreach(part lib shard offload)
-  install(DIRECTORY ${PROJECT_SOURCE_DIR}/${part}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+  # shard/ has no public header yet (git keeps no empty folders).
+  if(EXISTS ${PROJECT_SOURCE_DIR}/${part}/include)
+    install(DIRECTORY ${PROJECT_SOURCE_DIR}/${part}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+  endif()
 endforeach()
 if(TARGET shardema_cli)
   install(TARGETS shardema_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})

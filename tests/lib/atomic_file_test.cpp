@@ -10,73 +10,45 @@
 #include <string>
 #include <vector>
 
+#include "support/file_bytes.h"
+#include "support/temp_dir.h"
+
 namespace shardema {
 namespace {
 
 namespace fs = std::filesystem;
 
-// A fresh folder per test, removed afterwards.
-class ScratchDir {
- public:
-  ScratchDir() {
-    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() / ("shardema_" + std::string(test->test_suite_name()) + "_" +
-                                         test->name() + "_" + std::to_string(::getpid()));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~ScratchDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  std::string file(const std::string& leaf) const { return (path_ / leaf).string(); }
-
- private:
-  fs::path path_;
-};
-
-std::string contents(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream out;
-  out << in.rdbuf();
-  return out.str();
-}
-
-void put(const std::string& path, const std::string& text) {
-  std::ofstream(path, std::ios::binary) << text;
-}
-
 TEST(AtomicFileWriterTest, CommitReplacesContent) {
-  ScratchDir dir;
+  testing::TempDir dir;
   const std::string path = dir.file("a.bin");
-  put(path, "old content");
+  testing::writeFileBytes(path, "old content");
   {
     AtomicFileWriter writer(path);
     writer.write("new ", 4);
     writer.write("bytes", 5);
     EXPECT_EQ(writer.size(), 9u);
-    EXPECT_EQ(contents(path), "old content");  // untouched until commit
+    EXPECT_EQ(testing::readFileBytes(path), "old content");  // untouched until commit
     writer.commit();
   }
-  EXPECT_EQ(contents(path), "new bytes");
+  EXPECT_EQ(testing::readFileBytes(path), "new bytes");
   EXPECT_FALSE(fs::exists(path + ".tmp"));
 }
 
 TEST(AtomicFileWriterTest, DestroyWithoutCommitKeepsOldFileAndRemovesTmp) {
-  ScratchDir dir;
+  testing::TempDir dir;
   const std::string path = dir.file("a.bin");
-  put(path, "old content");
+  testing::writeFileBytes(path, "old content");
   {
     AtomicFileWriter writer(path);
     writer.write("partial", 7);
     EXPECT_TRUE(fs::exists(path + ".tmp"));
   }
-  EXPECT_EQ(contents(path), "old content");
+  EXPECT_EQ(testing::readFileBytes(path), "old content");
   EXPECT_FALSE(fs::exists(path + ".tmp"));
 }
 
 TEST(AtomicFileWriterTest, DestroyWithoutCommitCreatesNothing) {
-  ScratchDir dir;
+  testing::TempDir dir;
   const std::string path = dir.file("new.bin");
   { AtomicFileWriter writer(path); }
   EXPECT_FALSE(fs::exists(path));
@@ -84,32 +56,32 @@ TEST(AtomicFileWriterTest, DestroyWithoutCommitCreatesNothing) {
 }
 
 TEST(AtomicFileWriterTest, ExceptionMidWriteKeepsOldFile) {
-  ScratchDir dir;
+  testing::TempDir dir;
   const std::string path = dir.file("a.bin");
-  put(path, "old content");
+  testing::writeFileBytes(path, "old content");
   try {
     AtomicFileWriter writer(path);
     writer.write("half", 4);
     throw std::runtime_error("producer failed");
   } catch (const std::runtime_error&) {
   }
-  EXPECT_EQ(contents(path), "old content");
+  EXPECT_EQ(testing::readFileBytes(path), "old content");
   EXPECT_FALSE(fs::exists(path + ".tmp"));
 }
 
 TEST(AtomicFileWriterTest, WritesLargeBuffersAndEmptyFiles) {
-  ScratchDir dir;
+  testing::TempDir dir;
   std::vector<char> big(3 << 20);
   for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<char>(i * 31 + 7);
   writeFileAtomically(dir.file("big.bin"), big.data(), big.size());
-  EXPECT_EQ(contents(dir.file("big.bin")), std::string(big.begin(), big.end()));
+  EXPECT_EQ(testing::readFileBytes(dir.file("big.bin")), std::string(big.begin(), big.end()));
   writeFileAtomically(dir.file("empty.bin"), nullptr, 0);
   EXPECT_TRUE(fs::exists(dir.file("empty.bin")));
   EXPECT_EQ(fs::file_size(dir.file("empty.bin")), 0u);
 }
 
 TEST(AtomicFileWriterTest, MissingFolderErrorNamesPathAndReason) {
-  ScratchDir dir;
+  testing::TempDir dir;
   const std::string path = dir.file("no_such_folder/a.bin");
   try {
     AtomicFileWriter writer(path);
@@ -121,7 +93,7 @@ TEST(AtomicFileWriterTest, MissingFolderErrorNamesPathAndReason) {
 }
 
 TEST(AtomicFileWriterTest, CommitTwiceAndWriteAfterCommitThrow) {
-  ScratchDir dir;
+  testing::TempDir dir;
   AtomicFileWriter writer(dir.file("a.bin"));
   writer.commit();
   EXPECT_THROW(writer.commit(), c10::Error);
@@ -130,7 +102,7 @@ TEST(AtomicFileWriterTest, CommitTwiceAndWriteAfterCommitThrow) {
 }
 
 TEST(AtomicFileWriterTest, RenameFailureKeepsTargetAndRemovesTmp) {
-  ScratchDir dir;
+  testing::TempDir dir;
   // A non-empty folder cannot be replaced by rename(): commit must fail.
   const std::string path = dir.file("target");
   fs::create_directories(path + "/child");
@@ -150,7 +122,7 @@ TEST(AtomicFileWriterTest, RenameFailureKeepsTargetAndRemovesTmp) {
 }
 
 TEST(AtomicFileWriterTest, MoveTransfersTheTempFile) {
-  ScratchDir dir;
+  testing::TempDir dir;
   const std::string path = dir.file("a.bin");
   AtomicFileWriter first(path);
   first.write("abc", 3);
@@ -159,16 +131,16 @@ TEST(AtomicFileWriterTest, MoveTransfersTheTempFile) {
   EXPECT_EQ(second.size(), 4u);
   EXPECT_THROW(first.write("x", 1), c10::Error);  // NOLINT(bugprone-use-after-move)
   second.commit();
-  EXPECT_EQ(contents(path), "abcd");
+  EXPECT_EQ(testing::readFileBytes(path), "abcd");
 }
 
 TEST(AtomicFileWriterTest, RelativePathCommitsInCurrentFolder) {
-  ScratchDir dir;
+  testing::TempDir dir;
   const fs::path previous = fs::current_path();
   fs::current_path(fs::path(dir.file("")));
   writeFileAtomically("rel.bin", "xyz", 3);
   fs::current_path(previous);
-  EXPECT_EQ(contents(dir.file("rel.bin")), "xyz");
+  EXPECT_EQ(testing::readFileBytes(dir.file("rel.bin")), "xyz");
 }
 
 }  // namespace

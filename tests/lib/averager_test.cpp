@@ -236,6 +236,26 @@ TEST(AveragerTest, StrictLoadRejectsAnotherRole) {
   copying.load(dir.file("s.safetensors"), LoadStrictness::kNonStrict);
 }
 
+TEST(AveragerTest, AFailedUpdateChangesNothingAndCanBeRetried) {
+  at::Tensor good = at::zeros({2});
+  at::Tensor copied = at::zeros({2});
+  at::Tensor turnsDouble = at::zeros({2});
+  Averager averager({{"good", good, TrackRole::kAverage},
+                     {"copied", copied, TrackRole::kCopy},
+                     {"bad", turnsDouble, TrackRole::kAverage}});
+  averager.update(1);
+  good.fill_(4.0);
+  copied.fill_(9.0);
+  turnsDouble.set_data(at::zeros({2}, at::kDouble));  // as module->to(kDouble) does
+  EXPECT_THROW(averager.update(2), c10::TypeError);
+  EXPECT_EQ(averager.step(), 1);
+  EXPECT_EQ(averager.ema("good")[0].item<float>(), 0.0f) << "nothing written";
+  EXPECT_EQ(averager.ema("copied")[0].item<float>(), 0.0f) << "nothing written";
+  turnsDouble.set_data(at::zeros({2}));
+  EXPECT_TRUE(averager.update(2));
+  EXPECT_EQ(averager.ema("copied")[0].item<float>(), 9.0f);
+}
+
 TEST(AveragerTest, UnknownNameIsAnIndexError) {
   Averager averager({{"a", at::ones({2}), TrackRole::kAverage}});
   EXPECT_THROW(averager.ema("nope"), c10::IndexError);

@@ -13,6 +13,8 @@
 
 #include "shardema/power_function.h"
 
+#include "support/value_error.h"
+
 namespace shardema {
 namespace {
 
@@ -29,25 +31,6 @@ json loadGolden(const std::string& name) {
   EXPECT_TRUE(in.good()) << "missing tests/data/" << name;
   return json::parse(in);
 }
-
-std::string valueErrorMessage(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::ValueError& error) {
-    return error.what_without_backtrace();
-  } catch (...) {
-    return "<threw something other than c10::ValueError>";
-  }
-  return "<did not throw>";
-}
-
-#define EXPECT_VALUE_ERROR(statement, substring)                                \
-  do {                                                                          \
-    EXPECT_THROW(statement, c10::ValueError);                                   \
-    const std::string message_ = valueErrorMessage([&] { (void)(statement); }); \
-    EXPECT_NE(message_.find(substring), std::string::npos)                      \
-        << "message '" << message_ << "' should name '" << (substring) << "'";  \
-  } while (0)
 
 WarmupScheduleOptions warmupOptions(double invGamma, double power, double minValue, double maxValue,
                                     int64_t updateAfterStep) {

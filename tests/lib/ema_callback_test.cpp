@@ -15,6 +15,7 @@ namespace {
 
 using testing::LoopShape;
 using testing::TestNet;
+using testing::TrainingRun;
 
 // VersatIL warmup defaults, written out independently of DecaySchedule.
 double versatilDecay(int64_t globalStep) {
@@ -22,43 +23,42 @@ double versatilDecay(int64_t globalStep) {
   return e <= 0 ? 0.0 : std::min(0.9999, 1.0 - std::pow(1.0 + e, -0.75));
 }
 
-torch::optim::SGD makeSgd(TestNet& net) {
-  return torch::optim::SGD(net->parameters(), torch::optim::SGDOptions(0.05));
-}
-
 TEST(EmaCallbackTest, UpdatesOnlyWhenTheOptimizerStepped) {
-  torch::manual_seed(0);
-  TestNet net;
-  auto sgd = makeSgd(net);
-  EmaCallback callback;
-  callback.onFitStart(*net);
-  int64_t globalStep = 0;
+  TrainingRun run(0);
+  run.fitStart();
+  EmaCallback& callback = run.callback;
   LoopShape shape;
   shape.batchesPerEpoch = 10;
   shape.accumulate = 4;
-  const auto updated = testing::trainEpoch(net, sgd, callback, 0, globalStep, shape);
+  const auto updated = run.epoch(0, shape);
   EXPECT_EQ(updated, (std::vector<int64_t>{3, 7, 9}));
   EXPECT_EQ(callback.averager().step(), 3);
   EXPECT_DOUBLE_EQ(callback.decay(), versatilDecay(3));
 }
 
 TEST(EmaCallbackTest, AveragesTrainableWeightsAndCopiesTheRest) {
-  torch::manual_seed(1);
-  TestNet net;
-  auto sgd = makeSgd(net);
-  EmaCallback callback;
-  callback.onFitStart(*net);
+  TrainingRun run(1);
+  run.fitStart();
+  TestNet& net = run.net;
+  EmaCallback& callback = run.callback;
   // float64 shadow of fc2.weight updated with the reference formula.
   torch::Tensor reference = net->fc2->weight.detach().to(torch::kDouble).clone();
-  int64_t globalStep = 0;
+  int64_t changes = 0;
   for (int64_t epoch = 0; epoch < 3; ++epoch) {
     LoopShape shape;
     shape.accumulate = 1;
     for (int64_t b = 0; b < shape.batchesPerEpoch; ++b) {
       LoopShape one = shape;
       one.batchesPerEpoch = 1;
-      testing::trainEpoch(net, sgd, callback, epoch * 10 + b, globalStep, one);
-      const double d = versatilDecay(globalStep);
+      {
+        // The frozen parameter and the float buffer move too, so "copied"
+        // is told apart from "averaged" (which would lag behind).
+        torch::NoGradGuard noGrad;
+        net->frozen.fill_(static_cast<double>(++changes));
+        net->scale.fill_(0.5 + 0.01 * changes);
+      }
+      run.epoch(epoch * 10 + b, one);
+      const double d = versatilDecay(run.globalStep);
       reference = d * reference + (1 - d) * net->fc2->weight.detach().to(torch::kDouble);
     }
   }
@@ -66,6 +66,7 @@ TEST(EmaCallbackTest, AveragesTrainableWeightsAndCopiesTheRest) {
   EXPECT_TRUE(torch::allclose(ema.ema("fc2.weight").to(torch::kDouble), reference, 0, 1e-6));
   EXPECT_FALSE(ema.ema("fc2.weight").equal(net->fc2->weight));
   EXPECT_TRUE(ema.ema("frozen").equal(net->frozen));
+  EXPECT_EQ(ema.ema("frozen")[0].item<float>(), static_cast<float>(changes));
   EXPECT_TRUE(ema.ema("scale").equal(net->scale));
   EXPECT_TRUE(ema.ema("bn.running_mean").equal(net->bn->running_mean));
   EXPECT_TRUE(ema.ema("bn.weight").equal(net->bn->weight));
@@ -73,19 +74,27 @@ TEST(EmaCallbackTest, AveragesTrainableWeightsAndCopiesTheRest) {
 }
 
 TEST(EmaCallbackTest, CheckpointWeightsAreTheEmaAndRawWeightsAreKept) {
-  torch::manual_seed(2);
-  TestNet net;
-  auto sgd = makeSgd(net);
-  EmaCallback callback;
-  callback.onFitStart(*net);
-  int64_t globalStep = 0;
-  testing::trainEpoch(net, sgd, callback, 0, globalStep);
+  TrainingRun run(2);
+  run.fitStart();
+  TestNet& net = run.net;
+  EmaCallback& callback = run.callback;
+  run.epoch(0);
   TrainingCheckpoint checkpoint = TrainingCheckpoint::capture(*net);
   callback.onSaveCheckpoint(checkpoint);
   ASSERT_EQ(checkpoint.rawWeights.size(), testing::testNetNames().size());
   for (const auto& [name, tensor] : checkpoint.weights) {
     EXPECT_TRUE(tensor.equal(callback.averager().ema(name))) << name;
   }
+  // Independently of the averager: trained weights differ from the raw ones,
+  // copied statistics do not.
+  auto find = [](const NamedTensors& tensors, const std::string& name) {
+    for (const auto& t : tensors) if (t.first == name) return t.second;
+    return at::Tensor();
+  };
+  EXPECT_FALSE(find(checkpoint.weights, "fc2.weight").equal(net->fc2->weight));
+  EXPECT_TRUE(find(checkpoint.rawWeights, "fc2.weight").equal(net->fc2->weight));
+  EXPECT_TRUE(find(checkpoint.weights, "bn.running_mean").equal(net->bn->running_mean));
+  EXPECT_THROW(callback.onSaveCheckpoint(checkpoint), c10::ValueError) << "twice into one checkpoint";
   const NamedTensors live = moduleTensors(*net);
   for (size_t i = 0; i < live.size(); ++i) {
     EXPECT_EQ(checkpoint.rawWeights[i].first, live[i].first);
@@ -98,59 +107,43 @@ TEST(EmaCallbackTest, CheckpointWeightsAreTheEmaAndRawWeightsAreKept) {
 // bit for bit (plain SGD has no optimizer state to carry).
 TEST(EmaCallbackTest, InterruptedAndResumedRunIsBitIdentical) {
   testing::TempDir dir;
-  torch::manual_seed(3);
-  TestNet straight;
-  auto straightSgd = makeSgd(straight);
-  EmaCallback straightEma;
-  straightEma.onFitStart(*straight);
-  int64_t straightStep = 0;
-  for (int64_t epoch = 0; epoch < 3; ++epoch) {
-    testing::trainEpoch(straight, straightSgd, straightEma, epoch, straightStep);
-  }
+  TrainingRun straight(3);
+  straight.fitStart();
+  for (int64_t epoch = 0; epoch < 3; ++epoch) straight.epoch(epoch);
 
-  torch::manual_seed(3);
-  TestNet first;
-  auto firstSgd = makeSgd(first);
-  EmaCallback firstEma;
-  firstEma.onFitStart(*first);
-  int64_t step = 0;
-  testing::trainEpoch(first, firstSgd, firstEma, 0, step);
-  TrainingCheckpoint saved = TrainingCheckpoint::capture(*first);
-  firstEma.onSaveCheckpoint(saved);
-  saved.metadata["global_step"] = std::to_string(step);
+  TrainingRun first(3);
+  first.fitStart();
+  first.epoch(0);
+  TrainingCheckpoint saved = TrainingCheckpoint::capture(*first.net);
+  first.callback.onSaveCheckpoint(saved);
+  saved.metadata["global_step"] = std::to_string(first.globalStep);
   saved.save(dir.file("ckpt.safetensors"));
 
-  torch::manual_seed(99);
-  TestNet resumed;
-  auto resumedSgd = makeSgd(resumed);
-  EmaCallback resumedEma;
+  TrainingRun resumed(99);
   const TrainingCheckpoint loaded = TrainingCheckpoint::load(dir.file("ckpt.safetensors"));
-  resumedEma.onLoadCheckpoint(*resumed, loaded);
-  resumedEma.onFitStart(*resumed);
-  int64_t resumedStep = std::stoll(loaded.metadata.at("global_step"));
-  EXPECT_EQ(resumedEma.averager().step(), resumedStep);
-  for (int64_t epoch = 1; epoch < 3; ++epoch) {
-    testing::trainEpoch(resumed, resumedSgd, resumedEma, epoch, resumedStep);
-  }
-  EXPECT_EQ(resumedStep, straightStep);
-  const NamedTensors a = moduleTensors(*straight);
-  const NamedTensors b = moduleTensors(*resumed);
+  resumed.callback.onLoadCheckpoint(*resumed.net, loaded);
+  resumed.fitStart();
+  resumed.globalStep = std::stoll(loaded.metadata.at("global_step"));
+  EXPECT_EQ(resumed.callback.averager().step(), resumed.globalStep);
+  for (int64_t epoch = 1; epoch < 3; ++epoch) resumed.epoch(epoch);
+  EXPECT_EQ(resumed.globalStep, straight.globalStep);
+  const NamedTensors a = moduleTensors(*straight.net);
+  const NamedTensors b = moduleTensors(*resumed.net);
   for (size_t i = 0; i < a.size(); ++i) {
     EXPECT_TRUE(a[i].second.equal(b[i].second)) << "raw " << a[i].first;
-    EXPECT_TRUE(straightEma.averager().ema(a[i].first).equal(resumedEma.averager().ema(a[i].first)))
+    EXPECT_TRUE(straight.callback.averager().ema(a[i].first).equal(
+        resumed.callback.averager().ema(a[i].first)))
         << "ema " << a[i].first;
   }
 }
 
 TEST(EmaCallbackTest, ValidationSwapsTheEmaInAndRawBackEvenWhenItThrows) {
-  torch::manual_seed(4);
-  TestNet net;
-  auto sgd = makeSgd(net);
-  EmaCallback callback;
-  callback.onFitStart(*net);
-  int64_t globalStep = 0;
-  testing::trainEpoch(net, sgd, callback, 0, globalStep);
-  testing::trainEpoch(net, sgd, callback, 1, globalStep);
+  TrainingRun run(4);
+  run.fitStart();
+  TestNet& net = run.net;
+  EmaCallback& callback = run.callback;
+  run.epoch(0);
+  run.epoch(1);
   const NamedTensors raw = cloneModuleTensors(*net);
   try {
     EmaValidationScope scope(callback);
@@ -166,6 +159,42 @@ TEST(EmaCallbackTest, ValidationSwapsTheEmaInAndRawBackEvenWhenItThrows) {
   for (size_t i = 0; i < raw.size(); ++i) {
     EXPECT_TRUE(after[i].second.equal(raw[i].second)) << raw[i].first;
   }
+}
+
+// VersatIL asks requires_grad at every update: a layer frozen mid-training
+// is copied from then on, and averaged again once unfrozen.
+TEST(EmaCallbackTest, FreezingAndUnfreezingChangesTreatmentAtTheNextUpdate) {
+  TrainingRun run(6);
+  run.fitStart();
+  run.epoch(0);
+  TestNet& net = run.net;
+  net->fc1->weight.requires_grad_(false);
+  {
+    torch::NoGradGuard noGrad;
+    net->fc1->weight.add_(1.0);
+  }
+  run.epoch(1);
+  EXPECT_TRUE(run.callback.averager().ema("fc1.weight").equal(net->fc1->weight)) << "copied";
+  net->fc1->weight.requires_grad_(true);
+  const at::Tensor before = run.callback.averager().ema("fc1.weight").clone();
+  {
+    torch::NoGradGuard noGrad;
+    net->fc1->weight.add_(1.0);
+  }
+  run.epoch(2);
+  const double d = run.callback.decay();
+  EXPECT_GT(d, 0.0);
+  EXPECT_FALSE(run.callback.averager().ema("fc1.weight").equal(net->fc1->weight)) << "averaged";
+  EXPECT_FALSE(run.callback.averager().ema("fc1.weight").equal(before)) << "and it moved";
+}
+
+TEST(EmaCallbackTest, AGlobalStepThatDidNotAdvanceIsSkipped) {
+  TrainingRun run(7);
+  run.fitStart();
+  EXPECT_TRUE(run.callback.onTrainBatchEnd(5, 0, 1, false));
+  EXPECT_FALSE(run.callback.onTrainBatchEnd(5, 1, 1, false));
+  EXPECT_FALSE(run.callback.onTrainBatchEnd(3, 2, 1, false));
+  EXPECT_EQ(run.callback.averager().step(), 5);
 }
 
 TEST(EmaCallbackTest, LoggerGetsTheDecayEveryHundredSteps) {

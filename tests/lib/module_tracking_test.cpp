@@ -39,10 +39,10 @@ TEST(ModuleTrackingTest, VersatilRolesCopyBuffersBatchNormAndFrozen) {
   testing::TestNet net;
   std::map<std::string, TrackRole> roles;
   for (const auto& t : trackModule(*net, TrackingPolicy::kVersatil)) roles[t.name] = t.role;
-  for (const char* averaged : {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}) {
-    EXPECT_EQ(roles.at(averaged), TrackRole::kAverage) << averaged;
+  for (const char* averaged : {"frozen", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}) {
+    EXPECT_EQ(roles.at(averaged), TrackRole::kAverageIfTrainable) << averaged;
   }
-  for (const char* copied : {"frozen", "scale", "bn.weight", "bn.bias", "bn.running_mean",
+  for (const char* copied : {"scale", "bn.weight", "bn.bias", "bn.running_mean",
                              "bn.running_var", "bn.num_batches_tracked"}) {
     EXPECT_EQ(roles.at(copied), TrackRole::kCopy) << copied;
   }

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "support/value_error.h"
+
 namespace shardema {
 namespace {
 
@@ -27,27 +29,6 @@ json loadGolden() {
   EXPECT_TRUE(in.good()) << "missing tests/data/karras_gamma_beta.json";
   return json::parse(in);
 }
-
-// The message of the c10::ValueError thrown by fn, or a marker that makes the
-// substring check fail when fn throws something else or nothing.
-std::string valueErrorMessage(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::ValueError& error) {
-    return error.what_without_backtrace();
-  } catch (...) {
-    return "<threw something other than c10::ValueError>";
-  }
-  return "<did not throw>";
-}
-
-#define EXPECT_VALUE_ERROR(statement, substring)                                \
-  do {                                                                          \
-    EXPECT_THROW(statement, c10::ValueError);                                   \
-    const std::string message_ = valueErrorMessage([&] { (void)(statement); }); \
-    EXPECT_NE(message_.find(substring), std::string::npos)                      \
-        << "message '" << message_ << "' should name '" << (substring) << "'";  \
-  } while (0)
 
 // Expanded cubic of Algorithm 2 in long double, independent of the factored
 // form the library evaluates.

@@ -12,6 +12,8 @@
 
 #include "shardema/tensor_file.h"
 
+#include "support/temp_dir.h"
+
 namespace shardema {
 namespace {
 
@@ -103,28 +105,9 @@ bool havePython() {
   return !python.empty() && python.find("NOTFOUND") == std::string::npos;
 }
 
-class ScratchDir {
- public:
-  ScratchDir() {
-    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() / ("shardema_" + std::string(test->test_suite_name()) + "_" +
-                                         test->name() + "_" + std::to_string(::getpid()));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~ScratchDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  std::string file(const std::string& leaf) const { return (path_ / leaf).string(); }
-
- private:
-  fs::path path_;
-};
-
 TEST(TensorFileInteropTest, NumpyReadsOurFile) {
   if (!havePython()) GTEST_SKIP() << "no python3 found at configure time";
-  ScratchDir dir;
+  testing::TempDir dir;
   const std::string path = dir.file("ours.safetensors");
   writeTensorFile(path, expectedFile());
   const ProcessResult result = runPython("read_safetensors.py", path);
@@ -135,7 +118,7 @@ TEST(TensorFileInteropTest, NumpyReadsOurFile) {
 // test above proves nothing.
 TEST(TensorFileInteropTest, NumpyReaderCatchesOneWrongValue) {
   if (!havePython()) GTEST_SKIP() << "no python3 found at configure time";
-  ScratchDir dir;
+  testing::TempDir dir;
   for (const char* victim : {"weights.bf16", "count.i64", "mask.bool"}) {
     SCOPED_TRACE(victim);
     TensorFile file = expectedFile();
@@ -158,7 +141,7 @@ TEST(TensorFileInteropTest, NumpyReaderCatchesOneWrongValue) {
 
 TEST(TensorFileInteropTest, WeReadNumpyWrittenFile) {
   if (!havePython()) GTEST_SKIP() << "no python3 found at configure time";
-  ScratchDir dir;
+  testing::TempDir dir;
   const std::string path = dir.file("numpy.safetensors");
   const ProcessResult result = runPython("write_safetensors.py", path);
   ASSERT_EQ(result.exitCode, 0) << result.output;

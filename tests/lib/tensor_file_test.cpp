@@ -12,40 +12,13 @@
 #include <sstream>
 #include <string>
 
+#include "support/file_bytes.h"
+#include "support/temp_dir.h"
+
 namespace shardema {
 namespace {
 
 namespace fs = std::filesystem;
-
-class ScratchDir {
- public:
-  ScratchDir() {
-    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() / ("shardema_" + std::string(test->test_suite_name()) + "_" +
-                                         test->name() + "_" + std::to_string(::getpid()));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~ScratchDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  std::string file(const std::string& leaf) const { return (path_ / leaf).string(); }
-
- private:
-  fs::path path_;
-};
-
-std::string contents(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream out;
-  out << in.rdbuf();
-  return out.str();
-}
-
-void put(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
-}
 
 // Same dtype, shape and bytes (bitwise: NaN payloads and -0.0 included).
 void expectSameTensor(const at::Tensor& actual, const at::Tensor& expected,
@@ -95,7 +68,7 @@ void expectErrorNamingFile(F&& action, const std::string& path, const std::strin
 }
 
 TEST(TensorFileTest, RoundTripsEveryDtype) {
-  ScratchDir dir;
+  testing::TempDir dir;
   TensorFile file;
   int64_t seed = 0;
   for (at::ScalarType dtype : kAllTypes) {
@@ -114,7 +87,7 @@ TEST(TensorFileTest, RoundTripsEveryDtype) {
 }
 
 TEST(TensorFileTest, RoundTripsScalarsAndEmptyTensors) {
-  ScratchDir dir;
+  testing::TempDir dir;
   TensorFile file;
   file.tensors.emplace_back("scalar", at::scalar_tensor(2.5, at::kFloat));
   file.tensors.emplace_back("empty", at::empty({0}, at::kBFloat16));
@@ -132,7 +105,7 @@ TEST(TensorFileTest, RoundTripsScalarsAndEmptyTensors) {
 }
 
 TEST(TensorFileTest, WritesNonContiguousTensorsInRowMajorOrder) {
-  ScratchDir dir;
+  testing::TempDir dir;
   const at::Tensor base = patterned(1, {4, 6}, at::kFloat);
   TensorFile file;
   file.tensors.emplace_back("transposed", base.t());
@@ -152,7 +125,7 @@ TEST(TensorFileTest, WritesNonContiguousTensorsInRowMajorOrder) {
 }
 
 TEST(TensorFileTest, WritesTheSafetensorsLayoutExactly) {
-  ScratchDir dir;
+  testing::TempDir dir;
   const std::string path = dir.file("layout.safetensors");
   TensorFile file;
   file.tensors.emplace_back("b", patterned(1, {3}, at::kShort));
@@ -161,7 +134,7 @@ TEST(TensorFileTest, WritesTheSafetensorsLayoutExactly) {
   writeTensorFile(path, file);
 
   // Decode by hand, independently of our parser.
-  const std::string bytes = contents(path);
+  const std::string bytes = testing::readFileBytes(path);
   ASSERT_GE(bytes.size(), 8u);
   uint64_t n = 0;
   for (int i = 0; i < 8; ++i) n |= uint64_t{static_cast<uint8_t>(bytes[i])} << (8 * i);
@@ -180,7 +153,7 @@ TEST(TensorFileTest, WritesTheSafetensorsLayoutExactly) {
 }
 
 TEST(TensorFileTest, KeepsMetadataAndAddsFormatKey) {
-  ScratchDir dir;
+  testing::TempDir dir;
   TensorFile file;
   file.metadata = {{"shardema.kind", "posthoc_snapshot"}, {"user", "x"}};
   writeTensorFile(dir.file("m.safetensors"), file);
@@ -196,7 +169,7 @@ TEST(TensorFileTest, KeepsMetadataAndAddsFormatKey) {
 }
 
 TEST(TensorFileTest, ReadsHeaderWithoutData) {
-  ScratchDir dir;
+  testing::TempDir dir;
   TensorFile file;
   file.tensors.emplace_back("w", patterned(1, {2, 5}, at::kBFloat16));
   writeTensorFile(dir.file("h.safetensors"), file);
@@ -217,7 +190,7 @@ TEST(TensorFileTest, AtFindsByNameOrThrowsIndexError) {
 }
 
 TEST(TensorFileTest, RejectsUnsupportedTensorsBeforeWriting) {
-  ScratchDir dir;
+  testing::TempDir dir;
   const std::string path = dir.file("bad.safetensors");
   TensorFile complex;
   complex.tensors.emplace_back("z", at::zeros({2}, at::kComplexFloat));
@@ -235,12 +208,12 @@ TEST(TensorFileTest, RejectsUnsupportedTensorsBeforeWriting) {
 }
 
 TEST(TensorFileTest, FailureMidWriteLeavesTheOldFile) {
-  ScratchDir dir;
+  testing::TempDir dir;
   const std::string path = dir.file("keep.safetensors");
   TensorFile old;
   old.tensors.emplace_back("w", patterned(1, {8}, at::kFloat));
   writeTensorFile(path, old);
-  const std::string before = contents(path);
+  const std::string before = testing::readFileBytes(path);
 
   // A meta tensor passes every check but has no bytes to copy: the writer
   // fails after the header and the first tensor went to the temp file.
@@ -248,13 +221,13 @@ TEST(TensorFileTest, FailureMidWriteLeavesTheOldFile) {
   failing.tensors.emplace_back("w", patterned(2, {8}, at::kFloat));
   failing.tensors.emplace_back("meta", at::empty({4}, at::TensorOptions().device(at::kMeta)));
   expectErrorNamingFile<c10::Error>([&] { writeTensorFile(path, failing); }, path, "'meta'");
-  EXPECT_EQ(contents(path), before);
+  EXPECT_EQ(testing::readFileBytes(path), before);
   EXPECT_FALSE(fs::exists(path + ".tmp"));
   expectSameTensor(readTensorFile(path).at("w"), old.tensors[0].second, "w");
 }
 
 TEST(TensorFileTest, MissingFileErrorNamesFile) {
-  ScratchDir dir;
+  testing::TempDir dir;
   const std::string path = dir.file("absent.safetensors");
   expectErrorNamingFile<c10::ValueError>([&] { readTensorFile(path); }, path,
                                          "No such file or directory");
@@ -263,16 +236,16 @@ TEST(TensorFileTest, MissingFileErrorNamesFile) {
 }
 
 TEST(TensorFileTest, TruncatedFileErrorsNameFile) {
-  ScratchDir dir;
+  testing::TempDir dir;
   const std::string path = dir.file("t.safetensors");
   TensorFile file;
   file.tensors.emplace_back("w", patterned(1, {16}, at::kFloat));
   writeTensorFile(path, file);
-  const std::string full = contents(path);
+  const std::string full = testing::readFileBytes(path);
   // Cut in the data area, in the header, in the length prefix, to nothing.
   for (size_t keep : {full.size() - 1, full.size() - 64, size_t{20}, size_t{5}, size_t{0}}) {
     SCOPED_TRACE(keep);
-    put(path, full.substr(0, keep));
+    testing::writeFileBytes(path, full.substr(0, keep));
     try {
       readTensorFile(path);
       ADD_FAILURE() << "read a truncated file";
@@ -280,44 +253,44 @@ TEST(TensorFileTest, TruncatedFileErrorsNameFile) {
       EXPECT_EQ(error.msg().rfind(path + ": ", 0), 0u) << error.msg();
     }
   }
-  put(path, full.substr(0, full.size() - 4));
+  testing::writeFileBytes(path, full.substr(0, full.size() - 4));
   expectErrorNamingFile<c10::ValueError>([&] { readTensorFile(path); }, path,
                                          "\"w\": data_offsets end 64 is past the data area");
 }
 
 TEST(TensorFileTest, CorruptedLengthOrHeaderErrorsNameFile) {
-  ScratchDir dir;
+  testing::TempDir dir;
   const std::string path = dir.file("c.safetensors");
   TensorFile file;
   file.tensors.emplace_back("w", patterned(1, {4}, at::kFloat));
   writeTensorFile(path, file);
-  const std::string full = contents(path);
+  const std::string full = testing::readFileBytes(path);
 
   std::string huge = full;
   huge[7] = '\x7f';  // N near 2^63: must fail before any allocation
-  put(path, huge);
+  testing::writeFileBytes(path, huge);
   expectErrorNamingFile<c10::ValueError>([&] { readTensorFile(path); }, path, "header length");
 
   std::string longer = full;
   longer[0] = static_cast<char>(static_cast<uint8_t>(longer[0]) + 8);
-  put(path, longer);
+  testing::writeFileBytes(path, longer);
   expectErrorNamingFile<c10::ValueError>([&] { readTensorFile(path); }, path, "");
 
   std::string json = full;
   json[8] = '[';
-  put(path, json);
+  testing::writeFileBytes(path, json);
   expectErrorNamingFile<c10::ValueError>([&] { readTensorFile(path); }, path, "JSON");
 }
 
 TEST(TensorFileTest, RejectsBoolBytesOtherThanZeroOrOne) {
-  ScratchDir dir;
+  testing::TempDir dir;
   const std::string path = dir.file("b.safetensors");
   TensorFile file;
   file.tensors.emplace_back("mask", at::zeros({6}, at::kBool));
   writeTensorFile(path, file);
-  std::string bytes = contents(path);
+  std::string bytes = testing::readFileBytes(path);
   bytes[bytes.size() - 2] = 2;
-  put(path, bytes);
+  testing::writeFileBytes(path, bytes);
   expectErrorNamingFile<c10::ValueError>([&] { readTensorFile(path); }, path,
                                          "'mask': BOOL element 4 is byte 2");
 }

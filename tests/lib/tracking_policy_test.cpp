@@ -15,12 +15,13 @@ TensorTraits traits(bool isBuffer, bool isFloating, bool requiresGrad, bool inBa
   return t;
 }
 
-// Spec section 7, VersatIL: buffers copied; BatchNorm and frozen parameters
-// copied; every other parameter averaged.
+// Spec section 7, VersatIL: buffers copied; BatchNorm parameters copied;
+// other parameters averaged while they require grad and copied while frozen
+// (the seed asks requires_grad at every update, so the role defers it).
 TEST(TrackingPolicyTest, VersatilAveragesOnlyTrainableNonBatchNormParameters) {
   const auto v = TrackingPolicy::kVersatil;
-  EXPECT_EQ(roleFor(v, traits(false, true, true, false)), TrackRole::kAverage);
-  EXPECT_EQ(roleFor(v, traits(false, true, false, false)), TrackRole::kCopy);
+  EXPECT_EQ(roleFor(v, traits(false, true, true, false)), TrackRole::kAverageIfTrainable);
+  EXPECT_EQ(roleFor(v, traits(false, true, false, false)), TrackRole::kAverageIfTrainable);
   EXPECT_EQ(roleFor(v, traits(false, true, true, true)), TrackRole::kCopy);
   EXPECT_EQ(roleFor(v, traits(true, true, false, true)), TrackRole::kCopy);
   EXPECT_EQ(roleFor(v, traits(true, false, false, true)), TrackRole::kCopy);
@@ -38,7 +39,8 @@ TEST(TrackingPolicyTest, EmaPytorchAveragesEveryFloatingTensor) {
 }
 
 TEST(TrackingPolicyTest, RoleNamesRoundTrip) {
-  for (TrackRole role : {TrackRole::kAverage, TrackRole::kCopy, TrackRole::kCopyOnce}) {
+  for (TrackRole role : {TrackRole::kAverage, TrackRole::kCopy, TrackRole::kCopyOnce,
+                         TrackRole::kAverageIfTrainable}) {
     EXPECT_EQ(parseTrackRole(trackRoleName(role)), role);
   }
   EXPECT_THROW(parseTrackRole("mean"), c10::ValueError);

@@ -60,4 +60,27 @@ inline std::vector<int64_t> trainEpoch(TestNet& net, torch::optim::SGD& optimize
   return updatedAfterBatch;
 }
 
+/// A model initialised from `seed`, its plain SGD optimizer (no state to
+/// carry across a resume) and an EmaCallback, with the global step counter.
+struct TrainingRun {
+  explicit TrainingRun(uint64_t seed)
+      : net(seededNet(seed)), sgd(net->parameters(), torch::optim::SGDOptions(0.05)) {}
+  /// onFitStart on the model; separate so a test can load a checkpoint first.
+  void fitStart() { callback.onFitStart(*net); }
+  std::vector<int64_t> epoch(int64_t index, const LoopShape& shape = {}) {
+    return trainEpoch(net, sgd, callback, index, globalStep, shape);
+  }
+
+  TestNet net;
+  torch::optim::SGD sgd;
+  EmaCallback callback;
+  int64_t globalStep = 0;
+
+ private:
+  static TestNet seededNet(uint64_t seed) {
+    torch::manual_seed(seed);
+    return TestNet();
+  }
+};
+
 }  // namespace shardema::testing

@@ -66,7 +66,9 @@ class Averager {
   /// strictly increasing: c10::ValueError otherwise). Does nothing and
   /// returns false when the schedule says the step is not due. The first due
   /// update copies; later ones lerp with weight 1 - decay (a decay of 0 is an
-  /// exact copy). Blocks until done (see the file comment).
+  /// exact copy). Blocks until done (see the file comment). If it throws
+  /// (a source of the wrong dtype, say), step() is unchanged and the update
+  /// can be retried.
   bool update(int64_t step);
   /// Returns once the sources may change again (all copies taken).
   void fence() {}
@@ -84,7 +86,7 @@ class Averager {
   /// Tracked names in construction order.
   std::vector<std::string> names() const;
   TrackRole role(const std::string& name) const;
-  /// The EMA (kAverage: float32) or the copy (kCopy/kCopyOnce: source dtype)
+  /// The EMA (averaging roles: float32) or the copy (kCopy/kCopyOnce: source dtype)
   /// of a tracked tensor; a view of our storage, valid while the Averager
   /// lives. c10::IndexError naming the tensor when not tracked.
   const at::Tensor& ema(const std::string& name) const;

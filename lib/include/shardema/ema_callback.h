@@ -80,7 +80,9 @@ class EmaValidationScope {
   explicit EmaValidationScope(EmaCallback& callback) : callback_(callback) {
     callback_.onValidationStart();
   }
-  ~EmaValidationScope() { callback_.onValidationEnd(); }
+  /// Never throws (it may run while an exception unwinds): a failure to
+  /// restore is reported as a warning, and emaSwappedIn() stays true.
+  ~EmaValidationScope();
   EmaValidationScope(const EmaValidationScope&) = delete;
   EmaValidationScope& operator=(const EmaValidationScope&) = delete;
 

@@ -17,18 +17,28 @@ enum class TrackRole {
   /// Copied when the Averager is built and then left alone (ema-pytorch's
   /// integer buffers keep their deepcopy-time value).
   kCopyOnce,
+  /// fp32 storage; averaged on updates where the source requires grad and
+  /// copied on the others. VersatIL asks requires_grad at every update, so a
+  /// layer unfrozen (or frozen) mid-training changes treatment with it.
+  kAverageIfTrainable,
 };
 
 enum class TrackingPolicy {
   /// VersatIL (default): every buffer copied; parameters of BatchNorm
-  /// modules and parameters with requires_grad == false copied; the other
-  /// parameters averaged.
+  /// modules copied; other floating parameters kAverageIfTrainable (averaged
+  /// while requires_grad, copied while frozen, decided at each update).
   kVersatil,
   /// ema-pytorch: floating parameters and floating buffers averaged
   /// (requires_grad and BatchNorm play no role); integer/bool tensors copied
   /// once.
   kEmaPytorch,
 };
+
+/// Whether a role keeps float32 storage that lerps (kAverage,
+/// kAverageIfTrainable) rather than a copy in the source dtype.
+inline bool isAveragingRole(TrackRole role) {
+  return role == TrackRole::kAverage || role == TrackRole::kAverageIfTrainable;
+}
 
 /// What a policy needs to know about one tensor of a module.
 struct TensorTraits {

@@ -22,7 +22,7 @@ at::Tensor hostView(const at::Tensor& source) {
 }
 
 at::Tensor makeStorage(const TrackedTensor& tracked) {
-  const auto dtype = tracked.role == TrackRole::kAverage ? at::kFloat : tracked.source.scalar_type();
+  const auto dtype = isAveragingRole(tracked.role) ? at::kFloat : tracked.source.scalar_type();
   at::Tensor storage = at::empty(tracked.source.sizes(), at::TensorOptions().dtype(dtype));
   storage.copy_(tracked.source.detach());
   return storage;
@@ -34,7 +34,7 @@ void checkTracked(const TrackedTensor& tracked, std::unordered_set<std::string>&
                     "' is tracked twice; names must be unique");
   TORCH_CHECK_VALUE(tracked.source.defined(), "Averager: tensor '", tracked.name,
                     "' has an undefined source");
-  if (tracked.role == TrackRole::kAverage) {
+  if (isAveragingRole(tracked.role)) {
     sourceTypeOf(tracked.source, tracked.name);  // float32/bfloat16/float16, else TypeError
   }
 }
@@ -61,15 +61,21 @@ Averager::~Averager() = default;
 bool Averager::update(int64_t step) {
   TORCH_CHECK_VALUE(step > step_, "Averager::update: step must increase; got step ", step,
                     " after step ", step_);
-  step_ = step;
-  if (!options_.schedule.isDueAt(step)) return false;
-  lastDecay_ = options_.schedule.decayAt(step);
+  if (!options_.schedule.isDueAt(step)) {
+    step_ = step;
+    return false;
+  }
+  const double decay = options_.schedule.decayAt(step);
   if (!initialized_) {
     copyAll(/*includeCopyOnce=*/false);
     initialized_ = true;
-    return true;
+  } else {
+    lerpAveraged(1.0 - decay);
   }
-  lerpAveraged(1.0 - lastDecay_);
+  // Progress is recorded only once the update went through, so a failed
+  // update can be retried at the same step.
+  step_ = step;
+  lastDecay_ = decay;
   return true;
 }
 
@@ -83,18 +89,26 @@ void Averager::copyAll(bool includeCopyOnce) {
 void Averager::lerpAveraged(double weight) {
   // A zero decay must reproduce the source exactly; ema + 1 * (x - ema) can
   // be off by an ulp, so it becomes a copy.
-  const UpdateOp op = weight == 1.0 ? UpdateOp::kCopy : UpdateOp::kLerp;
+  const UpdateOp lerp = weight == 1.0 ? UpdateOp::kCopy : UpdateOp::kLerp;
   std::vector<TensorUpdate> updates;
+  std::vector<Slot*> copies;
   updates.reserve(slots_.size());
   for (Slot& s : slots_) {
-    if (s.tracked.role == TrackRole::kAverage) {
-      updates.push_back(TensorUpdate{s.ema, hostView(s.tracked.source), op, s.tracked.name});
-    } else if (s.tracked.role == TrackRole::kCopy) {
-      s.ema.copy_(hostView(s.tracked.source));
+    const TrackRole role = s.tracked.role;
+    if (isAveragingRole(role)) {
+      const bool frozen = role == TrackRole::kAverageIfTrainable && !s.tracked.source.requires_grad();
+      updates.push_back(TensorUpdate{s.ema, hostView(s.tracked.source),
+                                     frozen ? UpdateOp::kCopy : lerp, s.tracked.name});
+      checkTensorUpdate(updates.back());
+    } else if (role == TrackRole::kCopy) {
+      copies.push_back(&s);
     }
   }
+  // Every averaged source was validated above, before anything is written:
+  // a bad source (say, a model moved to float64) fails the whole update.
   WorkerPool* pool = options_.pool != nullptr ? options_.pool : &WorkerPool::shared();
   applyTensorUpdates(updates, weight, pool);
+  for (Slot* s : copies) s->ema.copy_(hostView(s->tracked.source));
 }
 
 const Averager::Slot& Averager::slot(const std::string& name, const char* api) const {

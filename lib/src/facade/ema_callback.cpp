@@ -60,6 +60,11 @@ bool EmaCallback::onTrainBatchEnd(int64_t globalStep, int64_t batchIdx,
   // batch flushes a partial window, so that step counts.
   const bool windowIncomplete = (batchIdx + 1) % accumulateGradBatches != 0;
   if (windowIncomplete && !isLastBatch) return false;
+  // A global step that did not advance (manual optimisation that skipped a
+  // step, a trainer whose counter was reset) is not an optimizer step to
+  // fold in; the seed would average it again, we skip it instead of
+  // stopping training.
+  if (globalStep <= averager_->step()) return false;
   const bool updated = averager_->update(globalStep);
   if (updated && logger_ && options_.logEveryNSteps > 0 &&
       globalStep % options_.logEveryNSteps == 0) {
@@ -78,6 +83,10 @@ void EmaCallback::onSaveCheckpoint(TrainingCheckpoint& checkpoint) const {
     const auto it = position.find(name);
     if (it == position.end()) continue;
     at::Tensor& slot = checkpoint.weights[it->second].second;
+    for (const auto& raw : checkpoint.rawWeights) {
+      TORCH_CHECK_VALUE(raw.first != name, "EmaCallback::onSaveCheckpoint: rawWeights already holds '",
+                        name, "'; call onSaveCheckpoint once per checkpoint");
+    }
     checkpoint.rawWeights.emplace_back(name, slot.detach().clone());
     slot = ema.clone();
   }
@@ -94,7 +103,9 @@ void EmaCallback::onLoadCheckpoint(torch::nn::Module& module,
   TensorFile queued;
   for (const auto& [name, raw] : checkpoint.rawWeights) {
     const auto it = weights.find(name);
-    if (it != weights.end()) queued.tensors.emplace_back(name, *it->second);
+    // A copy: the checkpoint's tensors may alias the module, which the raw
+    // weights are about to overwrite.
+    if (it != weights.end()) queued.tensors.emplace_back(name, it->second->detach().to(at::kCPU).clone());
   }
   for (const auto& [key, value] : checkpoint.metadata) {
     const std::string rest = withoutPrefix(key, kEmaMetadataPrefix);
@@ -108,12 +119,19 @@ void EmaCallback::onValidationStart() {
   if (!averager_) return;
   TORCH_CHECK(!emaSwappedIn(), "EmaCallback::onValidationStart: the EMA weights are already "
               "swapped in");
+  // The raw weights wait in host memory: a second copy on the accelerator
+  // is exactly what an offloaded EMA must not cost.
   NamedTensors raw;
   for (const TrackedTensor& t : averager_->tracked()) {
-    raw.emplace_back(t.name, t.source.detach().clone());
+    raw.emplace_back(t.name, t.source.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
   }
-  averager_->copyEmaToSources();
   rawDuringValidation_ = std::move(raw);
+  try {
+    averager_->copyEmaToSources();
+  } catch (...) {
+    onValidationEnd();  // a partial swap must not leave the module half EMA
+    throw;
+  }
 }
 
 void EmaCallback::onValidationEnd() {
@@ -123,6 +141,14 @@ void EmaCallback::onValidationEnd() {
   for (const TrackedTensor& t : averager_->tracked()) sources[t.name] = t.source;
   for (const auto& [name, raw] : rawDuringValidation_) sources.at(name).detach().copy_(raw);
   rawDuringValidation_.clear();
+}
+
+EmaValidationScope::~EmaValidationScope() {
+  try {
+    callback_.onValidationEnd();
+  } catch (const std::exception& e) {
+    TORCH_WARN("EmaValidationScope: restoring the raw weights failed: ", e.what());
+  }
 }
 
 const Averager& EmaCallback::averager() const {
