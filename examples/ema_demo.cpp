@@ -36,10 +36,11 @@ const char* kUsage =
     "warmup EMA and compares held-out loss of the raw and the EMA weights.\n";
 
 DemoOptions parseOptions(int argc, char** argv) {
-  const std::vector<FlagSpec> specs = {
-      {"steps"}, {"width"}, {"batch"}, {"accumulate"}, {"lr"}, {"noise"}, {"seed"}, {"out"},
-      {"help", FlagArity::kNone}};
-  const auto flags = shardema::cli::parseFlags(specs, std::vector<std::string>(argv + 1, argv + argc));
+  const std::vector<FlagSpec> specs = {{"steps"},      {"width"}, {"batch"},
+                                       {"accumulate"}, {"lr"},    {"noise"},
+                                       {"seed"},       {"out"},   {"help", FlagArity::kNone}};
+  const auto flags =
+      shardema::cli::parseFlags(specs, std::vector<std::string>(argv + 1, argv + argc));
   if (flags.boolean("help")) {
     std::cout << kUsage;
     std::exit(0);

@@ -20,8 +20,9 @@ DeviceProbe runProbe() {
   if (status == cudaSuccess && count > 0) {
     probe.deviceCount = count;
   } else {
-    probe.reason = status == cudaSuccess ? "no CUDA device present"
-                                         : std::string("CUDA runtime: ") + cudaGetErrorString(status);
+    probe.reason = status == cudaSuccess
+                       ? "no CUDA device present"
+                       : std::string("CUDA runtime: ") + cudaGetErrorString(status);
     (void)cudaGetLastError();  // clear the sticky error for later callers
   }
 #else

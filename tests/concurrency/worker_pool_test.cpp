@@ -17,7 +17,6 @@
 #include <vector>
 
 #include "shardema/update_kernels.h"
-
 #include "support/same_bytes.h"
 
 namespace shardema {
@@ -182,7 +181,7 @@ TEST(WorkerPoolTest, ParallelUpdateSpansBitEqualToSerial) {
     updateSpans(parallel.spans, 0.001f, &pool, grain);
     for (size_t i = 0; i < parallel.emas.size(); ++i) {
       ASSERT_TRUE(testing::sameBytes(parallel.emas[i].data(), serial.emas[i].data(),
-                            parallel.emas[i].size() * sizeof(float)))
+                                     parallel.emas[i].size() * sizeof(float)))
           << "grain " << grain << " span " << i;
     }
   }

@@ -43,9 +43,9 @@ void checkRebuild(const SafetensorsHeader& header) {
     require(error.msg().find("header would be") != std::string::npos);
     return;
   }
-  const SafetensorsHeader again = shardema::parseSafetensorsHeader(
-      reinterpret_cast<const uint8_t*>(rebuilt.data()), rebuilt.size(),
-      rebuilt.size() + header.dataSize, "rebuild");
+  const SafetensorsHeader again =
+      shardema::parseSafetensorsHeader(reinterpret_cast<const uint8_t*>(rebuilt.data()),
+                                       rebuilt.size(), rebuilt.size() + header.dataSize, "rebuild");
   require(again.metadata == header.metadata && again.tensors.size() == header.tensors.size());
   for (size_t i = 0; i < again.tensors.size(); ++i) {
     const TensorEntry& a = again.tensors[i];

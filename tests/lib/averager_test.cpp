@@ -189,9 +189,10 @@ TEST(AveragerTest, SavedStateResumesBitIdentically) {
 }
 
 TEST(AveragerTest, StrictLoadNamesMissingAndUnexpectedTensorsAndChangesNothing) {
-  Averager averager({{"a", at::ones({2}), TrackRole::kAverage},
-                     {"b", at::ones({3}), TrackRole::kAverage}});
-  const std::vector<std::pair<std::string, at::Tensor>> values = {{"a", at::zeros({2})}, {"c", at::zeros({1})}};
+  Averager averager(
+      {{"a", at::ones({2}), TrackRole::kAverage}, {"b", at::ones({3}), TrackRole::kAverage}});
+  const std::vector<std::pair<std::string, at::Tensor>> values = {{"a", at::zeros({2})},
+                                                                  {"c", at::zeros({1})}};
   try {
     averager.loadEmaValues(values, LoadStrictness::kStrict);
     FAIL() << "expected an error";

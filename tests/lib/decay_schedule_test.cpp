@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "shardema/power_function.h"
-
 #include "support/value_error.h"
 
 namespace shardema {

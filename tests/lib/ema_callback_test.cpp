@@ -88,13 +88,15 @@ TEST(EmaCallbackTest, CheckpointWeightsAreTheEmaAndRawWeightsAreKept) {
   // Independently of the averager: trained weights differ from the raw ones,
   // copied statistics do not.
   auto find = [](const NamedTensors& tensors, const std::string& name) {
-    for (const auto& t : tensors) if (t.first == name) return t.second;
+    for (const auto& t : tensors)
+      if (t.first == name) return t.second;
     return at::Tensor();
   };
   EXPECT_FALSE(find(checkpoint.weights, "fc2.weight").equal(net->fc2->weight));
   EXPECT_TRUE(find(checkpoint.rawWeights, "fc2.weight").equal(net->fc2->weight));
   EXPECT_TRUE(find(checkpoint.weights, "bn.running_mean").equal(net->bn->running_mean));
-  EXPECT_THROW(callback.onSaveCheckpoint(checkpoint), c10::ValueError) << "twice into one checkpoint";
+  EXPECT_THROW(callback.onSaveCheckpoint(checkpoint), c10::ValueError)
+      << "twice into one checkpoint";
   const NamedTensors live = moduleTensors(*net);
   for (size_t i = 0; i < live.size(); ++i) {
     EXPECT_EQ(checkpoint.rawWeights[i].first, live[i].first);
@@ -131,8 +133,9 @@ TEST(EmaCallbackTest, InterruptedAndResumedRunIsBitIdentical) {
   const NamedTensors b = moduleTensors(*resumed.net);
   for (size_t i = 0; i < a.size(); ++i) {
     EXPECT_TRUE(a[i].second.equal(b[i].second)) << "raw " << a[i].first;
-    EXPECT_TRUE(straight.callback.averager().ema(a[i].first).equal(
-        resumed.callback.averager().ema(a[i].first)))
+    EXPECT_TRUE(straight.callback.averager()
+                    .ema(a[i].first)
+                    .equal(resumed.callback.averager().ema(a[i].first)))
         << "ema " << a[i].first;
   }
 }

@@ -42,8 +42,8 @@ TEST(ModuleTrackingTest, VersatilRolesCopyBuffersBatchNormAndFrozen) {
   for (const char* averaged : {"frozen", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}) {
     EXPECT_EQ(roles.at(averaged), TrackRole::kAverageIfTrainable) << averaged;
   }
-  for (const char* copied : {"scale", "bn.weight", "bn.bias", "bn.running_mean",
-                             "bn.running_var", "bn.num_batches_tracked"}) {
+  for (const char* copied : {"scale", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var",
+                             "bn.num_batches_tracked"}) {
     EXPECT_EQ(roles.at(copied), TrackRole::kCopy) << copied;
   }
 }

@@ -11,7 +11,6 @@
 #include <vector>
 
 #include "shardema/tensor_file.h"
-
 #include "support/temp_dir.h"
 
 namespace shardema {

@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "shardema/worker_pool.h"
-
 #include "support/same_bytes.h"
 
 namespace shardema {
@@ -341,7 +340,7 @@ TEST(UpdateKernelsTest, ResultIndependentOfThreadsAndGrain) {
       // closes that gap.
       for (size_t i = 0; i < split.emas.size(); ++i) {
         ASSERT_TRUE(testing::sameBytes(split.emas[i].data(), serial.emas[i].data(),
-                              split.emas[i].size() * sizeof(float)))
+                                       split.emas[i].size() * sizeof(float)))
             << "threads " << threads << " grain " << grain << " span " << i;
       }
     }

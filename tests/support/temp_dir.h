@@ -10,7 +10,8 @@ namespace shardema::testing {
 class TempDir {
  public:
   TempDir() {
-    std::string pattern = (std::filesystem::temp_directory_path() / "shardema-test-XXXXXX").string();
+    std::string pattern =
+        (std::filesystem::temp_directory_path() / "shardema-test-XXXXXX").string();
     path_ = ::mkdtemp(pattern.data()) ? pattern : std::string();
   }
   ~TempDir() {

@@ -29,9 +29,10 @@ TORCH_MODULE(TestNet);
 
 /// state_dict order of TestNet: own parameters, own buffers, then children.
 inline std::vector<std::string> testNetNames() {
-  return {"frozen",         "scale",          "fc1.weight",         "fc1.bias",
-          "bn.weight",      "bn.bias",        "bn.running_mean",    "bn.running_var",
-          "bn.num_batches_tracked", "fc2.weight", "fc2.bias"};
+  return {"frozen",          "scale",          "fc1.weight",
+          "fc1.bias",        "bn.weight",      "bn.bias",
+          "bn.running_mean", "bn.running_var", "bn.num_batches_tracked",
+          "fc2.weight",      "fc2.bias"};
 }
 
 }  // namespace shardema::testing

@@ -24,11 +24,11 @@ inline std::string valueErrorMessage(const std::function<void()>& fn) {
 
 }  // namespace shardema::testing
 
-#define EXPECT_VALUE_ERROR(statement, substring)                                         \
-  do {                                                                                   \
-    EXPECT_THROW(statement, c10::ValueError);                                            \
-    const std::string message_ =                                                         \
-        ::shardema::testing::valueErrorMessage([&] { (void)(statement); });              \
-    EXPECT_NE(message_.find(substring), std::string::npos)                               \
-        << "message '" << message_ << "' should name '" << (substring) << "'";           \
+#define EXPECT_VALUE_ERROR(statement, substring)                               \
+  do {                                                                         \
+    EXPECT_THROW(statement, c10::ValueError);                                  \
+    const std::string message_ =                                               \
+        ::shardema::testing::valueErrorMessage([&] { (void)(statement); });    \
+    EXPECT_NE(message_.find(substring), std::string::npos)                     \
+        << "message '" << message_ << "' should name '" << (substring) << "'"; \
   } while (0)

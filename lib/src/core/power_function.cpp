@@ -81,7 +81,8 @@ double correctedPowerFunctionBeta(double gamma, int64_t n, int64_t updateEvery,
   // In double so that n + u cannot overflow int64 near the end of the range.
   const double dn = static_cast<double>(n);
   const double u = static_cast<double>(updateEvery);
-  const double logSum = logPlainBeta(gamma, dn, convention) + logPlainBeta(gamma, dn + u, convention);
+  const double logSum =
+      logPlainBeta(gamma, dn, convention) + logPlainBeta(gamma, dn + u, convention);
   return std::exp(0.5 * u * logSum);
 }
 

@@ -96,7 +96,8 @@ void Averager::lerpAveraged(double weight) {
   for (Slot& s : slots_) {
     const TrackRole role = s.tracked.role;
     if (isAveragingRole(role)) {
-      const bool frozen = role == TrackRole::kAverageIfTrainable && !s.tracked.source.requires_grad();
+      const bool frozen =
+          role == TrackRole::kAverageIfTrainable && !s.tracked.source.requires_grad();
       updates.push_back(TensorUpdate{s.ema, hostView(s.tracked.source),
                                      frozen ? UpdateOp::kCopy : lerp, s.tracked.name});
       checkTensorUpdate(updates.back());

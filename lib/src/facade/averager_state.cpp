@@ -42,7 +42,8 @@ std::string joinNames(const std::vector<std::string>& names) {
 void Averager::checkRoles(const TensorFile& file) const {
   const auto it = file.metadata.find("shardema.roles");
   if (it == file.metadata.end()) return;
-  const nlohmann::json roles = nlohmann::json::parse(it->second, nullptr, /*allow_exceptions=*/false);
+  const nlohmann::json roles =
+      nlohmann::json::parse(it->second, nullptr, /*allow_exceptions=*/false);
   TORCH_CHECK_VALUE(roles.is_object(), "Averager::loadState: shardema.roles is not a JSON object");
   for (const Slot& s : slots_) {
     const auto role = roles.find(s.tracked.name);
@@ -50,7 +51,8 @@ void Averager::checkRoles(const TensorFile& file) const {
     TORCH_CHECK_VALUE(role->get<std::string>() == trackRoleName(s.tracked.role),
                       "Averager::loadState: tensor '", s.tracked.name, "' was saved with role ",
                       role->get<std::string>(), " but is tracked here with role ",
-                      trackRoleName(s.tracked.role), "; use the same TrackingPolicy or load non-strictly");
+                      trackRoleName(s.tracked.role),
+                      "; use the same TrackingPolicy or load non-strictly");
   }
 }
 
@@ -105,9 +107,8 @@ TensorFile Averager::state() const {
 }
 
 LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness) {
-  TORCH_CHECK_VALUE(requireKey(file, kKindKey) == kAveragerKind, "Averager::loadState: ",
-                    kKindKey, " is '", file.metadata.at(kKindKey), "', expected '", kAveragerKind,
-                    "'");
+  TORCH_CHECK_VALUE(requireKey(file, kKindKey) == kAveragerKind, "Averager::loadState: ", kKindKey,
+                    " is '", file.metadata.at(kKindKey), "', expected '", kAveragerKind, "'");
   const DecaySchedule saved = DecaySchedule::fromJson(requireKey(file, "shardema.schedule"));
   TORCH_CHECK_VALUE(strictness == LoadStrictness::kNonStrict || saved == options_.schedule,
                     "Averager::loadState: the state was saved with schedule ", saved.describe(),
@@ -119,7 +120,8 @@ LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness
     step = std::stoll(requireKey(file, "shardema.step"));
     lastDecay = std::stod(requireKey(file, "shardema.last_decay"));
   } catch (const std::logic_error&) {
-    TORCH_CHECK_VALUE(false, "Averager::loadState: shardema.step or shardema.last_decay is not a number");
+    TORCH_CHECK_VALUE(false,
+                      "Averager::loadState: shardema.step or shardema.last_decay is not a number");
   }
   const std::string& initialized = requireKey(file, "shardema.initialized");
   TORCH_CHECK_VALUE(initialized == "true" || initialized == "false",

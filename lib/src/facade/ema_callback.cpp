@@ -53,7 +53,8 @@ bool EmaCallback::onTrainBatchEnd(int64_t globalStep, int64_t batchIdx,
   TORCH_CHECK_VALUE(batchIdx >= 0, "EmaCallback::onTrainBatchEnd: batchIdx must be >= 0, got ",
                     batchIdx);
   if (!averager_) return false;
-  TORCH_CHECK(!emaSwappedIn(), "EmaCallback::onTrainBatchEnd: called while the EMA weights are "
+  TORCH_CHECK(!emaSwappedIn(),
+              "EmaCallback::onTrainBatchEnd: called while the EMA weights are "
               "swapped in; call onValidationEnd() first");
   // Micro-batches inside an accumulation window did not step the
   // optimizer; averaging them would decay the EMA too fast. The epoch's last
@@ -75,7 +76,8 @@ bool EmaCallback::onTrainBatchEnd(int64_t globalStep, int64_t batchIdx,
 
 void EmaCallback::onSaveCheckpoint(TrainingCheckpoint& checkpoint) const {
   if (!averager_) return;
-  TORCH_CHECK(!emaSwappedIn(), "EmaCallback::onSaveCheckpoint: the EMA weights are swapped in; "
+  TORCH_CHECK(!emaSwappedIn(),
+              "EmaCallback::onSaveCheckpoint: the EMA weights are swapped in; "
               "save outside validation so the raw weights are the ones kept for resume");
   std::unordered_map<std::string, size_t> position;
   for (size_t i = 0; i < checkpoint.weights.size(); ++i) position[checkpoint.weights[i].first] = i;
@@ -84,8 +86,9 @@ void EmaCallback::onSaveCheckpoint(TrainingCheckpoint& checkpoint) const {
     if (it == position.end()) continue;
     at::Tensor& slot = checkpoint.weights[it->second].second;
     for (const auto& raw : checkpoint.rawWeights) {
-      TORCH_CHECK_VALUE(raw.first != name, "EmaCallback::onSaveCheckpoint: rawWeights already holds '",
-                        name, "'; call onSaveCheckpoint once per checkpoint");
+      TORCH_CHECK_VALUE(raw.first != name,
+                        "EmaCallback::onSaveCheckpoint: rawWeights already holds '", name,
+                        "'; call onSaveCheckpoint once per checkpoint");
     }
     checkpoint.rawWeights.emplace_back(name, slot.detach().clone());
     slot = ema.clone();
@@ -105,7 +108,8 @@ void EmaCallback::onLoadCheckpoint(torch::nn::Module& module,
     const auto it = weights.find(name);
     // A copy: the checkpoint's tensors may alias the module, which the raw
     // weights are about to overwrite.
-    if (it != weights.end()) queued.tensors.emplace_back(name, it->second->detach().to(at::kCPU).clone());
+    if (it != weights.end())
+      queued.tensors.emplace_back(name, it->second->detach().to(at::kCPU).clone());
   }
   for (const auto& [key, value] : checkpoint.metadata) {
     const std::string rest = withoutPrefix(key, kEmaMetadataPrefix);
@@ -117,7 +121,8 @@ void EmaCallback::onLoadCheckpoint(torch::nn::Module& module,
 
 void EmaCallback::onValidationStart() {
   if (!averager_) return;
-  TORCH_CHECK(!emaSwappedIn(), "EmaCallback::onValidationStart: the EMA weights are already "
+  TORCH_CHECK(!emaSwappedIn(),
+              "EmaCallback::onValidationStart: the EMA weights are already "
               "swapped in");
   // The raw weights wait in host memory: a second copy on the accelerator
   // is exactly what an offloaded EMA must not cost.

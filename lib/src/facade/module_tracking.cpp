@@ -96,12 +96,13 @@ LoadReport loadIntoModule(torch::nn::Module& module, const NamedTensors& values,
   for (const auto& entry : targets) {
     if (!given.count(entry.first)) report.missing.push_back(entry.first);
   }
-  TORCH_CHECK_VALUE(strictness == LoadStrictness::kNonStrict ||
-                        (report.missing.empty() && report.unexpected.empty()),
-                    "loadIntoModule: ", report.missing.size(), " missing and ",
-                    report.unexpected.size(), " unexpected tensors",
-                    report.missing.empty() ? "" : ", first missing: '" + report.missing[0] + "'",
-                    report.unexpected.empty() ? "" : ", first unexpected: '" + report.unexpected[0] + "'");
+  TORCH_CHECK_VALUE(
+      strictness == LoadStrictness::kNonStrict ||
+          (report.missing.empty() && report.unexpected.empty()),
+      "loadIntoModule: ", report.missing.size(), " missing and ", report.unexpected.size(),
+      " unexpected tensors",
+      report.missing.empty() ? "" : ", first missing: '" + report.missing[0] + "'",
+      report.unexpected.empty() ? "" : ", first unexpected: '" + report.unexpected[0] + "'");
   c10::NoGradGuard noGrad;
   for (const auto& [name, value] : values) {
     const auto it = byName.find(name);

@@ -33,7 +33,9 @@ TrackRole parseTrackRole(const std::string& name) {
                          TrackRole::kAverageIfTrainable}) {
     if (name == trackRoleName(role)) return role;
   }
-  TORCH_CHECK_VALUE(false, "parseTrackRole: expected average, copy, copy_once or average_if_trainable, got '", name, "'");
+  TORCH_CHECK_VALUE(
+      false, "parseTrackRole: expected average, copy, copy_once or average_if_trainable, got '",
+      name, "'");
 }
 
 }  // namespace shardema
