@@ -188,12 +188,20 @@ void benchLimit(benchmark::State& state) {
         [&] { limitPass(pool, threads); });
 }
 
+// ATen peers run on ATen's own pool sized like ours; the counter records
+// what ATen really took. Returns the EMA and source tensors of the layout.
+std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> atenPeerInputs(benchmark::State& state,
+                                                                           at::ScalarType dtype,
+                                                                           Layout layout,
+                                                                           int threads) {
+  at::set_num_threads(threads);
+  state.counters["aten_threads"] = at::get_num_threads();
+  return {parts(arena().ema, layout), parts(sourceOf(dtype), layout)};
+}
+
 void benchAtenLerpLoop(benchmark::State& state, at::ScalarType dtype, Layout layout) {
   const int threads = static_cast<int>(state.range(0));
-  at::set_num_threads(threads);
-  state.counters["aten_threads"] = at::get_num_threads();  // what ATen really took
-  const std::vector<at::Tensor> emas = parts(arena().ema, layout);
-  const std::vector<at::Tensor> srcs = parts(sourceOf(dtype), layout);
+  const auto [emas, srcs] = atenPeerInputs(state, dtype, layout, threads);
   timed(state, bytesPerElement(dtype) * kElements,
         key("lerp_loop", dtypeName(dtype), layout, threads), [&] {
           for (size_t i = 0; i < emas.size(); ++i) {
@@ -205,10 +213,7 @@ void benchAtenLerpLoop(benchmark::State& state, at::ScalarType dtype, Layout lay
 
 void benchAtenForeach(benchmark::State& state, at::ScalarType dtype, Layout layout) {
   const int threads = static_cast<int>(state.range(0));
-  at::set_num_threads(threads);
-  state.counters["aten_threads"] = at::get_num_threads();  // what ATen really took
-  const std::vector<at::Tensor> emas = parts(arena().ema, layout);
-  const std::vector<at::Tensor> srcs = parts(sourceOf(dtype), layout);
+  const auto [emas, srcs] = atenPeerInputs(state, dtype, layout, threads);
   timed(state, bytesPerElement(dtype) * kElements,
         key("foreach", dtypeName(dtype), layout, threads), [&] {
           std::vector<at::Tensor> floats;
