@@ -1,0 +1,44 @@
+#pragma once
+// ShardLayout: every tracked tensor's ShardSpec for one job. It is what a
+// per-rank checkpoint records (as JSON plus a fingerprint) so a load can
+// tell "same layout" from "needs resharding".
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shardema/shard/shard_spec.h"
+
+namespace shardema {
+namespace shard {
+
+struct ShardLayout {
+  /// In tracking order; names unique; all with the same world size.
+  std::vector<ShardSpec> specs;
+
+  /// World size shared by the specs (0 when there are none).
+  int64_t worldSize() const;
+  /// checkShardSpec for each, unique names, one world size; c10::ValueError.
+  void check() const;
+  /// Spec by name; c10::IndexError naming it when absent.
+  const ShardSpec& at(const std::string& name) const;
+
+  /// Canonical JSON text (stable across runs and machines: no whitespace
+  /// variation, fixed key order); fromJson validates (check()) and names the
+  /// offending entry on error (c10::ValueError).
+  std::string toJson() const;
+  static ShardLayout fromJson(const std::string& text);
+  /// 16 hex digits: XXH64 of toJson(). Equal layouts, equal fingerprints.
+  std::string fingerprint() const;
+  /// One line for error messages, e.g. "fsdp2 over 4 ranks, 12 tensors,
+  /// fingerprint 0123456789abcdef".
+  std::string describe() const;
+};
+
+/// A layout of the same tensors (names, shapes, dtypes, kinds) for another
+/// world size: what resharding W -> W' targets. kFsdp1 specs cannot be
+/// re-derived per tensor and become kFsdp2 (c10::ValueError never; the
+/// switch is documented in the returned specs' kind).
+ShardLayout relayout(const ShardLayout& layout, int64_t worldSize);
+
+}  // namespace shard
+}  // namespace shardema

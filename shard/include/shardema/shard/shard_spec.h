@@ -1,0 +1,91 @@
+#pragma once
+// ShardSpec: which elements of one global tensor each rank of a job owns,
+// as element ranges of the row-major flattened tensor (spec/shard_layouts.md).
+// One representation serves replicated, FSDP2 and FSDP1 layouts. Pure
+// arithmetic: nothing here communicates.
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace shardema {
+namespace shard {
+
+/// Half-open range [begin, end) of flattened element indices.
+struct ElementRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+
+  int64_t size() const { return end - begin; }
+  bool empty() const { return end == begin; }
+  bool operator==(const ElementRange& other) const {
+    return begin == other.begin && end == other.end;
+  }
+  bool operator!=(const ElementRange& other) const { return !(*this == other); }
+};
+
+/// The intersection of two ranges (empty, with begin == end, when disjoint).
+ElementRange intersect(const ElementRange& a, const ElementRange& b);
+
+enum class LayoutKind {
+  /// DDP: every rank holds the whole tensor; ownership of the EMA is still
+  /// split as FSDP2 chunks of dim 0 so each rank averages 1/W of it.
+  kReplicated,
+  /// Rank-0 full copy: rank 0 owns everything, the others nothing.
+  kRankZero,
+  /// FSDP2 fully_shard: torch.chunk on dim 0 (trailing ranks may be empty).
+  kFsdp2,
+  /// FSDP1 FlatParameter: a contiguous slice of the flat parameter, which
+  /// may cut a tensor anywhere (see FlatParamLayout).
+  kFsdp1,
+};
+
+const char* layoutKindName(LayoutKind kind);  // "replicated", "rank0", "fsdp2", "fsdp1"
+/// Parses layoutKindName() output; c10::ValueError naming the text otherwise.
+LayoutKind parseLayoutKind(const std::string& name);
+
+/// How one global tensor is split over every rank of a job. Carries the
+/// global shape and every rank's range, so each rank knows every other
+/// rank's piece size without asking (uneven shards never make ranks
+/// disagree on sizes).
+struct ShardSpec {
+  /// Global (module) name of the tensor.
+  std::string name;
+  /// Global shape; {} for a 0-dim tensor (numel 1).
+  std::vector<int64_t> globalShape;
+  /// Dtype of the source (the EMA itself is float32).
+  c10::ScalarType dtype = c10::ScalarType::Float;
+  LayoutKind kind = LayoutKind::kFsdp2;
+  /// One range per rank (size = world size). Disjoint, union [0, numel()).
+  std::vector<ElementRange> ranges;
+
+  int64_t worldSize() const { return static_cast<int64_t>(ranges.size()); }
+  /// Product of globalShape (1 for 0-dim).
+  int64_t numel() const;
+  /// ranges[rank]; c10::IndexError naming the tensor for a bad rank.
+  const ElementRange& rangeOf(int64_t rank) const;
+  bool operator==(const ShardSpec& other) const;
+  bool operator!=(const ShardSpec& other) const { return !(*this == other); }
+};
+
+/// Checks a spec's invariants: non-empty name, non-negative dims, at least
+/// one rank, ranges disjoint, ordered by rank, covering [0, numel()).
+/// c10::ValueError naming the tensor and the broken invariant.
+void checkShardSpec(const ShardSpec& spec);
+
+/// FSDP2's dim-0 chunk of `rank`: c = ceil(d0 / W), rows [min(r*c, d0),
+/// min((r+1)*c, d0)), times the inner size. 0-dim tensors: rank 0 owns the
+/// one element. c10::ValueError for a bad rank, world size or shape.
+ElementRange fsdp2Range(const std::vector<int64_t>& globalShape, int64_t rank, int64_t worldSize);
+
+/// Whole-tensor specs of the three per-tensor layouts.
+ShardSpec fsdp2Spec(const std::string& name, const std::vector<int64_t>& globalShape,
+                    c10::ScalarType dtype, int64_t worldSize);
+ShardSpec replicatedSpec(const std::string& name, const std::vector<int64_t>& globalShape,
+                         c10::ScalarType dtype, int64_t worldSize);
+ShardSpec rankZeroSpec(const std::string& name, const std::vector<int64_t>& globalShape,
+                       c10::ScalarType dtype, int64_t worldSize);
+
+}  // namespace shard
+}  // namespace shardema
