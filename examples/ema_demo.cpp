@@ -106,6 +106,7 @@ int run(const DemoOptions& o) {
     runningLoss = b == 0 ? loss.item<double>() : 0.95 * runningLoss + 0.05 * loss.item<double>();
     const bool last = b == batches - 1;
     if ((b + 1) % o.accumulate == 0 || last) {
+      ema.onBeforeOptimizerStep();  // the last EMA update must have read the weights
       optimizer.step();
       optimizer.zero_grad();
       ++globalStep;

@@ -47,6 +47,7 @@ TEST(AveragerTest, FirstUpdateCopiesThenLerpsLikeFloat64Reference) {
     for (int64_t n = 1; n <= 12; ++n) {
       setSource(source, n);
       ASSERT_TRUE(averager.update(n));
+      averager.fence();  // before the source changes
       const std::vector<double> x = toDoubles(source);
       if (n == 1) {
         reference = x;
@@ -73,6 +74,7 @@ TEST(AveragerTest, CopyRolesFollowTheSourceAndCopyOnceKeepsTheStart) {
     copied.fill_(7 * n);
     setSource(once, n);
     averager.update(n);
+    averager.fence();
   }
   EXPECT_EQ(averager.ema("copied").scalar_type(), at::kLong) << "copies keep the source dtype";
   EXPECT_TRUE(at::equal(averager.ema("copied"), copied));
@@ -113,6 +115,7 @@ TEST(AveragerTest, SkipsStepsThatAreNotDue) {
   for (int64_t n = 1; n <= 7; ++n) {
     source.fill_(static_cast<double>(n));
     if (averager.update(n)) applied.push_back(n);
+    averager.fence();
   }
   EXPECT_EQ(applied, (std::vector<int64_t>{1, 4, 7}));
   // copy 1, then 0.5 * 1 + 0.5 * 4 = 2.5, then 0.5 * 2.5 + 0.5 * 7 = 4.75
@@ -151,6 +154,7 @@ TEST(AveragerTest, CopyEmaToSourcesConvertsToTheSourceDtype) {
   Averager averager({{"w", source, TrackRole::kAverage}});
   source.fill_(1.0);
   averager.update(1);
+  averager.fence();
   source.fill_(3.0);
   averager.update(2);  // decay(2) = 1 - 2^-0.75
   const float expected = static_cast<float>(1.0 + std::pow(2.0, -0.75) * 2.0);
@@ -172,7 +176,9 @@ TEST(AveragerTest, SavedStateResumesBitIdentically) {
     setSource(a, n);
     setSource(b, n);
     straight.update(n);
+    straight.fence();
     if (n <= 10) first.update(n);
+    first.fence();
     if (n == 10) first.save(dir.file("state.safetensors"));
     if (n == 10) {
       Averager resumed = make();
@@ -183,6 +189,7 @@ TEST(AveragerTest, SavedStateResumesBitIdentically) {
       first = std::move(resumed);
     }
     if (n > 10) first.update(n);
+    first.fence();
   }
   EXPECT_TRUE(at::equal(first.ema("a"), straight.ema("a")));
   EXPECT_TRUE(at::equal(first.ema("b"), straight.ema("b")));
@@ -245,6 +252,7 @@ TEST(AveragerTest, AFailedUpdateChangesNothingAndCanBeRetried) {
                      {"copied", copied, TrackRole::kCopy},
                      {"bad", turnsDouble, TrackRole::kAverage}});
   averager.update(1);
+  averager.fence();
   good.fill_(4.0);
   copied.fill_(9.0);
   turnsDouble.set_data(at::zeros({2}, at::kDouble));  // as module->to(kDouble) does
@@ -260,6 +268,36 @@ TEST(AveragerTest, AFailedUpdateChangesNothingAndCanBeRetried) {
 TEST(AveragerTest, UnknownNameIsAnIndexError) {
   Averager averager({{"a", at::ones({2}), TrackRole::kAverage}});
   EXPECT_THROW(averager.ema("nope"), c10::IndexError);
+}
+
+// Both placements follow the float64 reference; kDevice keeps the EMA on
+// the source's device (the CPU here) and needs no fence.
+TEST(AveragerTest, BothPlacementsFollowTheFloat64Reference) {
+  for (EmaPlacement placement : {EmaPlacement::kPinnedHost, EmaPlacement::kDevice}) {
+    at::Tensor source = at::zeros({70}, at::kBFloat16);
+    AveragerOptions options;
+    options.placement = placement;
+    options.offload.chunkBytes = 64;
+    Averager averager({{"w", source, TrackRole::kAverage}}, options);
+    EXPECT_EQ(averager.placement(), placement);
+    std::vector<double> reference;
+    for (int64_t n = 1; n <= 8; ++n) {
+      setSource(source, n);
+      ASSERT_TRUE(averager.update(n));
+      averager.fence();  // before the source changes
+      const std::vector<double> x = toDoubles(source);
+      if (n == 1) {
+        reference = x;
+        continue;
+      }
+      const double w = 1.0 - warmupDecay(n, 0.75, 0.9999);
+      for (size_t i = 0; i < x.size(); ++i) reference[i] += w * (x[i] - reference[i]);
+    }
+    const std::vector<double> got = toDoubles(averager.ema("w"));
+    for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], reference[i], 2e-6) << i;
+    EXPECT_EQ(averager.offloadStats().stagingBytes,
+              placement == EmaPlacement::kDevice ? 0 : 2 * 64);
+  }
 }
 
 }  // namespace

@@ -53,6 +53,7 @@ TEST(EmaCallbackTest, AveragesTrainableWeightsAndCopiesTheRest) {
       {
         // The frozen parameter and the float buffer move too, so "copied"
         // is told apart from "averaged" (which would lag behind).
+        callback.onBeforeOptimizerStep();  // the sources change next
         torch::NoGradGuard noGrad;
         net->frozen.fill_(static_cast<double>(++changes));
         net->scale.fill_(0.5 + 0.01 * changes);
@@ -172,6 +173,7 @@ TEST(EmaCallbackTest, FreezingAndUnfreezingChangesTreatmentAtTheNextUpdate) {
   run.epoch(0);
   TestNet& net = run.net;
   net->fc1->weight.requires_grad_(false);
+  run.callback.onBeforeOptimizerStep();  // fc1.weight changes next
   {
     torch::NoGradGuard noGrad;
     net->fc1->weight.add_(1.0);
@@ -180,6 +182,7 @@ TEST(EmaCallbackTest, FreezingAndUnfreezingChangesTreatmentAtTheNextUpdate) {
   EXPECT_TRUE(run.callback.averager().ema("fc1.weight").equal(net->fc1->weight)) << "copied";
   net->fc1->weight.requires_grad_(true);
   const at::Tensor before = run.callback.averager().ema("fc1.weight").clone();
+  run.callback.onBeforeOptimizerStep();
   {
     torch::NoGradGuard noGrad;
     net->fc1->weight.add_(1.0);
@@ -207,7 +210,10 @@ TEST(EmaCallbackTest, LoggerGetsTheDecayEveryHundredSteps) {
   std::vector<std::pair<int64_t, double>> logged;
   callback.setDecayLogger([&](int64_t step, double decay) { logged.emplace_back(step, decay); });
   callback.onFitStart(*net);
-  for (int64_t step = 1; step <= 250; ++step) callback.onTrainBatchEnd(step, step - 1, 1, false);
+  for (int64_t step = 1; step <= 250; ++step) {
+    callback.onBeforeOptimizerStep();
+    callback.onTrainBatchEnd(step, step - 1, 1, false);
+  }
   ASSERT_EQ(logged.size(), 2u);
   EXPECT_EQ(logged[0].first, 100);
   EXPECT_DOUBLE_EQ(logged[0].second, versatilDecay(100));
@@ -227,6 +233,46 @@ TEST(EmaCallbackTest, HooksBeforeFitStartAndBadArguments) {
   EmaCallbackOptions bad;
   bad.schedule.power = 0;
   EXPECT_THROW(EmaCallback{bad}, c10::ValueError);
+}
+
+// The asynchronous default with the fence deferred to onBeforeOptimizerStep
+// (called before the forward: BatchNorm's running statistics change there)
+// gives the same EMA, bit for bit, as the synchronous on-device placement.
+TEST(EmaCallbackTest, DeferredFencePinnedHostEqualsDevicePlacement) {
+  auto train = [](EmaCallbackOptions options) {
+    torch::manual_seed(11);
+    TestNet net;
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.05));
+    EmaCallback callback(options);
+    callback.onFitStart(*net);
+    int64_t globalStep = 0;
+    for (int64_t b = 0; b < 12; ++b) {
+      callback.onBeforeOptimizerStep();
+      const auto [x, y] = testing::batchData(0, b, 16);
+      torch::nn::functional::mse_loss(net->forward(x), y).backward();
+      sgd.step();
+      sgd.zero_grad();
+      ++globalStep;
+      EXPECT_TRUE(callback.onTrainBatchEnd(globalStep, b, 1, b == 11));
+    }
+    callback.wait();
+    NamedTensors out;
+    for (const auto& [name, ema] : callback.averager().emaTensors()) {
+      out.emplace_back(name, ema.clone());
+    }
+    return out;
+  };
+  EmaCallbackOptions pinned;
+  ASSERT_FALSE(pinned.offload.fenceInUpdate) << "the asynchronous update is the default";
+  pinned.offload.chunkBytes = 64;  // many chunks even for this small net
+  EmaCallbackOptions device;
+  device.placement = EmaPlacement::kDevice;
+  const NamedTensors a = train(pinned);
+  const NamedTensors b = train(device);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(a[i].second.equal(b[i].second)) << a[i].first;
+  }
 }
 
 }  // namespace

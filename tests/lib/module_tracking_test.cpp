@@ -57,6 +57,19 @@ TEST(ModuleTrackingTest, EmaPytorchRolesAverageFloatsAndKeepIntegers) {
   }
 }
 
+// Buffers change in forward() and are read inside Averager::update();
+// parameters only change in the optimizer step (covered by fence()).
+TEST(ModuleTrackingTest, EveryBufferAndNoParameterChangesInForward) {
+  testing::TestNet net;
+  const std::set<std::string> buffers = {"scale", "bn.running_mean", "bn.running_var",
+                                         "bn.num_batches_tracked"};
+  for (TrackingPolicy policy : {TrackingPolicy::kVersatil, TrackingPolicy::kEmaPytorch}) {
+    for (const auto& t : trackModule(*net, policy)) {
+      EXPECT_EQ(t.changesInForward, buffers.count(t.name) == 1) << t.name;
+    }
+  }
+}
+
 TEST(ModuleTrackingTest, LoadIntoModuleStrictAndNonStrict) {
   testing::TestNet net;
   NamedTensors values = {{"fc1.bias", torch::full({8}, 3.0)}, {"ghost", torch::zeros({1})}};

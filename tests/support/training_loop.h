@@ -49,6 +49,7 @@ inline std::vector<int64_t> trainEpoch(TestNet& net, torch::optim::SGD& optimize
     loss.backward();
     const bool isLast = b == shape.batchesPerEpoch - 1;
     if ((b + 1) % shape.accumulate == 0 || isLast) {
+      callback.onBeforeOptimizerStep();  // the last update must have read the weights
       optimizer.step();
       optimizer.zero_grad();
       ++globalStep;

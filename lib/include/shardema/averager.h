@@ -1,25 +1,88 @@
 #pragma once
 // Averager: the EMA of a set of named tensors (one model, one profile).
 //
-// Today every update is synchronous on the calling thread plus the worker
-// pool, with the EMA in host memory; fence() and wait() are already part of
-// the contract so callers are written for the asynchronous pipeline
-// (DESIGN section 2) that the offload placement brings.
+// Two placements (AveragerOptions::placement):
+//   - kPinnedHost (default, DESIGN section 2): the EMA lives in host memory
+//     from a PinnedArena; update() queues the work, the copy engine moves
+//     the sources into bounded staging slots and the worker pool folds them
+//     in. update() returns at once; fence() returns once the sources have
+//     been read (call it before the sources change: before the next
+//     optimizer.step(), EmaCallback::onBeforeOptimizerStep()), wait() once
+//     the math is done. A source written in place between update() and
+//     fence() fails the update (its autograd version is checked) instead of
+//     folding in torn values. Tensors marked changesInForward (buffers) are
+//     read synchronously inside update() into a host snapshot, so the
+//     forward pass may change them at once. offload.fenceInUpdate = true
+//     makes update() call fence() itself (safe, but nothing overlaps the
+//     next forward and backward). No device memory is used.
+//   - kDevice: the EMA lives on the sources' device and update() runs there
+//     synchronously with ATen ops, one tensor at a time (the fused
+//     _foreach_lerp_ does not exist in LibTorch 1.13): the comparison mode.
+//     fence() and wait() return at once.
+// Every call that reads or writes the EMA (ema, emaTensors, state, save,
+// copyEmaToSources, loadEmaValues, loadState, load, the destructor) first
+// waits for an update in flight.
+//
+// Failures. An error found on the caller (a source of the wrong dtype, a
+// step that does not increase) changes nothing: the update can be retried.
+// An error on a worker or the copy engine (after update() returned) leaves
+// some chunks folded in and others not, so the Averager is marked failed:
+// the error (naming the tensor and step) is rethrown by the wait() or the
+// next call that waits, and from then on every call that reads or updates
+// the EMA throws c10::Error saying so, until loadState()/load() restores a
+// complete state (every tracked tensor), which clears the mark.
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "shardema/decay_schedule.h"
+#include "shardema/offload/copy_engine.h"
+#include "shardema/offload/update_pipeline.h"
 #include "shardema/tensor_file.h"
 #include "shardema/tracking_policy.h"
 
 namespace shardema {
 
 class WorkerPool;
+
+namespace offload {
+class PinnedArena;
+}  // namespace offload
+
+/// Where the EMA lives and how it is updated (see the file comment).
+enum class EmaPlacement {
+  /// Host memory, asynchronous chunked pipeline (default).
+  kPinnedHost,
+  /// The sources' device, synchronous ATen ops on the caller.
+  kDevice,
+};
+
+/// The pipeline of the kPinnedHost placement.
+struct AveragerOffloadOptions {
+  /// Bytes per staging slot (default 32 MiB, >= 64).
+  int64_t chunkBytes = int64_t{32} << 20;
+  /// Staging slots (default 2; staging = numSlots x chunkBytes).
+  int numSlots = 2;
+  /// false (default, DESIGN section 2): update() returns at once and the
+  /// caller calls fence() before the sources change (update after the
+  /// optimizer step, fence before the next one), so the copies overlap the
+  /// next forward and backward passes. A source written in place before
+  /// fence() fails the update (wait() throws naming it). true: update()
+  /// returns once the sources have been read (it calls fence()), so they may
+  /// change as soon as it returns, as with a synchronous update; the math
+  /// still runs in the background until wait(). With bounded staging that
+  /// waits for all but the last numSlots chunks' math.
+  bool fenceInUpdate = false;
+  /// Copy engine: kAuto (default) takes CUDA when a device is present.
+  offload::EngineChoice engine = offload::EngineChoice::kAuto;
+  /// Test seam: makes one chunk's math throw. Off by default.
+  offload::PipelineFaultForTesting faultForTesting;
+};
 
 struct AveragerOptions {
   /// Decay as a function of the 1-based optimizer step. Default: the
@@ -33,6 +96,11 @@ struct AveragerOptions {
   /// the construction-time copy is the start of the average and every due
   /// update lerps with the scheduled decay.
   bool copyOnFirstUpdate = true;
+  /// Where the EMA lives. Default kPinnedHost. With kPinnedHost the pool
+  /// needs at least one worker (c10::ValueError otherwise).
+  EmaPlacement placement = EmaPlacement::kPinnedHost;
+  /// Pipeline settings (kPinnedHost only).
+  AveragerOffloadOptions offload;
 };
 
 /// How load() treats names that differ between a file and the Averager.
@@ -54,7 +122,8 @@ class Averager {
   /// Copies every source once (the EMA starts equal to the model, as a
   /// deepcopy would). Names must be unique and non-empty; averaged sources
   /// must be float32, bfloat16 or float16 (c10::ValueError / TypeError naming
-  /// the tensor). Sources may live on any device; EMA storage is host memory.
+  /// the tensor). Sources may live on any device; EMA storage is host memory
+  /// (kPinnedHost) or the source's device (kDevice).
   Averager(std::vector<TrackedTensor> tensors, AveragerOptions options = {});
   Averager(const Averager&) = delete;
   Averager& operator=(const Averager&) = delete;
@@ -66,14 +135,31 @@ class Averager {
   /// strictly increasing: c10::ValueError otherwise). Does nothing and
   /// returns false when the schedule says the step is not due. The first due
   /// update copies; later ones lerp with weight 1 - decay (a decay of 0 is an
-  /// exact copy). Blocks until done (see the file comment). If it throws
-  /// (a source of the wrong dtype, say), step() is unchanged and the update
-  /// can be retried.
+  /// exact copy). kPinnedHost: completes the previous update (which may
+  /// throw its error), snapshots the changesInForward tensors, queues the
+  /// rest and returns at once: the other sources must not be written before
+  /// fence() (or once they are read, with fenceInUpdate). An update() with
+  /// neither fence() nor wait() (nor a call that waits) since the previous
+  /// one is a forgotten fence: c10::Error, and the Averager is failed.
+  /// kDevice: blocks until done.
+  /// If it throws before queueing (a source of the wrong dtype, say),
+  /// step() is unchanged and the update can be retried.
   bool update(int64_t step);
-  /// Returns once the sources may change again (all copies taken).
-  void fence() {}
-  /// Returns once all math is done; rethrows a background error.
-  void wait() {}
+  /// Blocks until the update in flight has read every source, so they may
+  /// change (the next optimizer step). The math may still run. A source
+  /// written since update() fails the update (reported by wait()). Adds the
+  /// time it blocked to offloadStats().fenceWaitSeconds. Never throws a
+  /// worker's error (wait() does). No-op for kDevice.
+  void fence();
+  /// Blocks until all math is done; rethrows a background error (c10::Error
+  /// naming the tensor and step) and marks the Averager failed.
+  void wait();
+  /// Where the EMA lives.
+  EmaPlacement placement() const { return options_.placement; }
+  /// Whether a background update failed (see the file comment).
+  bool failed() const { return !failure_.empty(); }
+  /// Pipeline counters (zero for kDevice): staging bytes, fence waits, ...
+  offload::PipelineStats offloadStats() const;
 
   /// Last step passed to update() (0 before any).
   int64_t step() const { return step_; }
@@ -90,13 +176,17 @@ class Averager {
   /// of a tracked tensor; a view of our storage, valid while the Averager
   /// lives. c10::IndexError naming the tensor when not tracked.
   const at::Tensor& ema(const std::string& name) const;
-  /// Every tracked tensor's EMA/copy, in construction order (views).
+  /// Every tracked tensor's EMA/copy, in construction order (views). Both
+  /// wait for the update in flight first; with kPinnedHost the next
+  /// update() writes these views in the background, so clone what you keep
+  /// across updates.
   std::vector<std::pair<std::string, at::Tensor>> emaTensors() const;
   /// The live sources, in construction order (handles, not copies).
   std::vector<TrackedTensor> tracked() const;
 
   /// Writes the EMA into the sources (dtype and device converted), e.g. to
-  /// evaluate with EMA weights. Blocks.
+  /// evaluate with EMA weights; kPinnedHost goes through the copy engine.
+  /// Blocks.
   void copyEmaToSources();
   /// Overwrites EMA values from named tensors (converted to our dtype);
   /// shapes must match (c10::ValueError naming the tensor).
@@ -117,11 +207,22 @@ class Averager {
   struct Slot {
     TrackedTensor tracked;
     at::Tensor ema;  // host, contiguous
+    // changesInForward only: host copy taken inside update(), read by the
+    // pipeline instead of the live source. Allocated at the first update.
+    at::Tensor snapshot;
   };
   const Slot& slot(const std::string& name, const char* api) const;
-  void copyAll(bool includeCopyOnce);
   void checkRoles(const TensorFile& file) const;
-  void lerpAveraged(double weight);
+  // Throws when failed; otherwise waits for the pipeline and turns its error
+  // into the failed mark.
+  void settle(const char* api) const;
+  void checkNotFailed(const char* api) const;
+  LoadReport loadValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
+                        LoadStrictness strictness);
+  void updateOnDevice(bool firstCopy, double weight);
+  void submitToPipeline(bool firstCopy, double weight, int64_t step);
+  void rejectUnfenced(int64_t step);
+  at::Tensor pipelineSource(Slot& s, at::ScalarType dtype);
 
   AveragerOptions options_;
   std::vector<Slot> slots_;
@@ -129,6 +230,15 @@ class Averager {
   int64_t step_ = 0;
   bool initialized_ = false;
   double lastDecay_ = 0.0;
+  // Why the Averager is failed; empty when it is not. Set by const calls
+  // that wait (ema(), state()), hence mutable. Caller's thread only.
+  mutable std::string failure_;
+  // kPinnedHost only (null for kDevice and after a move). The pipeline is
+  // declared first so a move assignment retires the old pipeline while its
+  // engine still exists; the destructor resets it first for the same reason.
+  std::unique_ptr<offload::UpdatePipeline> pipeline_;
+  std::unique_ptr<offload::PinnedArena> arena_;
+  std::unique_ptr<offload::CopyEngine> engine_;
 };
 
 }  // namespace shardema

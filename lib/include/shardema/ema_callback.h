@@ -2,7 +2,9 @@
 // EmaCallback: the warmup-EMA lifecycle of a trainer callback (DESIGN
 // section 4, the VersatIL EMACallback), for a C++ training loop. Call the
 // hooks where a Lightning trainer would; all of them run on the caller's
-// thread and block.
+// thread. With the default placement (pinned host) the EMA math runs in the
+// background after onTrainBatchEnd returns; the hooks that read the EMA
+// (save, validation swap) wait for it first.
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -26,6 +28,13 @@ struct EmaCallbackOptions {
   int64_t logEveryNSteps = 100;
   /// Worker threads for the updates; not owned. nullptr: the shared pool.
   WorkerPool* pool = nullptr;
+  /// Where the EMA lives (AveragerOptions::placement). Default kPinnedHost.
+  EmaPlacement placement = EmaPlacement::kPinnedHost;
+  /// Pipeline settings for kPinnedHost. By default (fenceInUpdate = false)
+  /// onTrainBatchEnd returns at once: the loop must call
+  /// onBeforeOptimizerStep() before every optimizer step (forgetting it
+  /// fails the update with an error saying so, never a silent wrong EMA).
+  AveragerOffloadOptions offload;
 };
 
 class EmaCallback {
@@ -46,6 +55,15 @@ class EmaCallback {
   /// the EMA was updated.
   bool onTrainBatchEnd(int64_t globalStep, int64_t batchIdx, int64_t accumulateGradBatches,
                        bool isLastBatch);
+  /// Call before every optimizer step (before anything but the forward
+  /// pass changes a tracked tensor again). Blocks until the last update has
+  /// read the tensors (Averager::fence); the math may go on. Buffers (which
+  /// the forward pass changes) are read inside onTrainBatchEnd and need no
+  /// fence. Required by default; a cheap no-op with offload.fenceInUpdate =
+  /// true. Does nothing before onFitStart.
+  void onBeforeOptimizerStep();
+  /// Blocks until the EMA math is done; rethrows a background error.
+  void wait();
   /// Puts the EMA into checkpoint.weights (for every name it holds) and the
   /// replaced raw values into checkpoint.rawWeights, plus the EMA progress
   /// in metadata. Not allowed while EMA weights are swapped in.

@@ -63,6 +63,13 @@ struct TrackedTensor {
   std::string name;
   at::Tensor source;
   TrackRole role = TrackRole::kAverage;
+  /// The source changes outside the optimizer step: buffers such as
+  /// BatchNorm running statistics, which the forward pass updates while an
+  /// asynchronous update may still be reading them. Such a tensor is read
+  /// synchronously inside Averager::update() (into a host snapshot the
+  /// background update then uses), so fence() only has to cover tensors the
+  /// optimizer writes. trackModule() sets it for every buffer. Default false.
+  bool changesInForward = false;
 };
 
 }  // namespace shardema

@@ -109,8 +109,16 @@ void WorkerPool::parallelFor(int64_t numTasks, const std::function<void(int64_t)
   }
   state->drain();
   state->waitAll();
-  if (state->firstError) {
-    std::rethrow_exception(state->firstError);
+  // Taken out of the shared state under its mutex: a helper may still hold
+  // `state` and drop the last reference while we rethrow; if the error were
+  // still in it, that release would free the exception we are reading.
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(state->mutex);
+    error = std::exchange(state->firstError, nullptr);
+  }
+  if (error) {
+    std::rethrow_exception(error);
   }
 }
 

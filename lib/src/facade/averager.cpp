@@ -4,26 +4,26 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
+#include <sstream>
 #include <unordered_set>
 
+#include "shardema/offload/pinned_arena.h"
 #include "shardema/tensor_update.h"
 #include "shardema/worker_pool.h"
 
 namespace shardema {
 namespace {
 
-// The update kernels read host memory; sources on another device (or laid
-// out strided) are brought over first. Contiguous CPU sources are read in
-// place, which is the common case and costs nothing.
-at::Tensor hostView(const at::Tensor& source) {
-  at::Tensor host = source.detach();
-  if (!host.device().is_cpu()) host = host.to(at::kCPU);
-  return host.is_contiguous() ? host : host.contiguous();
-}
-
-at::Tensor makeStorage(const TrackedTensor& tracked) {
+at::Tensor makeStorage(const TrackedTensor& tracked, const AveragerOptions& options,
+                       offload::PinnedArena* arena) {
   const auto dtype = isAveragingRole(tracked.role) ? at::kFloat : tracked.source.scalar_type();
-  at::Tensor storage = at::empty(tracked.source.sizes(), at::TensorOptions().dtype(dtype));
+  at::Tensor storage =
+      arena != nullptr
+          ? arena->allocate(tracked.source.sizes(), dtype)
+          : at::empty(tracked.source.sizes(),
+                      at::TensorOptions().dtype(dtype).device(
+                          options.placement == EmaPlacement::kDevice ? tracked.source.device()
+                                                                     : at::Device(at::kCPU)));
   storage.copy_(tracked.source.detach());
   return storage;
 }
@@ -39,77 +39,198 @@ void checkTracked(const TrackedTensor& tracked, std::unordered_set<std::string>&
   }
 }
 
+// What a due update does to one tensor: kCopyOnce tensors are left alone,
+// copies are refreshed, averaged tensors lerp (or copy on the first update,
+// with a zero decay, or while frozen).
+enum class Action { kSkip, kLerp, kCopy };
+
+Action actionFor(const TrackedTensor& tracked, bool firstCopy, bool weightIsOne) {
+  if (tracked.role == TrackRole::kCopyOnce) return Action::kSkip;
+  if (tracked.role == TrackRole::kCopy || firstCopy || weightIsOne) return Action::kCopy;
+  const bool frozen =
+      tracked.role == TrackRole::kAverageIfTrainable && !tracked.source.requires_grad();
+  return frozen ? Action::kCopy : Action::kLerp;
+}
+
 }  // namespace
 
 Averager::Averager(std::vector<TrackedTensor> tensors, AveragerOptions options)
     : options_(std::move(options)) {
   std::unordered_set<std::string> seen;
   for (const TrackedTensor& tracked : tensors) checkTracked(tracked, seen);
+  if (options_.placement == EmaPlacement::kPinnedHost) {
+    arena_ = std::make_unique<offload::PinnedArena>();
+    engine_ = offload::makeCopyEngine(options_.offload.engine);
+    offload::UpdatePipelineOptions pipeline;
+    pipeline.chunkBytes = options_.offload.chunkBytes;
+    pipeline.numSlots = options_.offload.numSlots;
+    pipeline.pool = options_.pool;
+    pipeline.engine = engine_.get();
+    pipeline.arena = arena_.get();
+    pipeline.fault = options_.offload.faultForTesting;
+    pipeline_ = std::make_unique<offload::UpdatePipeline>(pipeline);
+  }
   slots_.reserve(tensors.size());
   for (TrackedTensor& tracked : tensors) {
-    at::Tensor storage = makeStorage(tracked);
+    at::Tensor storage = makeStorage(tracked, options_, arena_.get());
     index_.emplace(tracked.name, slots_.size());
-    slots_.push_back(Slot{std::move(tracked), std::move(storage)});
+    slots_.push_back(Slot{std::move(tracked), std::move(storage), at::Tensor()});
   }
   initialized_ = !options_.copyOnFirstUpdate;
 }
 
 Averager::Averager(Averager&&) noexcept = default;
 Averager& Averager::operator=(Averager&&) noexcept = default;
-Averager::~Averager() = default;
+Averager::~Averager() {
+  // Waits for an update in flight (an error is only warned about: a
+  // destructor must not throw) while the engine still exists.
+  pipeline_.reset();
+}
+
+void Averager::checkNotFailed(const char* api) const {
+  TORCH_CHECK(failure_.empty(), "Averager::", api, ": this Averager is failed since a background ",
+              "update failed (", failure_, "); its EMA is partly updated. Restore a saved state ",
+              "with loadState() or load() to continue");
+}
+
+void Averager::settle(const char* api) const {
+  checkNotFailed(api);
+  if (!pipeline_) return;
+  try {
+    pipeline_->wait();
+  } catch (const c10::Error& e) {
+    failure_ = e.what_without_backtrace();
+    TORCH_CHECK(false, "Averager::", api, ": ", failure_,
+                ". The EMA is partly updated and this Averager is now failed: restore a saved "
+                "state with loadState() or load() to continue");
+  }
+}
+
+void Averager::fence() {
+  if (pipeline_) pipeline_->fence();
+}
+
+void Averager::wait() { settle("wait"); }
+
+offload::PipelineStats Averager::offloadStats() const {
+  return pipeline_ ? pipeline_->stats() : offload::PipelineStats{};
+}
 
 bool Averager::update(int64_t step) {
   TORCH_CHECK_VALUE(step > step_, "Averager::update: step must increase; got step ", step,
                     " after step ", step_);
+  if (pipeline_ && !pipeline_->sourcesReleased()) rejectUnfenced(step);
+  settle("update");
   if (!options_.schedule.isDueAt(step)) {
     step_ = step;
     return false;
   }
   const double decay = options_.schedule.decayAt(step);
-  if (!initialized_) {
-    copyAll(/*includeCopyOnce=*/false);
-    initialized_ = true;
+  const bool firstCopy = !initialized_;
+  if (pipeline_) {
+    submitToPipeline(firstCopy, 1.0 - decay, step);
   } else {
-    lerpAveraged(1.0 - decay);
+    updateOnDevice(firstCopy, 1.0 - decay);
   }
-  // Progress is recorded only once the update went through, so a failed
-  // update can be retried at the same step.
+  // Progress is recorded only once the update was accepted, so an update
+  // refused on the caller can be retried at the same step.
+  initialized_ = true;
   step_ = step;
   lastDecay_ = decay;
   return true;
 }
 
-void Averager::copyAll(bool includeCopyOnce) {
-  for (Slot& s : slots_) {
-    if (s.tracked.role == TrackRole::kCopyOnce && !includeCopyOnce) continue;
-    s.ema.copy_(hostView(s.tracked.source));
-  }
+// The previous update was neither fenced nor waited for, so whatever ran
+// since (the optimizer step) may have written its sources while they were
+// read. The version check cannot prove otherwise: LibTorch's C++ optimizers
+// write through tensor.data(), which has its own version counter. So this
+// is an error, the EMA counts as torn, and the loop must be fixed.
+void Averager::rejectUnfenced(int64_t step) {
+  settle("update");  // a written source seen by the version check comes first
+  std::ostringstream why;
+  why << "update(" << step << ") came without fence() or wait() since update(" << step_
+      << "): its sources may have been modified before fence(): call Averager::fence() "
+         "(EmaCallback::onBeforeOptimizerStep()) before optimizer.step()";
+  failure_ = why.str();
+  TORCH_CHECK(false, "Averager::update: ", failure_,
+              ". This Averager is now failed: restore a saved state with loadState() or load() "
+              "to continue");
 }
 
-void Averager::lerpAveraged(double weight) {
+void Averager::submitToPipeline(bool firstCopy, double weight, int64_t step) {
   // A zero decay must reproduce the source exactly; ema + 1 * (x - ema) can
   // be off by an ulp, so it becomes a copy.
-  const UpdateOp lerp = weight == 1.0 ? UpdateOp::kCopy : UpdateOp::kLerp;
-  std::vector<TensorUpdate> updates;
-  std::vector<Slot*> copies;
-  updates.reserve(slots_.size());
-  for (Slot& s : slots_) {
-    const TrackRole role = s.tracked.role;
-    if (isAveragingRole(role)) {
-      const bool frozen =
-          role == TrackRole::kAverageIfTrainable && !s.tracked.source.requires_grad();
-      updates.push_back(TensorUpdate{s.ema, hostView(s.tracked.source),
-                                     frozen ? UpdateOp::kCopy : lerp, s.tracked.name});
-      checkTensorUpdate(updates.back());
-    } else if (role == TrackRole::kCopy) {
-      copies.push_back(&s);
-    }
+  std::vector<offload::PipelineJob> jobs;
+  jobs.reserve(slots_.size());
+  // Everything is checked before the first snapshot is written.
+  for (const Slot& s : slots_) {
+    if (actionFor(s.tracked, firstCopy, weight == 1.0) == Action::kSkip) continue;
+    // TypeError before anything starts
+    if (isAveragingRole(s.tracked.role)) sourceTypeOf(s.tracked.source, s.tracked.name);
+    TORCH_CHECK_VALUE(s.tracked.source.sizes() == s.ema.sizes(), "Averager::update: tensor '",
+                      s.tracked.name, "' has shape ", s.tracked.source.sizes(),
+                      " but the EMA has shape ", s.ema.sizes());
   }
-  // Every averaged source was validated above, before anything is written:
-  // a bad source (say, a model moved to float64) fails the whole update.
-  WorkerPool* pool = options_.pool != nullptr ? options_.pool : &WorkerPool::shared();
-  applyTensorUpdates(updates, weight, pool);
-  for (Slot* s : copies) s->ema.copy_(hostView(s->tracked.source));
+  for (Slot& s : slots_) {
+    const Action action = actionFor(s.tracked, firstCopy, weight == 1.0);
+    if (action == Action::kSkip) continue;
+    offload::PipelineJob job{s.ema, at::Tensor(), UpdateOp::kCopy, false, s.tracked.name};
+    if (isAveragingRole(s.tracked.role)) {
+      job.source = pipelineSource(s, s.tracked.source.scalar_type());
+      job.op = action == Action::kLerp ? UpdateOp::kLerp : UpdateOp::kCopy;
+    } else {
+      // Copies keep their dtype; a source that changed dtype is converted
+      // (rare: a module cast after the Averager was built).
+      job.source = pipelineSource(s, s.ema.scalar_type());
+      job.rawCopy = true;
+    }
+    jobs.push_back(std::move(job));
+  }
+  pipeline_->submit(std::move(jobs), static_cast<float>(weight), step);
+  if (options_.offload.fenceInUpdate) pipeline_->fence();
+}
+
+// What the pipeline reads for `s`, in `dtype`. The live source when the
+// optimizer is its only writer (guarded by fence()); a synchronous host
+// snapshot when it changes in forward() (buffers: small, and the forward
+// pass may start as soon as update() returns) or needs a conversion.
+at::Tensor Averager::pipelineSource(Slot& s, at::ScalarType dtype) {
+  at::Tensor live = s.tracked.source.detach();
+  if (!s.tracked.changesInForward) {
+    // Strided or converted sources become a private copy here, which the
+    // caller may then overwrite freely.
+    if (!live.is_contiguous()) live = live.contiguous();
+    return live.scalar_type() == dtype ? live : live.to(dtype);
+  }
+  if (!s.snapshot.defined() || s.snapshot.scalar_type() != dtype ||
+      s.snapshot.sizes() != live.sizes()) {
+    s.snapshot = arena_->allocate(live.sizes(), dtype);
+  }
+  s.snapshot.copy_(live);  // blocks until read, on any device
+  return s.snapshot;
+}
+
+// The comparison placement: ATen on the sources' device. ema + w * (x - ema)
+// in float32 with the three roundings of the CPU kernels (sub, mul, add), so
+// on CPU tensors it matches kPinnedHost bit for bit.
+void Averager::updateOnDevice(bool firstCopy, double weight) {
+  for (const Slot& s : slots_) {
+    if (isAveragingRole(s.tracked.role)) sourceTypeOf(s.tracked.source, s.tracked.name);
+    TORCH_CHECK_VALUE(
+        s.tracked.source.device() == s.ema.device() && s.tracked.source.sizes() == s.ema.sizes(),
+        "Averager::update: tensor '", s.tracked.name, "' is now ", s.tracked.source.sizes(), " on ",
+        s.tracked.source.device(), " but its EMA is ", s.ema.sizes(), " on ", s.ema.device(),
+        " (placement kDevice keeps the EMA where the source was)");
+  }
+  c10::NoGradGuard noGrad;
+  const double w = static_cast<float>(weight);
+  for (Slot& s : slots_) {
+    const Action action = actionFor(s.tracked, firstCopy, weight == 1.0);
+    if (action == Action::kCopy) s.ema.copy_(s.tracked.source.detach());
+    if (action != Action::kLerp) continue;
+    at::Tensor x = s.tracked.source.detach().to(at::kFloat);
+    s.ema.add_(x.sub(s.ema).mul_(w));
+  }
 }
 
 const Averager::Slot& Averager::slot(const std::string& name, const char* api) const {
@@ -127,9 +248,14 @@ std::vector<std::string> Averager::names() const {
 
 TrackRole Averager::role(const std::string& name) const { return slot(name, "role").tracked.role; }
 
-const at::Tensor& Averager::ema(const std::string& name) const { return slot(name, "ema").ema; }
+const at::Tensor& Averager::ema(const std::string& name) const {
+  const Slot& s = slot(name, "ema");
+  settle("ema");
+  return s.ema;
+}
 
 std::vector<std::pair<std::string, at::Tensor>> Averager::emaTensors() const {
+  settle("emaTensors");
   std::vector<std::pair<std::string, at::Tensor>> out;
   out.reserve(slots_.size());
   for (const Slot& s : slots_) out.emplace_back(s.tracked.name, s.ema);
@@ -144,9 +270,17 @@ std::vector<TrackedTensor> Averager::tracked() const {
 }
 
 void Averager::copyEmaToSources() {
+  settle("copyEmaToSources");
   // Writing into leaf parameters is only allowed outside autograd.
   c10::NoGradGuard noGrad;
-  for (Slot& s : slots_) s.tracked.source.detach().copy_(s.ema);
+  if (!pipeline_) {
+    for (Slot& s : slots_) s.tracked.source.detach().copy_(s.ema);
+    return;
+  }
+  std::vector<offload::SwapJob> jobs;
+  jobs.reserve(slots_.size());
+  for (Slot& s : slots_) jobs.push_back({s.ema, s.tracked.source.detach(), s.tracked.name});
+  pipeline_->copyToDestinations(jobs);
 }
 
 }  // namespace shardema

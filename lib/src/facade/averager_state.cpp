@@ -58,6 +58,12 @@ void Averager::checkRoles(const TensorFile& file) const {
 
 LoadReport Averager::loadEmaValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
                                    LoadStrictness strictness) {
+  settle("loadEmaValues");
+  return loadValues(values, strictness);
+}
+
+LoadReport Averager::loadValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
+                                LoadStrictness strictness) {
   LoadReport report;
   std::unordered_set<std::string> given;
   for (const auto& [name, tensor] : values) {
@@ -107,6 +113,14 @@ TensorFile Averager::state() const {
 }
 
 LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness) {
+  // A failed Averager may load (that is how it recovers); an update still
+  // in flight is finished first, its error only marking us failed.
+  if (failure_.empty()) {
+    try {
+      settle("loadState");
+    } catch (const c10::Error&) {
+    }
+  }
   TORCH_CHECK_VALUE(requireKey(file, kKindKey) == kAveragerKind, "Averager::loadState: ", kKindKey,
                     " is '", file.metadata.at(kKindKey), "', expected '", kAveragerKind, "'");
   const DecaySchedule saved = DecaySchedule::fromJson(requireKey(file, "shardema.schedule"));
@@ -128,10 +142,12 @@ LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness
                     "Averager::loadState: shardema.initialized must be true or false, got '",
                     initialized, "'");
   if (strictness == LoadStrictness::kStrict) checkRoles(file);
-  LoadReport report = loadEmaValues(file.tensors, strictness);
+  LoadReport report = loadValues(file.tensors, strictness);
   step_ = step;
   lastDecay_ = lastDecay;
   initialized_ = initialized == "true";
+  // Only a state that covered every tensor replaces a partly updated EMA.
+  if (report.missing.empty()) failure_.clear();
   return report;
 }
 

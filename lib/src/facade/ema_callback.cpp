@@ -32,6 +32,8 @@ void EmaCallback::onFitStart(torch::nn::Module& module) {
   AveragerOptions averagerOptions;
   averagerOptions.schedule = DecaySchedule::warmup(options_.schedule);
   averagerOptions.pool = options_.pool;
+  averagerOptions.placement = options_.placement;
+  averagerOptions.offload = options_.offload;
   // VersatIL deep-copies the model here and every optimizer step then
   // lerps with the scheduled decay (which is 0, an exact copy, early on).
   averagerOptions.copyOnFirstUpdate = false;
@@ -72,6 +74,14 @@ bool EmaCallback::onTrainBatchEnd(int64_t globalStep, int64_t batchIdx,
     logger_(globalStep, averager_->lastDecay());
   }
   return updated;
+}
+
+void EmaCallback::onBeforeOptimizerStep() {
+  if (averager_) averager_->fence();
+}
+
+void EmaCallback::wait() {
+  if (averager_) averager_->wait();
 }
 
 void EmaCallback::onSaveCheckpoint(TrainingCheckpoint& checkpoint) const {
@@ -124,6 +134,9 @@ void EmaCallback::onValidationStart() {
   TORCH_CHECK(!emaSwappedIn(),
               "EmaCallback::onValidationStart: the EMA weights are already "
               "swapped in");
+  // The update in flight reads the weights we are about to replace, and its
+  // math must be done before the EMA is copied out.
+  averager_->wait();
   // The raw weights wait in host memory: a second copy on the accelerator
   // is exactly what an offloaded EMA must not cost.
   NamedTensors raw;

@@ -65,7 +65,9 @@ NamedTensors moduleTensors(const torch::nn::Module& module) {
 std::vector<TrackedTensor> trackModule(const torch::nn::Module& module, TrackingPolicy policy) {
   std::vector<TrackedTensor> out;
   for (ModuleTensor& t : collectModule(module)) {
-    out.push_back(TrackedTensor{std::move(t.name), t.tensor, roleFor(policy, t.traits)});
+    // Buffers (BatchNorm running statistics, counters) change in forward().
+    out.push_back(TrackedTensor{std::move(t.name), t.tensor, roleFor(policy, t.traits),
+                                /*changesInForward=*/t.traits.isBuffer});
   }
   return out;
 }

@@ -8,7 +8,11 @@
 //   - onDone runs once the bytes have landed, on the engine's own thread
 //     (CUDA host-callback thread or the host engine's copy thread). It must
 //     be short, must not throw and must not call the engine: the pipeline
-//     uses it to post the math to its worker pool.
+//     uses it to post the math to its worker pool. The engine destroys the
+//     std::function (its captures) after it returns and before
+//     synchronize() returns; CudaCopyEngine never does so on CUDA's
+//     callback thread (captures may own pinned or device memory, whose
+//     release calls CUDA), the host engine does so on its copy thread.
 // Two implementations: CudaCopyEngine (streams + events, cudaMemcpyAsync)
 // and HostCopyEngine (one copy thread, memcpy), which runs the same
 // protocol so the whole pipeline runs and is tested without a GPU.

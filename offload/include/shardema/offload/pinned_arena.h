@@ -31,9 +31,9 @@ struct PinnedArenaOptions {
 
 /// Byte counts of one arena.
 struct ArenaUsage {
-  int64_t bytesInUse = 0;   // held by live tensors now
-  int64_t peakBytes = 0;    // high-water mark of bytesInUse
-  int64_t slabsInUse = 0;   // live allocations
+  int64_t bytesInUse = 0;  // held by live tensors now
+  int64_t peakBytes = 0;   // high-water mark of bytesInUse
+  int64_t slabsInUse = 0;  // live allocations
 };
 
 class PinnedArena {

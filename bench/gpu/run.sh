@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# The one-call GPU check for a machine with a CUDA device and torch 2.x:
+#   1. builds this repository against that torch's LibTorch (Torch_DIR from
+#      torch.utils.cmake_prefix_path) with the CUDA engine;
+#   2. runs the offload and concurrency test suites; the CUDA-engine tests
+#      must run there, not skip;
+#   3. runs gpu_check: the pinned-host EMA allocates no device memory
+#      (cudaMemGetInfo before/after), pinned D2H/H2D GB/s through the engine
+#      beside plain cudaMemcpy.
+# Usage: bash bench/gpu/run.sh        (a few minutes; exit 0 = all passed)
+# A bare machine without GoogleTest/nlohmann-json/Boost/xxhash: first run
+# bench/gpu/bundle_deps.sh on a Debian machine with scripts/install_deps.sh
+# done, and bring <repo>/.gpu-deps along (or set SHARDEMA_GPU_DEPS to a
+# folder holding deps.tar.gz). Logs go to $OUT when set, else build/gpu/logs.
+set -uo pipefail
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+build=${SHARDEMA_GPU_BUILD:-$repo/build/gpu}
+logs=${OUT:-$build/logs}
+python=${PYTHON:-python3}
+mkdir -p "$build" "$logs"
+failures=()
+step() { echo; echo "== $*"; }
+fail() { echo "FAILED: $*"; failures+=("$*"); }
+
+step "environment"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
+torch_info=$(timeout 120 "$python" -c 'import torch
+print(torch.utils.cmake_prefix_path)
+print(torch.__version__, torch.version.cuda, torch.cuda.is_available())') || {
+  echo "run.sh: $python cannot import torch"; exit 2; }
+torch_prefix=$(sed -n 1p <<<"$torch_info")
+echo "torch $(sed -n 2p <<<"$torch_info") (version, CUDA, device available); prefix $torch_prefix"
+
+# The toolkit the way FindCUDAToolkit looks for it: nvcc need not be on PATH.
+cuda_root=${CUDAToolkit_ROOT:-${CUDA_PATH:-}}
+if [[ -z "$cuda_root" ]]; then
+  if command -v nvcc >/dev/null; then
+    cuda_root=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+  elif [[ -x /usr/local/cuda/bin/nvcc ]]; then
+    cuda_root=/usr/local/cuda
+  fi
+fi
+[[ -x "$cuda_root/bin/nvcc" ]] || { echo "run.sh: no CUDA toolkit found (set CUDAToolkit_ROOT)"; exit 2; }
+echo "CUDA toolkit $cuda_root ($("$cuda_root/bin/nvcc" --version | tail -1))"
+
+prefix_path="$torch_prefix"
+deps=${SHARDEMA_GPU_DEPS:-$repo/.gpu-deps}
+if [[ -f "$deps/deps.tar.gz" ]]; then
+  mkdir -p "$build/deps" && tar -C "$build/deps" -xzf "$deps/deps.tar.gz"
+  prefix_path="$build/deps/usr;$prefix_path"
+  echo "dependencies from $deps/deps.tar.gz"
+fi
+
+step "configure"
+generator=()
+command -v ninja >/dev/null && generator=(-G Ninja)
+# The compute capability of device 0 (9.0 on an H200), for torch's CUDA flags.
+arch=$(timeout 60 "$python" -c 'import torch; m, n = torch.cuda.get_device_capability(0); print(f"{m}.{n}")' 2>/dev/null || echo 9.0)
+timeout 300 cmake -S "$repo/bench/gpu" -B "$build/tree" "${generator[@]}" \
+  -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix_path" \
+  -DTorch_DIR="$torch_prefix/Torch" -DCUDAToolkit_ROOT="$cuda_root" \
+  -DCMAKE_CUDA_COMPILER="$cuda_root/bin/nvcc" -DCMAKE_CUDA_ARCHITECTURES="${arch/./}" \
+  -DTORCH_CUDA_ARCH_LIST="$arch" >"$logs/configure.log" 2>&1 || {
+  tail -40 "$logs/configure.log"; echo "run.sh: configure failed"; exit 1; }
+grep -E "^-- shardema" "$logs/configure.log"
+grep -q "CUDA LibTorch found" "$logs/configure.log" || fail "configure: the CUDA LibTorch was not detected"
+
+step "build"
+timeout 600 cmake --build "$build/tree" -j "$(nproc)" --target offload_tests concurrency_tests gpu_check \
+  >"$logs/build.log" 2>&1 || { grep -E "error|Error" "$logs/build.log" | head -30; echo "run.sh: build failed"; exit 1; }
+echo "built"
+tests=$build/tree/shardema/tests
+
+step "offload_tests"
+timeout 300 "$tests/offload_tests" --gtest_brief=1 >"$logs/offload_tests.log" 2>&1 || fail "offload_tests"
+tail -3 "$logs/offload_tests.log"
+step "CUDA engine tests (must run, not skip)"
+timeout 120 "$tests/offload_tests" --gtest_filter='CudaCopyEngineTest.*' >"$logs/cuda_tests.log" 2>&1 ||
+  fail "CudaCopyEngineTest"
+grep -E "^\[ +(OK|SKIPPED|FAILED) +\]" "$logs/cuda_tests.log"
+# Only the no-device test may skip where there is a device.
+ran=$(grep -cE "^\[ +OK \] CudaCopyEngineTest\." "$logs/cuda_tests.log")
+skipped=$(grep -E "^\[  SKIPPED \] CudaCopyEngineTest\.[A-Za-z]+ \(" "$logs/cuda_tests.log" |
+  grep -vc ConstructionFailsCleanlyWithoutDevice)
+((skipped == 0 && ran >= 4)) || fail "CUDA-engine tests: $ran ran, $skipped skipped on a GPU machine"
+step "concurrency_tests"
+timeout 300 "$tests/concurrency_tests" --gtest_brief=1 >"$logs/concurrency_tests.log" 2>&1 ||
+  fail "concurrency_tests"
+tail -3 "$logs/concurrency_tests.log"
+
+step "gpu_check"
+timeout 180 "$build/tree/gpu_check" 2>&1 | tee "$logs/gpu_check.log"
+[[ ${PIPESTATUS[0]} -eq 0 ]] || fail "gpu_check"
+
+echo
+if ((${#failures[@]})); then
+  echo "GPU CHECK FAILED: ${failures[*]} (logs in $logs)"
+  exit 1
+fi
+echo "GPU CHECK PASSED (logs in $logs)"

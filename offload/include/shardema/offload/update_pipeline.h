@@ -1,0 +1,217 @@
+#pragma once
+// UpdatePipeline: one asynchronous, chunked EMA update at a time (DESIGN
+// section 2). The sources' bytes are cut into chunks of at most chunkBytes;
+// the copy engine copies chunk k into a free staging slot and, when it has
+// landed, a worker folds it into the host EMA and frees the slot. The
+// worker that frees a slot is the one that queues the next chunk's copy
+// into it, so neither the user's thread nor the engine's callback ever waits
+// for a slot: the copy of chunk k+1 overlaps the math of chunk k.
+//
+// Threads: submit/fence/wait/copyToDestinations are for one user thread
+// (the training loop); the math runs on the WorkerPool, copy completions on
+// the engine's thread. No user code runs on either. The engine's
+// copyToHost is called from the submitting thread and from workers, several
+// at once (one per slot being refilled); never while this thread is inside
+// recordProducerPoint/fenceProducer/synchronize for the same update, and
+// never from an engine callback.
+//
+// Errors: a copy or math error fails the update: chunks not yet claimed are
+// dropped (the EMA is then partly updated: callers must treat it as such,
+// see Averager), the error is rethrown once by wait(), and the next submit
+// starts afresh.
+//
+// Misuse detection: a source written before fence() would fold undefined
+// values in silently, so submit() records each source's autograd version
+// counter (bumped by every in-place op, optimizer.step() included; an
+// atomic, safe to read from any thread) and a changed version fails the
+// update, naming the tensor and step. Checked (a) by fence() for every
+// source, or by wait() when no fence() came first, and (b) on the worker
+// after each chunk's copy has landed, before its math, with engines whose
+// completion means the bytes were read on the CPU's timeline (not "cuda",
+// whose host-side version bumps run ahead of the device). Check (b) stops
+// once fence() has released the sources (under mutex_, so a write the
+// caller makes after fence() returns is never mistaken for misuse).
+// Writes through tensor.data() (a new version counter) are not seen.
+#include <ATen/core/Tensor.h>
+#include <c10/core/TensorImpl.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "shardema/offload/copy_engine.h"
+#include "shardema/update_kernels.h"
+
+namespace shardema {
+
+class WorkerPool;
+
+namespace offload {
+
+class PinnedArena;
+
+/// Test seam: makes the math of one chunk throw, to prove errors travel.
+struct PipelineFaultForTesting {
+  /// Step whose update fails; -1 (default): never.
+  int64_t step = -1;
+  /// 0-based chunk of that update whose math throws (default 0).
+  int64_t chunk = 0;
+};
+
+struct UpdatePipelineOptions {
+  /// Bytes per staging slot, >= 64 (default 32 MiB). Larger chunks cost
+  /// fewer copy calls but a longer pipeline fill and more staging memory.
+  int64_t chunkBytes = int64_t{32} << 20;
+  /// Staging slots, >= 1 (default 2: double buffering). Staging memory is
+  /// numSlots x chunkBytes, allocated once, whatever the model size.
+  int numSlots = 2;
+  /// Threads for the math; not owned, must outlive the pipeline and have
+  /// at least one worker (the engine's thread must not run the math).
+  /// nullptr (default): WorkerPool::shared().
+  WorkerPool* pool = nullptr;
+  /// Moves the bytes; not owned, must outlive the pipeline. Required.
+  CopyEngine* engine = nullptr;
+  /// Where the staging slots come from; not owned. nullptr (default): plain
+  /// host memory (fine for the host engine; the CUDA engine wants pinned).
+  PinnedArena* arena = nullptr;
+  /// Test seam; off by default.
+  PipelineFaultForTesting fault;
+};
+
+/// One tensor of an update.
+struct PipelineJob {
+  /// Host storage updated in place: CPU, contiguous, same number of
+  /// elements as source; float32 unless rawCopy.
+  at::Tensor ema;
+  /// Read by the engine; any device, contiguous. Kept alive by the pipeline
+  /// until the update's math is done; must not be written before fence()
+  /// (an in-place write fails the update, see the file comment).
+  at::Tensor source;
+  /// kLerp: ema += weight * (source - ema); kCopy: ema = float(source).
+  UpdateOp op = UpdateOp::kLerp;
+  /// true: ema has the source's dtype and receives its bytes unchanged
+  /// (copied buffers such as integer counters); op is ignored.
+  bool rawCopy = false;
+  /// Named in errors.
+  std::string name;
+};
+
+/// A host tensor to write into a destination (swap-in, restore).
+struct SwapJob {
+  /// CPU, contiguous.
+  at::Tensor host;
+  /// Any device, same shape; converted to its dtype.
+  at::Tensor destination;
+  std::string name;
+};
+
+struct PipelineStats {
+  int64_t updates = 0;            // submit() calls with at least one chunk
+  int64_t chunks = 0;             // chunks copied, all updates
+  int64_t sourceBytes = 0;        // source bytes copied, all updates
+  double fenceWaitSeconds = 0.0;  // time fence() blocked, all updates
+  double lastFenceWaitSeconds = 0.0;
+  int64_t stagingBytes = 0;  // numSlots x chunkBytes, held for life
+};
+
+class UpdatePipeline {
+ public:
+  /// Allocates the staging slots. c10::ValueError for bad options.
+  explicit UpdatePipeline(UpdatePipelineOptions options);
+  /// Waits for an update in flight (an error is dropped with a warning).
+  ~UpdatePipeline();
+  UpdatePipeline(const UpdatePipeline&) = delete;
+  UpdatePipeline& operator=(const UpdatePipeline&) = delete;
+
+  /// Starts an update of every job with lerp weight `weight` as step `step`
+  /// and returns at once (after the first copies are queued). An update
+  /// still in flight is completed first (wait(), which may throw: then
+  /// nothing new starts). Jobs are validated here, before anything starts
+  /// (c10::ValueError / TypeError naming the tensor).
+  void submit(std::vector<PipelineJob> jobs, float weight, int64_t step);
+  /// Blocks until every chunk of the update in flight has been copied out
+  /// of its source (with the CUDA engine: until every copy is queued, then
+  /// the training stream waits on them). Late chunks' copies wait for early
+  /// chunks' math (bounded staging), so this waits for all but the last
+  /// numSlots chunks' math. Then checks that no source was written since
+  /// submit() (a write fails the update) and releases the sources: they may
+  /// change from now on. Records the time waited. Never throws for a worker
+  /// error or a written source (wait() reports it).
+  void fence();
+  /// Blocks until the update in flight is done; rethrows its first error
+  /// (c10::Error naming the tensor, chunk and step) once. Without a fence()
+  /// since submit() it checks the sources as fence() does, and releases them.
+  void wait();
+  /// Whether an update is submitted and not yet done.
+  bool busy() const;
+  /// Whether fence() or wait() has run since the last submit() (or nothing
+  /// was submitted): the sources are then free to change.
+  bool sourcesReleased() const;
+
+  /// Writes every job's host tensor into its destination through the engine
+  /// (chunked through the staging slots when the dtype differs). Waits for
+  /// an update in flight first. Blocks until the copies are done.
+  void copyToDestinations(const std::vector<SwapJob>& jobs);
+
+  PipelineStats stats() const;
+  const UpdatePipelineOptions& options() const { return options_; }
+
+ private:
+  struct Piece;
+  struct Chunk;
+  void plan(const std::vector<PipelineJob>& jobs);
+  void issueChunk(int64_t chunk, int slot);
+  void onPieceLanded(int slot, std::exception_ptr error);
+  void runChunk(int slot);
+  void applyChunk(int64_t chunk, int slot);
+  void finishChunk(int slot, std::exception_ptr&& error);
+  void queueSwapCopies(const std::vector<SwapJob>& jobs, void* swapState);
+  void recordVersions();
+  // The misuse message for job `job` if its source was written since
+  // submit(), else "". Caller holds mutex_ (see the file comment).
+  std::string writtenSince(size_t job) const;
+  // fence()/wait(): checks every source once per update and releases them.
+  // Caller holds mutex_.
+  void releaseSources();
+
+  UpdatePipelineOptions options_;
+  WorkerPool* pool_ = nullptr;
+  std::vector<at::Tensor> staging_;  // numSlots slots of chunkBytes
+  std::vector<char*> stagingData_;
+
+  // The update in flight. Written by submit() before any copy is queued and
+  // read-only afterwards (the engine and pool hand-offs order it).
+  std::vector<PipelineJob> jobs_;
+  std::vector<Chunk> chunks_;
+  float weight_ = 0.0f;
+  int64_t step_ = 0;
+
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  // All guarded by mutex_.
+  std::vector<int64_t> slotChunk_;          // chunk held by each slot, -1 if free
+  std::vector<std::string> slotCopyError_;  // engine error per slot, "" if none
+  int64_t claimed_ = 0;                     // chunks given a slot
+  int64_t queued_ = 0;                      // chunks whose copies the engine has
+  int64_t finished_ = 0;                    // chunks whose math is done or skipped
+  bool inFlight_ = false;
+  bool failed_ = false;
+  std::exception_ptr firstError_;
+  PipelineStats stats_;
+  // Autograd version counter of each job's source and its value at submit
+  // (disabled for inference tensors: never checked). Written by submit()
+  // before any copy is queued, read-only afterwards.
+  std::vector<std::pair<c10::VariableVersion, uint32_t>> versions_;
+  bool checkOnLanding_ = false;  // check (b); fixed by the engine's kind
+  bool released_ = true;         // guarded by mutex_: sources checked and free
+  // Copies of the slot's chunk not yet landed; counted down by the engine.
+  std::unique_ptr<std::atomic<int>[]> piecesLeft_;
+};
+
+}  // namespace offload
+}  // namespace shardema

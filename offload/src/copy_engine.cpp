@@ -1,0 +1,62 @@
+#include "shardema/offload/copy_engine.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <mutex>
+
+#include "shardema/offload/cuda_copy_engine.h"
+#include "shardema/offload/device_probe.h"
+#include "shardema/offload/host_copy_engine.h"
+
+namespace shardema::offload {
+namespace {
+
+// kAuto's choice, one line per process. The no-device case is already
+// announced by probeCudaDevices(); a CUDA engine that fails to start is not.
+void logAutoChoice(const char* line) {
+  static std::once_flag once;
+  std::call_once(once, [line] { std::fprintf(stderr, "shardema: %s\n", line); });
+}
+
+std::unique_ptr<CopyEngine> makeCuda() {
+  TORCH_CHECK(CudaCopyEngine::compiledIn(),
+              "makeCopyEngine(kCuda): shardema was built without CUDA (no CUDA toolkit at "
+              "configure time); use EngineChoice::kAuto or kHost");
+  const DeviceProbe& probe = probeCudaDevices();
+  TORCH_CHECK(probe.deviceCount > 0, "makeCopyEngine(kCuda): no usable CUDA device (", probe.reason,
+              "); use EngineChoice::kAuto or kHost");
+  return std::make_unique<CudaCopyEngine>();
+}
+
+std::unique_ptr<CopyEngine> makeAuto() {
+  if (!CudaCopyEngine::compiledIn() || probeCudaDevices().deviceCount == 0) {
+    return std::make_unique<HostCopyEngine>();
+  }
+  try {
+    auto engine = std::make_unique<CudaCopyEngine>();
+    logAutoChoice("CUDA device found; using the CUDA copy engine");
+    return engine;
+  } catch (const c10::Error& e) {
+    // A device that cannot give us streams should not stop training.
+    TORCH_WARN("makeCopyEngine(kAuto): the CUDA copy engine failed to start (",
+               e.what_without_backtrace(), "); using the host engine");
+    return std::make_unique<HostCopyEngine>();
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<CopyEngine> makeCopyEngine(EngineChoice choice) {
+  switch (choice) {
+    case EngineChoice::kHost:
+      return std::make_unique<HostCopyEngine>();
+    case EngineChoice::kCuda:
+      return makeCuda();
+    case EngineChoice::kAuto:
+      return makeAuto();
+  }
+  TORCH_CHECK_VALUE(false, "makeCopyEngine: unknown EngineChoice ", static_cast<int>(choice));
+}
+
+}  // namespace shardema::offload

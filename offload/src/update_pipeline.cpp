@@ -1,0 +1,405 @@
+#include "shardema/offload/update_pipeline.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <sstream>
+#include <utility>
+
+#include "shardema/offload/pinned_arena.h"
+#include "shardema/tensor_update.h"
+#include "shardema/worker_pool.h"
+
+namespace shardema::offload {
+
+// A contiguous run of one job's elements, placed at stagingOffset in a slot.
+// Raw pointers are taken on the submitting thread so workers never touch
+// at::Tensor objects.
+struct UpdatePipeline::Piece {
+  size_t job = 0;
+  const char* src = nullptr;  // source bytes (any device)
+  char* ema = nullptr;        // first EMA element of the piece (host)
+  int64_t count = 0;          // elements
+  int64_t bytes = 0;          // source bytes
+  int64_t stagingOffset = 0;
+  SourceType type = SourceType::kFloat32;  // unused for raw copies
+};
+
+// What one staging slot holds at a time.
+struct UpdatePipeline::Chunk {
+  std::vector<Piece> pieces;
+};
+
+namespace {
+
+// Piece starts in a slot are cache-line aligned: two pieces never share a
+// line, and the kernels' vector loads start aligned.
+constexpr int64_t kPieceAlign = 64;
+
+int64_t alignUp(int64_t value, int64_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
+
+std::string describe(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+void checkJob(const PipelineJob& job) {
+  const char* api = "UpdatePipeline::submit";
+  TORCH_CHECK_VALUE(job.ema.defined() && job.source.defined(), api, ": tensor '", job.name,
+                    "' has an undefined ema or source");
+  TORCH_CHECK_VALUE(job.ema.device().is_cpu() && job.ema.is_contiguous(), api, ": ema of '",
+                    job.name, "' must be a contiguous CPU tensor, got device ", job.ema.device());
+  TORCH_CHECK_VALUE(job.source.is_contiguous(), api, ": source of '", job.name,
+                    "' is not contiguous (strides ", job.source.strides(),
+                    "); pass source.contiguous()");
+  TORCH_CHECK_VALUE(job.ema.numel() == job.source.numel(), api, ": tensor '", job.name, "' has ",
+                    job.source.numel(), " source elements but ", job.ema.numel(), " EMA elements");
+  if (job.rawCopy) {
+    TORCH_CHECK_TYPE(job.ema.scalar_type() == job.source.scalar_type(), api, ": raw copy of '",
+                     job.name, "' needs equal dtypes, got ema ", job.ema.scalar_type(),
+                     " and source ", job.source.scalar_type());
+    return;
+  }
+  TORCH_CHECK_TYPE(job.ema.scalar_type() == at::kFloat, api, ": ema of '", job.name,
+                   "' must be float32, got ", job.ema.scalar_type());
+  sourceTypeOf(job.source, job.name);  // float32 / bfloat16 / float16, else TypeError
+}
+
+}  // namespace
+
+UpdatePipeline::UpdatePipeline(UpdatePipelineOptions options) : options_(std::move(options)) {
+  const char* api = "UpdatePipeline";
+  TORCH_CHECK_VALUE(options_.chunkBytes >= kPieceAlign, api,
+                    ": chunkBytes must be >= ", kPieceAlign, ", got ", options_.chunkBytes);
+  TORCH_CHECK_VALUE(options_.numSlots >= 1, api, ": numSlots must be >= 1, got ",
+                    options_.numSlots);
+  TORCH_CHECK_VALUE(options_.engine != nullptr, api, ": options.engine is required");
+  pool_ = options_.pool != nullptr ? options_.pool : &WorkerPool::shared();
+  TORCH_CHECK_VALUE(pool_->size() >= 1, api,
+                    ": the worker pool needs at least one thread, got 0 (the math must not run "
+                    "on the copy engine's thread)");
+  for (int s = 0; s < options_.numSlots; ++s) {
+    staging_.push_back(options_.arena != nullptr
+                           ? options_.arena->allocate({options_.chunkBytes}, at::kByte)
+                           : at::empty({options_.chunkBytes}, at::kByte));
+    stagingData_.push_back(static_cast<char*>(staging_.back().data_ptr()));
+  }
+  slotChunk_.assign(options_.numSlots, -1);
+  slotCopyError_.assign(options_.numSlots, std::string());
+  piecesLeft_ = std::make_unique<std::atomic<int>[]>(options_.numSlots);
+  // A CUDA copy's completion says nothing about when the host thread bumped
+  // a version (it runs ahead of the device); host-side engines copy on the
+  // CPU's timeline, so a version read after landing is meaningful.
+  checkOnLanding_ = std::strcmp(options_.engine->name(), "cuda") != 0;
+  stats_.stagingBytes = options_.chunkBytes * options_.numSlots;
+}
+
+UpdatePipeline::~UpdatePipeline() {
+  try {
+    wait();
+  } catch (const c10::Error& e) {
+    TORCH_WARN("UpdatePipeline: an update failed and nobody waited for it: ",
+               e.what_without_backtrace());
+  }
+  // Completion callbacks may still be returning on the engine's thread.
+  options_.engine->synchronize();
+}
+
+void UpdatePipeline::plan(const std::vector<PipelineJob>& jobs) {
+  chunks_.clear();
+  const int64_t capacity = options_.chunkBytes;
+  int64_t used = capacity;  // the first piece opens a chunk
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const int64_t srcSize = jobs[j].source.element_size();
+    const int64_t emaSize = jobs[j].ema.element_size();
+    const auto* src = static_cast<const char*>(jobs[j].source.data_ptr());
+    auto* ema = static_cast<char*>(jobs[j].ema.data_ptr());
+    const SourceType type =
+        jobs[j].rawCopy ? SourceType::kFloat32 : sourceTypeOf(jobs[j].source, jobs[j].name);
+    const int64_t total = jobs[j].source.numel();
+    for (int64_t first = 0; first < total;) {
+      int64_t offset = alignUp(used, kPieceAlign);
+      if (offset + srcSize > capacity) {
+        chunks_.emplace_back();
+        offset = 0;
+      }
+      const int64_t count = std::min(total - first, (capacity - offset) / srcSize);
+      chunks_.back().pieces.push_back(Piece{j, src + first * srcSize, ema + first * emaSize, count,
+                                            count * srcSize, offset, type});
+      used = offset + count * srcSize;
+      first += count;
+    }
+  }
+}
+
+void UpdatePipeline::submit(std::vector<PipelineJob> jobs, float weight, int64_t step) {
+  wait();
+  TORCH_CHECK_VALUE(weight >= 0.0f && weight <= 1.0f,
+                    "UpdatePipeline::submit: weight (1 - decay) must be in [0, 1], got ", weight);
+  for (const PipelineJob& job : jobs) checkJob(job);
+  jobs_ = std::move(jobs);
+  plan(jobs_);
+  weight_ = weight;
+  step_ = step;
+  recordVersions();
+  const auto total = static_cast<int64_t>(chunks_.size());
+  if (total == 0) return;
+  const int64_t first = std::min<int64_t>(options_.numSlots, total);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    claimed_ = first;
+    queued_ = finished_ = 0;
+    failed_ = false;
+    inFlight_ = true;
+    for (int64_t c = 0; c < first; ++c) slotChunk_[c] = c;
+    stats_.updates += 1;
+    stats_.chunks += total;
+    for (const Chunk& chunk : chunks_) {
+      for (const Piece& piece : chunk.pieces) stats_.sourceBytes += piece.bytes;
+    }
+  }
+  options_.engine->recordProducerPoint();
+  for (int64_t c = 0; c < first; ++c) issueChunk(c, static_cast<int>(c));
+}
+
+// Runs on the submitting thread (first numSlots chunks) or on the worker
+// that just freed `slot`. Never with mutex_ held: the engine may take its
+// own lock, and its thread takes ours in onPieceLanded.
+void UpdatePipeline::issueChunk(int64_t chunk, int slot) {
+  const Chunk& c = chunks_[chunk];
+  const auto pieces = static_cast<int>(c.pieces.size());
+  piecesLeft_[slot].store(pieces, std::memory_order_relaxed);
+  for (int p = 0; p < pieces; ++p) {
+    const Piece& piece = c.pieces[p];
+    try {
+      options_.engine->copyToHost(piece.src, stagingData_[slot] + piece.stagingOffset,
+                                  static_cast<size_t>(piece.bytes),
+                                  [this, slot](std::exception_ptr e) { onPieceLanded(slot, e); });
+    } catch (...) {
+      // The pieces the engine did not take will never call back: account
+      // for them here so the chunk still finishes (as failed).
+      const std::exception_ptr error = std::current_exception();
+      for (int rest = p; rest < pieces; ++rest) onPieceLanded(slot, error);
+      break;
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  ++queued_;
+  if (finished_ == claimed_ && queued_ == claimed_) inFlight_ = false;
+  changed_.notify_all();
+}
+
+// Engine thread: short, no engine calls. The last piece of a chunk hands
+// the chunk to a worker.
+void UpdatePipeline::onPieceLanded(int slot, std::exception_ptr error) {
+  if (error) {
+    // Only the message crosses threads: sharing the engine's exception
+    // object would let its last release race a reader on another thread.
+    const std::string message = describe(error);
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (slotCopyError_[slot].empty()) slotCopyError_[slot] = "copy failed: " + message;
+  }
+  // acq_rel: the worker must see every piece's bytes, whichever callback
+  // (or issuing thread) counted down last.
+  if (piecesLeft_[slot].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    pool_->post([this, slot] { runChunk(slot); });
+  }
+}
+
+// Worker: the math of one landed chunk (or its failure), then the slot's
+// next chunk.
+void UpdatePipeline::runChunk(int slot) {
+  int64_t chunk = -1;
+  std::string failure;
+  bool skip = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    chunk = slotChunk_[slot];
+    failure = std::exchange(slotCopyError_[slot], std::string());
+    skip = failed_;
+    // Check (b): the chunk's bytes have landed; a source written before now
+    // and before fence() means they may be torn. Under mutex_ so that it
+    // never runs after fence() released the sources.
+    if (failure.empty() && !skip && checkOnLanding_ && !released_) {
+      for (const Piece& piece : chunks_[chunk].pieces) {
+        failure = writtenSince(piece.job);
+        if (!failure.empty()) break;
+      }
+    }
+  }
+  if (failure.empty() && !skip) {
+    try {
+      applyChunk(chunk, slot);
+    } catch (...) {
+      failure = describe(std::current_exception());
+    }
+  }
+  std::exception_ptr error;
+  if (!failure.empty()) {
+    // Name every tensor the chunk touches (usually one).
+    std::ostringstream names;
+    for (const Piece& piece : chunks_[chunk].pieces) {
+      names << (names.tellp() > 0 ? "', '" : "") << jobs_[piece.job].name;
+    }
+    try {
+      TORCH_CHECK(false, "UpdatePipeline: the EMA update of step ", step_, " failed on tensor '",
+                  names.str(), "' (chunk ", chunk, " of ", chunks_.size(), "): ", failure);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  finishChunk(slot, std::move(error));
+}
+
+// Worker: the math of one landed chunk.
+void UpdatePipeline::applyChunk(int64_t chunk, int slot) {
+  if (step_ == options_.fault.step && chunk == options_.fault.chunk) {
+    TORCH_CHECK(false, "injected fault (PipelineFaultForTesting)");
+  }
+  std::vector<UpdateSpan> spans;
+  for (const Piece& piece : chunks_[chunk].pieces) {
+    const PipelineJob& job = jobs_[piece.job];
+    const char* staged = stagingData_[slot] + piece.stagingOffset;
+    if (job.rawCopy) {
+      std::memcpy(piece.ema, staged, static_cast<size_t>(piece.bytes));
+      continue;
+    }
+    UpdateSpan span;
+    span.ema = reinterpret_cast<float*>(piece.ema);
+    span.src = staged;
+    span.type = piece.type;
+    span.count = piece.count;
+    span.op = job.op;
+    spans.push_back(span);
+  }
+  updateSpans(spans, weight_, pool_);
+}
+
+void UpdatePipeline::finishChunk(int slot, std::exception_ptr&& error) {
+  int64_t next = -1;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // Moved, not copied: this thread must hold no reference once the waiter
+    // can see the error, or its release could be the one that frees it
+    // (racing the waiter's reads, as ThreadSanitizer reports).
+    if (error && !failed_) {
+      failed_ = true;
+      firstError_ = std::move(error);
+    }
+    error = nullptr;
+    ++finished_;
+    const auto total = static_cast<int64_t>(chunks_.size());
+    if (!failed_ && claimed_ < total) next = claimed_++;
+    slotChunk_[slot] = next;
+    // After a failure nothing new is claimed: the update ends once the
+    // chunks already given to the engine are back.
+    if (finished_ == claimed_ && queued_ == claimed_) inFlight_ = false;
+    changed_.notify_all();
+  }
+  if (next >= 0) issueChunk(next, slot);
+}
+
+void UpdatePipeline::fence() {
+  const auto start = std::chrono::steady_clock::now();
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [this] {
+      const auto total = static_cast<int64_t>(chunks_.size());
+      return !inFlight_ || (queued_ == claimed_ && (claimed_ == total || failed_));
+    });
+  }
+  options_.engine->fenceProducer();
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::lock_guard<std::mutex> lock(mutex_);
+  releaseSources();
+  stats_.lastFenceWaitSeconds = waited;
+  stats_.fenceWaitSeconds += waited;
+}
+
+void UpdatePipeline::wait() {
+  std::exception_ptr error;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [this] { return !inFlight_; });
+    releaseSources();
+    error = std::exchange(firstError_, nullptr);
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+void UpdatePipeline::recordVersions() {
+  versions_.clear();
+  versions_.reserve(jobs_.size());
+  for (const PipelineJob& job : jobs_) {
+    // A copy of the counter handle, taken here on the caller's thread, so
+    // workers never touch the TensorImpl; the count itself is atomic.
+    c10::VariableVersion counter = job.source.unsafeGetTensorImpl()->version_counter();
+    const uint32_t now = counter.enabled() ? counter.current_version() : 0;
+    versions_.emplace_back(std::move(counter), now);
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  released_ = jobs_.empty();
+  failed_ = false;  // a failed earlier update is done (submit waited)
+}
+
+std::string UpdatePipeline::writtenSince(size_t job) const {
+  const auto& [counter, recorded] = versions_[job];
+  if (!counter.enabled()) return std::string();
+  const uint32_t now = counter.current_version();
+  if (now == recorded) return std::string();
+  std::ostringstream message;
+  message << "source tensor '" << jobs_[job].name << "' was written in place (version " << recorded
+          << " at update(), " << now
+          << " now) while the update was reading it: it was modified before fence(): call "
+             "Averager::fence() (EmaCallback::onBeforeOptimizerStep()) before optimizer.step()";
+  return message.str();
+}
+
+void UpdatePipeline::releaseSources() {
+  if (released_) return;
+  released_ = true;
+  for (size_t j = 0; j < jobs_.size(); ++j) {
+    const std::string written = writtenSince(j);
+    if (written.empty()) continue;
+    // Later chunks are dropped; the update fails as a worker error would.
+    if (!failed_) {
+      failed_ = true;
+      try {
+        TORCH_CHECK(false, "UpdatePipeline: the EMA update of step ", step_, " failed: ", written);
+      } catch (...) {
+        firstError_ = std::current_exception();
+      }
+    }
+    return;
+  }
+}
+
+bool UpdatePipeline::sourcesReleased() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return released_;
+}
+
+bool UpdatePipeline::busy() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return inFlight_;
+}
+
+PipelineStats UpdatePipeline::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_;
+}
+
+}  // namespace shardema::offload
