@@ -21,3 +21,13 @@ if(NOT SHARDEMA_WITH_CUDA STREQUAL "OFF")
     message(STATUS "shardema: no CUDA toolkit; host engine only")
   endif()
 endif()
+
+# xxhash (libxxhash-dev): XXH64 checksums of checkpoint files. Found as a
+# plain library path rather than an imported target: shardema_core is static,
+# so its private dependencies travel in the exported package as
+# $<LINK_ONLY:path>, which a consumer can link without finding xxhash itself.
+find_path(SHARDEMA_XXHASH_INCLUDE_DIR xxhash.h)
+find_library(SHARDEMA_XXHASH_LIBRARY NAMES xxhash)
+if(NOT SHARDEMA_XXHASH_INCLUDE_DIR OR NOT SHARDEMA_XXHASH_LIBRARY)
+  message(FATAL_ERROR "shardema: xxhash not found (apt-get install libxxhash-dev)")
+endif()

@@ -8,7 +8,7 @@ packages=(
   libtorch-dev libgloo-dev          # LibTorch 1.13 (CPU) with c10d; Gloo headers
   libboost-dev                      # Boost.Asio (header-only)
   nlohmann-json3-dev                # safetensors headers
-  libxxhash-dev                     # checksums in manifests
+  libxxhash-dev xxhash              # checksums in manifests (xxhsum: test reference)
   libgtest-dev libbenchmark-dev     # tests and benchmarks
   python3-torch python3-numpy       # interop tests (Debian's /usr/bin/python3)
   clang libclang-rt-14-dev          # libFuzzer run in CI

@@ -8,7 +8,9 @@
 #include <string>
 #include <vector>
 
+#include "export_command.h"
 #include "flag_parser.h"
+#include "inspect_command.h"
 #include "schedule_command.h"
 
 namespace {
@@ -26,6 +28,10 @@ struct Command {
 const Command kCommands[] = {
     {"schedule", "print EMA decay values of a schedule, or the step it reaches a target",
      shardema::cli::runScheduleCommand},
+    {"export", "merge a per-rank checkpoint into deployable weights, or reshard it",
+     shardema::cli::runExportCommand},
+    {"inspect", "validate a safetensors file or checkpoint folder and list its contents",
+     shardema::cli::runInspectCommand},
 };
 
 void printUsage(std::ostream& out) {

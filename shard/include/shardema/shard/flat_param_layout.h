@@ -31,8 +31,11 @@ struct FlatParamOptions {
 class FlatParamLayout {
  public:
   /// Lays the members out for `worldSize` ranks. All members share the flat
-  /// parameter's dtype (float32, bfloat16 or float16). c10::ValueError for an
-  /// empty or duplicate name, a negative dim or worldSize < 1.
+  /// parameter's dtype (float32, bfloat16 or float16 in practice; any dtype
+  /// whose element size divides 16 is accepted). Alignment padding goes
+  /// before every member, empty ones included, as FSDP does; the first
+  /// member starts at 0. c10::ValueError for an empty or duplicate name, a
+  /// negative dim or worldSize < 1.
   FlatParamLayout(std::vector<FlatParamMember> members, c10::ScalarType dtype, int64_t worldSize,
                   FlatParamOptions options = {});
 

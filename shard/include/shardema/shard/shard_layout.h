@@ -22,9 +22,15 @@ struct ShardLayout {
   /// Spec by name; c10::IndexError naming it when absent.
   const ShardSpec& at(const std::string& name) const;
 
-  /// Canonical JSON text (stable across runs and machines: no whitespace
-  /// variation, fixed key order); fromJson validates (check()) and names the
-  /// offending entry on error (c10::ValueError).
+  /// Canonical JSON text (stable across runs and machines: no whitespace,
+  /// fixed key order), e.g.
+  ///   {"format":1,"world_size":2,"tensors":[{"name":"w","kind":"fsdp2",
+  ///    "dtype":"F32","shape":[3,2],"ranges":[[0,4],[4,6]]}]}
+  /// kind as layoutKindName(), dtype as the safetensors code (F64, F32, F16,
+  /// BF16, I64, I32, I16, I8, U8, BOOL; another dtype is a c10::ValueError
+  /// naming the tensor). An empty layout has world_size 0.
+  /// fromJson validates (check(), unknown keys, types, world_size matching
+  /// every entry) and names the offending entry on error (c10::ValueError).
   std::string toJson() const;
   static ShardLayout fromJson(const std::string& text);
   /// 16 hex digits: XXH64 of toJson(). Equal layouts, equal fingerprints.
@@ -34,10 +40,11 @@ struct ShardLayout {
   std::string describe() const;
 };
 
-/// A layout of the same tensors (names, shapes, dtypes, kinds) for another
-/// world size: what resharding W -> W' targets. kFsdp1 specs cannot be
-/// re-derived per tensor and become kFsdp2 (c10::ValueError never; the
-/// switch is documented in the returned specs' kind).
+/// A layout of the same tensors (names, shapes, dtypes, kinds, order) for
+/// another world size: what resharding W -> W' targets. kFsdp1 specs cannot
+/// be re-derived per tensor (the cut depends on the unit's other members)
+/// and become kFsdp2; the returned specs' kind says so. c10::ValueError only
+/// for worldSize < 1.
 ShardLayout relayout(const ShardLayout& layout, int64_t worldSize);
 
 }  // namespace shard

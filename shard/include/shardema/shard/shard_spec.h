@@ -70,7 +70,12 @@ struct ShardSpec {
 };
 
 /// Checks a spec's invariants: non-empty name, non-negative dims, at least
-/// one rank, ranges disjoint, ordered by rank, covering [0, numel()).
+/// one rank, and ranges that tile [0, numel()) in rank order:
+/// ranges[0].begin == 0, ranges[r].begin == ranges[r-1].end, the last end ==
+/// numel(). So they are disjoint and cover the tensor, and an empty range
+/// sits where the previous one ended (e.g. [numel, numel) for trailing FSDP2
+/// ranks; FSDP1 members before rank r's slice get [0, 0)). Every spec made
+/// here has that canonical form, which keeps == and fingerprints meaningful.
 /// c10::ValueError naming the tensor and the broken invariant.
 void checkShardSpec(const ShardSpec& spec);
 
@@ -79,7 +84,10 @@ void checkShardSpec(const ShardSpec& spec);
 /// one element. c10::ValueError for a bad rank, world size or shape.
 ElementRange fsdp2Range(const std::vector<int64_t>& globalShape, int64_t rank, int64_t worldSize);
 
-/// Whole-tensor specs of the three per-tensor layouts.
+/// Whole-tensor specs of the three per-tensor layouts. kReplicated uses the
+/// FSDP2 ranges; kRankZero gives rank 0 [0, numel) and the others
+/// [numel, numel). c10::ValueError naming the tensor for worldSize < 1 or a
+/// negative dim.
 ShardSpec fsdp2Spec(const std::string& name, const std::vector<int64_t>& globalShape,
                     c10::ScalarType dtype, int64_t worldSize);
 ShardSpec replicatedSpec(const std::string& name, const std::vector<int64_t>& globalShape,

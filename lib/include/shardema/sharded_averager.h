@@ -1,0 +1,134 @@
+#pragma once
+// ShardedAverager: the EMA of this rank's shards of a sharded (FSDP1, FSDP2)
+// or replicated model (DESIGN section 3). Each rank tracks exactly the
+// elements it owns, described by a shard::ShardSpec per tensor; the EMA is
+// elementwise, so update() never communicates and the union of every rank's
+// EMA equals the EMA a single process would keep of the full tensors.
+// Full tensors exist only when asked for (gatherFull, exportFull) or offline
+// (sharded_checkpoint.h: exportCheckpoint over a saved folder).
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "shardema/averager.h"
+#include "shardema/shard/flat_param_layout.h"
+#include "shardema/shard/gather.h"
+#include "shardema/shard/shard_layout.h"
+#include "shardema/shard/shard_spec.h"
+#include "shardema/tracking_policy.h"
+
+namespace shardema {
+
+namespace shard {
+class Communicator;
+}  // namespace shard
+
+/// One tensor of this rank: its local elements and how the global tensor is
+/// split. `local` is a handle to the live local shard (e.g. FSDP2's local
+/// DTensor view, a view into FSDP1's flat shard): read at every update,
+/// written only by copyEmaToSources. Any shape; numel must be this rank's
+/// range size and dtype the spec's.
+struct LocalShard {
+  at::Tensor local;
+  shard::ShardSpec spec;
+  TrackRole role = TrackRole::kAverage;
+};
+
+class ShardedAverager {
+ public:
+  /// Validates every shard (spec invariants, rank inside the world size, one
+  /// world size for all, unique names, local numel == the rank's range size,
+  /// local dtype == spec dtype: c10::ValueError naming the tensor), then
+  /// builds the Averager over the local shards under their global names.
+  /// An empty shard list is allowed, but then worldSize() is 0 and the
+  /// collectives refuse every communicator: use the overload below.
+  ShardedAverager(int64_t rank, std::vector<LocalShard> shards, AveragerOptions options = {});
+  /// As above with the world size given (every spec must have it; rank in
+  /// [0, worldSize)): works with an empty shard list too.
+  ShardedAverager(int64_t rank, int64_t worldSize, std::vector<LocalShard> shards,
+                  AveragerOptions options = {});
+  ShardedAverager(const ShardedAverager&) = delete;
+  ShardedAverager& operator=(const ShardedAverager&) = delete;
+  ShardedAverager(ShardedAverager&&) noexcept = default;
+  ShardedAverager& operator=(ShardedAverager&&) noexcept = default;
+  ~ShardedAverager() = default;
+
+  int64_t rank() const { return rank_; }
+  /// Shared by every spec; the worldSize passed to the shard builders.
+  int64_t worldSize() const { return worldSize_; }
+  /// Every tensor's spec, in attach order (what checkpoints record).
+  const shard::ShardLayout& layout() const { return layout_; }
+  /// This rank's live local shards, attach order.
+  const std::vector<LocalShard>& shards() const { return shards_; }
+
+  /// Averager::update / fence / wait of the local shards (no communication).
+  bool update(int64_t step) { return averager_.update(step); }
+  void fence() { averager_.fence(); }
+  void wait() { averager_.wait(); }
+  int64_t step() const { return averager_.step(); }
+
+  /// The Averager underneath: EMA storage in local shapes, state(), options.
+  Averager& averager() { return averager_; }
+  const Averager& averager() const { return averager_; }
+
+  /// This rank's EMA pieces as 1-D contiguous CPU tensors in layout order
+  /// (numel = the rank's range size; float32 for averaging roles, the source
+  /// dtype for copies). Waits for an update in flight. Views of our storage
+  /// for the kPinnedHost placement; host copies for kDevice.
+  std::vector<at::Tensor> localEmaPieces() const;
+
+  /// Collective (every rank calls it): the full EMA tensors, global shapes,
+  /// on the receiving rank(s) of `options` (shard::gatherFull). When this
+  /// rank's localEmaPieces() throws (e.g. a failed background update), it
+  /// joins with GatherOptions::localError, so every rank fails at once.
+  std::vector<std::pair<std::string, at::Tensor>> gatherFull(
+      shard::Communicator& comm, shard::GatherOptions options = {}) const;
+
+  /// Collective: streams the full EMA to options.root (>= 0), which writes
+  /// one deployable safetensors file at `path` tensor by tensor
+  /// (TensorFileWriter), never holding more than options.bufferBytes of
+  /// gathered data. Floating tensors are written as `dtype` (float32,
+  /// bfloat16 or float16); integer/bool copies keep their dtype. Metadata:
+  /// shardema.kind=deployable_weights, shardema.step, shardema.schedule.
+  /// Crash-safe: a failure leaves any old file at `path` as it was. If the
+  /// root cannot create the file, or any rank's localEmaPieces() throws,
+  /// every rank fails (c10::Error naming it) before anything moves; when
+  /// the root's append/commit fails, every rank fails after the gather.
+  /// Blocks.
+  void exportFull(shard::Communicator& comm, const std::string& path,
+                  c10::ScalarType dtype = c10::ScalarType::Float,
+                  shard::GatherOptions options = {}) const;
+
+ private:
+  int64_t rank_ = 0;
+  int64_t worldSize_ = 0;
+  std::vector<LocalShard> shards_;
+  shard::ShardLayout layout_;
+  Averager averager_;
+};
+
+/// Local shards of full module tensors for a per-tensor layout (kFsdp2,
+/// kReplicated, kRankZero): each local is a view of `rank`'s rows of the
+/// full tensor (dim-0 rows [min(r*c, d0), min((r+1)*c, d0)) for FSDP2 and
+/// replicated, everything or nothing for rank 0 full copy), which is what
+/// FSDP2's local DTensor view holds; 0-dim tensors belong to rank 0. The
+/// spec dtype is the tensor's. `full` must be contiguous (c10::ValueError
+/// naming the tensor); kFsdp1 is refused (use shardsFromFlatParam).
+std::vector<LocalShard> shardsFromFullTensors(const std::vector<TrackedTensor>& full,
+                                              shard::LayoutKind kind, int64_t rank,
+                                              int64_t worldSize);
+
+/// Local shards of one FSDP1 unit on `rank`: views into `localFlatShard`
+/// (the rank's 1-D flat shard, FlatParamLayout::shardNumel() elements of its
+/// dtype, padding included) at each member's localOffset, with the members'
+/// kFsdp1 specs. Padding is never tracked. c10::ValueError for a flat shard
+/// of the wrong size, dtype or rank.
+std::vector<LocalShard> shardsFromFlatParam(const shard::FlatParamLayout& layout,
+                                            const at::Tensor& localFlatShard, int64_t rank,
+                                            TrackRole role = TrackRole::kAverage);
+
+}  // namespace shardema

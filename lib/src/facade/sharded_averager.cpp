@@ -1,0 +1,190 @@
+#include "shardema/sharded_averager.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <unordered_set>
+
+#include "sharded_internal.h"
+
+namespace shardema {
+namespace {
+
+constexpr const char* kApi = "ShardedAverager";
+
+void checkShard(const LocalShard& shard, int64_t rank, int64_t worldSize) {
+  const shard::ShardSpec& spec = shard.spec;
+  shard::checkShardSpec(spec);
+  TORCH_CHECK_VALUE(spec.worldSize() == worldSize, kApi, ": tensor '", spec.name,
+                    "' has a spec for ", spec.worldSize(), " ranks but the first tensor's is for ",
+                    worldSize, "; every spec must describe the same job");
+  TORCH_CHECK_VALUE(rank >= 0 && rank < worldSize, kApi, ": rank ", rank,
+                    " is outside the world size ", worldSize, " of tensor '", spec.name, "'");
+  TORCH_CHECK_VALUE(shard.local.defined(), kApi, ": tensor '", spec.name,
+                    "' has an undefined local shard");
+  const int64_t expected = spec.rangeOf(rank).size();
+  TORCH_CHECK_VALUE(shard.local.numel() == expected, kApi, ": tensor '", spec.name,
+                    "' has a local shard of ", shard.local.numel(), " elements but rank ", rank,
+                    " owns ", expected, " (range [", spec.rangeOf(rank).begin, ", ",
+                    spec.rangeOf(rank).end, ") of ", spec.numel(), ")");
+  TORCH_CHECK_VALUE(shard.local.scalar_type() == spec.dtype, kApi, ": tensor '", spec.name,
+                    "' has a local shard of dtype ", shard.local.scalar_type(),
+                    " but its spec says ", spec.dtype);
+}
+
+// Validates before the Averager copies anything, so errors name the shard
+// spec problem rather than an Averager one.
+std::vector<LocalShard> checkedShards(int64_t rank, std::vector<LocalShard> shards,
+                                      int64_t worldSize) {
+  std::unordered_set<std::string> names;
+  if (worldSize < 0) worldSize = shards.empty() ? 0 : shards.front().spec.worldSize();
+  for (const LocalShard& shard : shards) {
+    checkShard(shard, rank, worldSize);
+    TORCH_CHECK_VALUE(names.insert(shard.spec.name).second, kApi, ": tensor '", shard.spec.name,
+                      "' is given twice; names must be unique");
+  }
+  return shards;
+}
+
+shard::ShardLayout layoutOf(const std::vector<LocalShard>& shards) {
+  shard::ShardLayout layout;
+  for (const LocalShard& shard : shards) layout.specs.push_back(shard.spec);
+  return layout;
+}
+
+std::vector<TrackedTensor> trackedOf(const std::vector<LocalShard>& shards) {
+  std::vector<TrackedTensor> tracked;
+  tracked.reserve(shards.size());
+  for (const LocalShard& shard : shards) {
+    tracked.push_back(TrackedTensor{shard.spec.name, shard.local, shard.role});
+  }
+  return tracked;
+}
+
+// FSDP2 chunk rows of dim 0: derived from rows, not elements, so a tensor
+// with a zero inner size ([5, 0]) still gets the rows FSDP2 gives it.
+std::pair<int64_t, int64_t> chunkRows(int64_t d0, int64_t rank, int64_t worldSize) {
+  const int64_t chunk = (d0 + worldSize - 1) / worldSize;
+  return {std::min(rank * chunk, d0), std::min((rank + 1) * chunk, d0)};
+}
+
+at::Tensor localRowsOf(const at::Tensor& full, shard::LayoutKind kind, int64_t rank,
+                       int64_t worldSize) {
+  if (full.dim() == 0) {
+    // 0-dim: rank 0 owns the one element; the others an empty piece.
+    return rank == 0 ? full : full.reshape({-1}).narrow(0, 1, 0);
+  }
+  const int64_t d0 = full.size(0);
+  if (kind == shard::LayoutKind::kRankZero) {
+    return rank == 0 ? full : full.narrow(0, d0, 0);
+  }
+  const auto [begin, end] = chunkRows(d0, rank, worldSize);
+  return full.narrow(0, begin, end - begin);
+}
+
+shard::ShardSpec specFor(const TrackedTensor& tensor, shard::LayoutKind kind, int64_t worldSize) {
+  const std::vector<int64_t> shape = tensor.source.sizes().vec();
+  const c10::ScalarType dtype = tensor.source.scalar_type();
+  switch (kind) {
+    case shard::LayoutKind::kFsdp2:
+      return shard::fsdp2Spec(tensor.name, shape, dtype, worldSize);
+    case shard::LayoutKind::kReplicated:
+      return shard::replicatedSpec(tensor.name, shape, dtype, worldSize);
+    case shard::LayoutKind::kRankZero:
+      return shard::rankZeroSpec(tensor.name, shape, dtype, worldSize);
+    case shard::LayoutKind::kFsdp1:
+      break;
+  }
+  TORCH_CHECK_VALUE(false, "shardsFromFullTensors: tensor '", tensor.name,
+                    "': kFsdp1 cannot be cut from a full tensor; use shardsFromFlatParam");
+}
+
+}  // namespace
+
+ShardedAverager::ShardedAverager(int64_t rank, std::vector<LocalShard> shards,
+                                 AveragerOptions options)
+    : rank_(rank),
+      shards_(checkedShards(rank, std::move(shards), -1)),
+      layout_(layoutOf(shards_)),
+      averager_(trackedOf(shards_), std::move(options)) {
+  worldSize_ = layout_.worldSize();
+  TORCH_CHECK_VALUE(rank >= 0, kApi, ": rank must be >= 0, got ", rank);
+}
+
+ShardedAverager::ShardedAverager(int64_t rank, int64_t worldSize, std::vector<LocalShard> shards,
+                                 AveragerOptions options)
+    : rank_(rank),
+      worldSize_(worldSize),
+      shards_(checkedShards(rank, std::move(shards), worldSize)),
+      layout_(layoutOf(shards_)),
+      averager_(trackedOf(shards_), std::move(options)) {
+  TORCH_CHECK_VALUE(rank >= 0 && rank < worldSize, kApi, ": rank ", rank,
+                    " is outside the world size ", worldSize);
+}
+
+std::vector<at::Tensor> ShardedAverager::localEmaPieces() const {
+  std::vector<at::Tensor> pieces;
+  pieces.reserve(shards_.size());
+  for (const auto& [name, ema] : averager_.emaTensors()) {
+    pieces.push_back(ema.is_cpu() ? ema.contiguous().reshape({-1})
+                                  : ema.reshape({-1}).to(c10::Device(c10::kCPU)));
+  }
+  return pieces;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> ShardedAverager::gatherFull(
+    shard::Communicator& comm, shard::GatherOptions options) const {
+  std::vector<at::Tensor> pieces;
+  try {
+    pieces = localEmaPieces();
+  } catch (...) {
+    // A background failure rethrown here: join the gather's first exchange
+    // with it, so every rank fails at once naming this one.
+    options.localError = detail::currentErrorMessage();
+  }
+  return shard::gatherFull(comm, layout_, pieces, options);
+}
+
+std::vector<LocalShard> shardsFromFullTensors(const std::vector<TrackedTensor>& full,
+                                              shard::LayoutKind kind, int64_t rank,
+                                              int64_t worldSize) {
+  std::vector<LocalShard> shards;
+  shards.reserve(full.size());
+  for (const TrackedTensor& tensor : full) {
+    TORCH_CHECK_VALUE(tensor.source.defined() && tensor.source.is_contiguous(),
+                      "shardsFromFullTensors: tensor '", tensor.name,
+                      "' must be a defined, contiguous tensor (its rows become views)");
+    shard::ShardSpec spec = specFor(tensor, kind, worldSize);
+    TORCH_CHECK_VALUE(rank >= 0 && rank < worldSize, "shardsFromFullTensors: rank ", rank,
+                      " is outside the world size ", worldSize);
+    shards.push_back(LocalShard{localRowsOf(tensor.source, kind, rank, worldSize), std::move(spec),
+                                tensor.role});
+  }
+  return shards;
+}
+
+std::vector<LocalShard> shardsFromFlatParam(const shard::FlatParamLayout& layout,
+                                            const at::Tensor& localFlatShard, int64_t rank,
+                                            TrackRole role) {
+  TORCH_CHECK_VALUE(rank >= 0 && rank < layout.worldSize(), "shardsFromFlatParam: rank ", rank,
+                    " is outside the world size ", layout.worldSize());
+  TORCH_CHECK_VALUE(localFlatShard.defined() && localFlatShard.dim() == 1 &&
+                        localFlatShard.numel() == layout.shardNumel(),
+                    "shardsFromFlatParam: the local flat shard must be 1-D with ",
+                    layout.shardNumel(), " elements (padding included), got shape ",
+                    localFlatShard.defined() ? localFlatShard.sizes() : c10::IntArrayRef{});
+  TORCH_CHECK_VALUE(localFlatShard.scalar_type() == layout.dtype(),
+                    "shardsFromFlatParam: the local flat shard has dtype ",
+                    localFlatShard.scalar_type(), " but the layout's is ", layout.dtype());
+  std::vector<shard::ShardSpec> specs = layout.specs();
+  std::vector<LocalShard> shards;
+  shards.reserve(specs.size());
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const int64_t size = specs[i].rangeOf(rank).size();
+    at::Tensor local = localFlatShard.narrow(0, layout.localOffset(i, rank), size);
+    shards.push_back(LocalShard{std::move(local), std::move(specs[i]), role});
+  }
+  return shards;
+}
+
+}  // namespace shardema

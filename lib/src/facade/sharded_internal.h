@@ -1,0 +1,42 @@
+#pragma once
+// Helpers shared by the sharded_*.cpp files (not installed).
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "shardema/decay_schedule.h"
+#include "shardema/shard/shard_layout.h"
+
+namespace shardema {
+namespace detail {
+
+/// dir + "/" + name (no doubled slash).
+std::string joinPath(const std::string& dir, const std::string& name);
+/// create_directories; c10::Error naming `api` and the folder on failure.
+void ensureDirectory(const std::string& dir, const char* api);
+/// The message of the exception in flight (call inside a catch): c10's
+/// without backtrace, std::exception's what(), or "unknown exception".
+std::string currentErrorMessage();
+/// A rank file's metadata: the Averager state's plus shardema.rank,
+/// shardema.world_size and shardema.layout_fingerprint.
+std::map<std::string, std::string> rankMetadata(std::map<std::string, std::string> metadata,
+                                                int64_t rank, const shard::ShardLayout& layout);
+
+/// float32, bfloat16 or float16; c10::ValueError naming `api` otherwise.
+void checkExportDtype(c10::ScalarType dtype, const char* api);
+
+/// The dtype a stored tensor is written with when exporting as `dtype`:
+/// floating tensors convert, integer/bool copies keep theirs.
+c10::ScalarType exportedDtype(c10::ScalarType stored, c10::ScalarType dtype);
+
+/// Metadata of a deployable weights file (DESIGN section 5).
+std::map<std::string, std::string> deployableMetadata(int64_t step, const DecaySchedule& schedule,
+                                                      int64_t sourceWorldSize);
+
+/// Elements per piece for a buffer bound of `bufferBytes` (at least 1).
+int64_t elementsPerPiece(int64_t bufferBytes, c10::ScalarType dtype);
+
+}  // namespace detail
+}  // namespace shardema

@@ -1,0 +1,129 @@
+// `shardema export` on a checkpoint written by hand from the format
+// contract: merged values, resharding, and one-line errors with status 2.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "shardema/tensor_file.h"
+#include "support/file_bytes.h"
+#include "support/same_bytes.h"
+#include "support/temp_dir.h"
+#include "tools/checkpoint_cli_fixture.h"
+
+namespace shardema {
+namespace {
+
+using testing::HandCheckpoint;
+using testing::runCli;
+
+bool same(const at::Tensor& a, const at::Tensor& b) {
+  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() &&
+         testing::sameBytes(a.contiguous().data_ptr(), b.contiguous().data_ptr(), a.nbytes());
+}
+
+TEST(ExportCommandTest, MergesRankFilesIntoFullTensors) {
+  testing::TempDir dir;
+  HandCheckpoint::write(dir.file("ckpt"));
+  for (const auto& [flag, dtype] : std::vector<std::pair<std::string, at::ScalarType>>{
+           {"", at::kFloat}, {" --dtype bf16", at::kBFloat16}, {" --dtype f16", at::kHalf}}) {
+    const auto result =
+        runCli("export --checkpoint " + dir.file("ckpt") + " --out " + dir.file("out") + flag);
+    ASSERT_EQ(result.status, 0) << result.err;
+    EXPECT_NE(result.out.find("2 tensors, step 42"), std::string::npos) << result.out;
+    const TensorFile file = readTensorFile(dir.file("out"));
+    ASSERT_EQ(file.tensors.size(), 2u);
+    EXPECT_EQ(file.tensors[0].first, "w");
+    EXPECT_TRUE(same(file.tensors[0].second, HandCheckpoint::fullW().to(dtype))) << flag;
+    EXPECT_TRUE(same(file.tensors[1].second, HandCheckpoint::fullB().to(dtype))) << flag;
+    EXPECT_EQ(file.metadata.at("shardema.kind"), "deployable_weights");
+    EXPECT_EQ(file.metadata.at("shardema.step"), "42");
+  }
+}
+
+TEST(ExportCommandTest, WorldSizeWritesAReshardedCheckpoint) {
+  testing::TempDir dir;
+  HandCheckpoint::write(dir.file("ckpt"));
+  for (const int w : {1, 3, 5}) {
+    const std::string out = dir.file("w" + std::to_string(w));
+    auto result = runCli("export --checkpoint " + dir.file("ckpt") + " --world-size " +
+                         std::to_string(w) + " --out " + out);
+    ASSERT_EQ(result.status, 0) << result.err;
+    EXPECT_TRUE(std::filesystem::exists(out + "/manifest.json"));
+    // FSDP2 rows of w over W ranks: rank 0 of W=3 holds row 0 only.
+    const TensorFile rank0 = readTensorFile(testing::rankFileIn(out, 0));
+    EXPECT_EQ(rank0.tensors[0].second.numel(), w == 1 ? 6 : 2) << w;
+    result = runCli("export --checkpoint " + out + " --out " + out + ".safetensors");
+    ASSERT_EQ(result.status, 0) << result.err;
+    const TensorFile merged = readTensorFile(out + ".safetensors");
+    EXPECT_TRUE(same(merged.tensors[0].second, HandCheckpoint::fullW())) << w;
+    EXPECT_TRUE(same(merged.tensors[1].second, HandCheckpoint::fullB())) << w;
+  }
+}
+
+TEST(ExportCommandTest, LayoutWritesACheckpointForExactlyThatLayoutFsdp1Included) {
+  testing::TempDir dir;
+  HandCheckpoint::write(dir.file("ckpt"));
+  // An FSDP1 job on 3 ranks: one flat parameter [w | b] of 9 elements, 3 per
+  // rank, so w is [0,3) [3,6) [6,6) and b [0,0) [0,0) [0,3).
+  const std::string layout =
+      R"({"format":1,"world_size":3,"tensors":[)"
+      R"({"name":"w","kind":"fsdp1","dtype":"F32","shape":[3,2],"ranges":[[0,3],[3,6],[6,6]]},)"
+      R"({"name":"b","kind":"fsdp1","dtype":"F32","shape":[3],"ranges":[[0,0],[0,0],[0,3]]}]})";
+  testing::writeFileBytes(dir.file("layout.json"), layout);
+  const std::string out = dir.file("fsdp1");
+  auto result = runCli("export --checkpoint " + dir.file("ckpt") + " --layout " +
+                       dir.file("layout.json") + " --out " + out);
+  ASSERT_EQ(result.status, 0) << result.err;
+  const auto manifest = nlohmann::json::parse(testing::readFileBytes(out + "/manifest.json"));
+  EXPECT_EQ(manifest["layout"], nlohmann::json::parse(layout));
+  const TensorFile rank1 = readTensorFile(testing::rankFileIn(out, 1));
+  EXPECT_TRUE(same(rank1.tensors[0].second, at::arange(3, 6, at::kFloat)));
+  const TensorFile rank2 = readTensorFile(testing::rankFileIn(out, 2));
+  EXPECT_TRUE(same(rank2.tensors[1].second, HandCheckpoint::fullB()));
+  result = runCli("export --checkpoint " + out + " --out " + out + ".safetensors");
+  ASSERT_EQ(result.status, 0) << result.err;
+  const TensorFile merged = readTensorFile(out + ".safetensors");
+  EXPECT_TRUE(same(merged.tensors[0].second, HandCheckpoint::fullW()));
+  EXPECT_TRUE(same(merged.tensors[1].second, HandCheckpoint::fullB()));
+  // A bad layout file is a one-line usage error naming it.
+  testing::writeFileBytes(dir.file("bad.json"), "{");
+  result = runCli("export --checkpoint " + dir.file("ckpt") + " --layout " + dir.file("bad.json") +
+                  " --out " + dir.file("x"));
+  EXPECT_EQ(result.status, 2);
+  EXPECT_NE(result.err.find("bad.json"), std::string::npos) << result.err;
+  EXPECT_NE(runCli("export --help").out.find("--layout FILE"), std::string::npos);
+}
+
+TEST(ExportCommandTest, ErrorsAreOneLineNamingTheFileWithStatus2) {
+  testing::TempDir dir;
+  HandCheckpoint::write(dir.file("ckpt"));
+  const std::string out = dir.file("out.safetensors");
+  ASSERT_EQ(runCli("export --checkpoint " + dir.file("ckpt") + " --out " + out).status, 0);
+  const std::string before = testing::readFileBytes(out);
+  auto expectError = [&](const std::string& args, const std::string& named) {
+    const auto result = runCli(args);
+    EXPECT_EQ(result.status, 2) << args << ": " << result.err;
+    EXPECT_EQ(testing::countLines(result.err), 1u) << result.err;
+    EXPECT_EQ(result.err.rfind("shardema export: ", 0), 0u) << result.err;
+    EXPECT_NE(result.err.find(named), std::string::npos) << result.err;
+    EXPECT_EQ(testing::readFileBytes(out), before) << "a failed export replaced the output";
+  };
+  const std::string base = "export --checkpoint " + dir.file("ckpt") + " --out " + out;
+  expectError("export --out " + out, "--checkpoint");
+  expectError(base + " --dtype f64", "--dtype");
+  expectError(base + " --world-size 0", "--world-size");
+  expectError("export --checkpoint " + dir.file("nothing") + " --out " + out,
+              "no valid checkpoint at " + dir.file("nothing"));
+  expectError("export --checkpoint " + dir.file("ckpt") + " --out /proc/nope/out.safetensors",
+              "/proc/nope/out.safetensors");
+  std::string bytes = testing::readFileBytes(dir.file("ckpt/" + HandCheckpoint::name(1)));
+  bytes.back() ^= 0x10;
+  testing::writeFileBytes(dir.file("ckpt/" + HandCheckpoint::name(1)), bytes);
+  expectError(base, HandCheckpoint::name(1));
+  testing::writeFileBytes(dir.file("ckpt/" + HandCheckpoint::name(1)), bytes.substr(0, 100));
+  expectError(base + " --dtype bf16", HandCheckpoint::name(1));
+}
+
+}  // namespace
+}  // namespace shardema

@@ -1,0 +1,68 @@
+// `shardema inspect` on a file and on a checkpoint folder (written by hand
+// from the format contract); errors are one line with status 2.
+#include <gtest/gtest.h>
+
+#include "shardema/checksum.h"
+#include "support/file_bytes.h"
+#include "support/temp_dir.h"
+#include "tools/checkpoint_cli_fixture.h"
+
+namespace shardema {
+namespace {
+
+using testing::HandCheckpoint;
+using testing::runCli;
+
+bool has(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+TEST(InspectCommandTest, ListsAFilesTensorsMetadataAndChecksum) {
+  testing::TempDir dir;
+  HandCheckpoint::write(dir.file("ckpt"));
+  const std::string file = dir.file("ckpt/" + HandCheckpoint::name(0));
+  const auto result = runCli("inspect " + file);
+  ASSERT_EQ(result.status, 0) << result.err;
+  EXPECT_TRUE(has(result.out, "2 tensors")) << result.out;
+  EXPECT_TRUE(has(result.out, "xxh64 " + checksumHex(fileChecksum(file)))) << result.out;
+  EXPECT_TRUE(has(result.out, "tensor w F32 [4]")) << result.out;
+  EXPECT_TRUE(has(result.out, "tensor b F32 [2]")) << result.out;
+  EXPECT_TRUE(has(result.out, "metadata shardema.step = 42")) << result.out;
+}
+
+TEST(InspectCommandTest, ValidatesACheckpointFolderAgainstItsManifest) {
+  testing::TempDir dir;
+  HandCheckpoint::write(dir.file("ckpt"));
+  const auto result = runCli("inspect " + dir.file("ckpt"));
+  ASSERT_EQ(result.status, 0) << result.err;
+  EXPECT_TRUE(has(result.out, "step 42, world size 2, 2 tensors")) << result.out;
+  EXPECT_TRUE(has(result.out, "rank 1 " + HandCheckpoint::name(1))) << result.out;
+  EXPECT_TRUE(has(result.out, "tensor w fsdp2 Float [3, 2] ranges [0, 4) [4, 6)")) << result.out;
+  EXPECT_EQ(result.out.find(" ok\n") != std::string::npos, true) << result.out;
+}
+
+TEST(InspectCommandTest, ErrorsAreOneLineNamingTheFileWithStatus2) {
+  testing::TempDir dir;
+  HandCheckpoint::write(dir.file("ckpt"));
+  auto expectError = [&](const std::string& args, const std::string& named) {
+    const auto result = runCli(args);
+    EXPECT_EQ(result.status, 2) << args << ": " << result.err;
+    EXPECT_EQ(testing::countLines(result.err), 1u) << result.err;
+    EXPECT_TRUE(has(result.err, "shardema inspect: ")) << result.err;
+    EXPECT_TRUE(has(result.err, named)) << result.err;
+  };
+  expectError("inspect", "exactly one");
+  expectError("inspect " + dir.file("missing"), dir.file("missing"));
+  // Unknown tensor in a rank file (still matching the manifest's checksum
+  // would need a rewrite: here the checksum catches it first).
+  const std::string rank0 = dir.file("ckpt/" + HandCheckpoint::name(0));
+  const std::string bytes = testing::readFileBytes(rank0);
+  testing::writeFileBytes(rank0, bytes.substr(0, bytes.size() - 4));
+  expectError("inspect " + dir.file("ckpt"), HandCheckpoint::name(0) + ": size");
+  expectError("inspect " + rank0, HandCheckpoint::name(0));
+  std::filesystem::remove(dir.file("ckpt/manifest.json"));
+  expectError("inspect " + dir.file("ckpt"), "manifest.json missing");
+}
+
+}  // namespace
+}  // namespace shardema

@@ -1,0 +1,132 @@
+#include "export_command.h"
+
+#include <c10/util/Exception.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "flag_parser.h"
+#include "shardema/sharded_checkpoint.h"
+
+namespace shardema::cli {
+namespace {
+
+c10::ScalarType parseDtype(const std::string& text) {
+  if (text == "f32") return c10::ScalarType::Float;
+  if (text == "bf16") return c10::ScalarType::BFloat16;
+  if (text == "f16") return c10::ScalarType::Half;
+  throw UsageError("--dtype must be f32, bf16 or f16 (got '" + text + "')");
+}
+
+ExportOptions optionsFromFlags(const ParsedFlags& flags) {
+  ExportOptions options;
+  if (flags.has("dtype")) options.dtype = parseDtype(flags.text("dtype"));
+  if (flags.has("buffer-mib")) {
+    const int64_t mib = flags.integer("buffer-mib");
+    if (mib < 1 || mib > (int64_t{1} << 20)) {
+      throw UsageError("--buffer-mib must be in [1, 1048576] (got " + std::to_string(mib) + ")");
+    }
+    options.bufferBytes = mib << 20;
+  }
+  return options;
+}
+
+std::string readLayoutFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in.good()) throw UsageError("--layout " + path + ": cannot be opened");
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Reshards to exactly the layout the new job has (ShardLayout::toJson), so
+// an FSDP1 job of another world size gets its own flat-parameter ranges;
+// --world-size would turn FSDP1 specs into FSDP2 ones.
+int reshardToLayout(const ParsedFlags& flags, const std::string& dir, const std::string& target,
+                    const ExportOptions& options, std::ostream& out) {
+  if (flags.has("world-size")) throw UsageError("--layout and --world-size exclude each other");
+  if (flags.has("dtype"))
+    throw UsageError("--dtype does not apply to --layout (states keep their dtypes)");
+  const std::string& file = flags.text("layout");
+  shard::ShardLayout layout;
+  try {
+    layout = shard::ShardLayout::fromJson(readLayoutFile(file));
+  } catch (const c10::Error& error) {
+    throw UsageError("--layout " + file + ": " + error.what_without_backtrace());
+  }
+  const ExportSummary summary = reshardCheckpoint(dir, target, layout, options);
+  out << "resharded " << dir << " to " << target << ": layout of " << file << ", "
+      << layout.worldSize() << " ranks, " << summary.tensors << " tensors, step " << summary.step
+      << ", " << summary.bytes << " bytes\n";
+  return 0;
+}
+
+int runParsed(const ParsedFlags& flags, std::ostream& out) {
+  if (!flags.has("checkpoint")) throw UsageError("--checkpoint DIR is required");
+  if (!flags.has("out"))
+    throw UsageError("--out is required (a file, or a folder with --world-size / --layout)");
+  const std::string& dir = flags.text("checkpoint");
+  const std::string& target = flags.text("out");
+  const ExportOptions options = optionsFromFlags(flags);
+  if (flags.has("layout")) return reshardToLayout(flags, dir, target, options, out);
+  if (flags.has("world-size")) {
+    if (flags.has("dtype"))
+      throw UsageError("--dtype does not apply to --world-size (states keep their dtypes)");
+    const int64_t worldSize = flags.integer("world-size");
+    if (worldSize < 1)
+      throw UsageError("--world-size must be >= 1 (got " + std::to_string(worldSize) + ")");
+    const ExportSummary summary = reshardCheckpoint(dir, target, worldSize, options);
+    out << "resharded " << dir << " to " << target << ": " << worldSize << " ranks, "
+        << summary.tensors << " tensors, step " << summary.step << ", " << summary.bytes
+        << " bytes\n";
+    return 0;
+  }
+  const ExportSummary summary = exportCheckpoint(dir, target, options);
+  out << "exported " << dir << " to " << target << ": " << summary.tensors << " tensors, step "
+      << summary.step << ", " << (flags.has("dtype") ? flags.text("dtype") : "f32") << ", "
+      << summary.bytes << " bytes\n";
+  return 0;
+}
+
+}  // namespace
+
+void printExportUsage(std::ostream& out) {
+  out << "usage: shardema export --checkpoint DIR --out FILE [--dtype f32|bf16|f16]\n"
+         "       shardema export --checkpoint DIR --world-size W --out NEW_DIR\n"
+         "       shardema export --checkpoint DIR --layout FILE --out NEW_DIR\n\n"
+         "Merges the per-rank EMA files of DIR (validated against its manifest) into one\n"
+         "deployable safetensors file of full tensors, streaming; with --world-size, writes\n"
+         "a checkpoint for W ranks instead (resharding; FSDP1 tensors become FSDP2 ones);\n"
+         "with --layout, a checkpoint for exactly the ShardLayout JSON in FILE (what the\n"
+         "new job's ShardLayout::toJson writes; use it for FSDP1 jobs). The output replaces\n"
+         "FILE (or NEW_DIR's checkpoint) only once it is complete.\n\n"
+         "  --checkpoint DIR   per-rank checkpoint folder (manifest.json + rank files)\n"
+         "  --out PATH         output file, or output folder with --world-size\n"
+         "  --dtype D          f32 (default), bf16 or f16 for floating tensors\n"
+         "  --world-size W     reshard to W ranks instead of merging\n"
+         "  --layout FILE      reshard to the layout in FILE (ShardLayout JSON) instead\n"
+         "  --buffer-mib N     bytes read per piece, in MiB (default 8)\n";
+}
+
+int runExportCommand(const std::vector<std::string>& args, std::ostream& out) {
+  const ParsedFlags flags = parseFlags({{"help", FlagArity::kNone},
+                                        {"checkpoint", FlagArity::kValue},
+                                        {"out", FlagArity::kValue},
+                                        {"dtype", FlagArity::kValue},
+                                        {"world-size", FlagArity::kValue},
+                                        {"layout", FlagArity::kValue},
+                                        {"buffer-mib", FlagArity::kValue}},
+                                       args);
+  if (flags.has("help")) {
+    printExportUsage(out);
+    return 0;
+  }
+  try {
+    return runParsed(flags, out);
+  } catch (const c10::Error& error) {
+    // File and OS problems are the user's input too: exit status 2.
+    throw UsageError(error.what_without_backtrace());
+  }
+}
+
+}  // namespace shardema::cli

@@ -1,0 +1,101 @@
+#include "inspect_command.h"
+
+#include <c10/util/Exception.h>
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "flag_parser.h"
+#include "shardema/checksum.h"
+#include "shardema/sharded_checkpoint.h"
+#include "shardema/tensor_file_reader.h"
+
+namespace shardema::cli {
+namespace {
+
+std::string shapeText(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
+void printFile(const std::string& path, std::ostream& out) {
+  const TensorFileReader reader(path);
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0) {
+    throw UsageError(path + ": cannot stat (" + std::strerror(errno) + ")");
+  }
+  out << "file " << path << ": " << reader.header().tensors.size() << " tensors, " << info.st_size
+      << " bytes, xxh64 " << checksumHex(fileChecksum(path)) << '\n';
+  for (const auto& [key, value] : reader.header().metadata) {
+    out << "  metadata " << key << " = " << value << '\n';
+  }
+  for (const TensorEntry& entry : reader.header().tensors) {
+    out << "  tensor " << entry.name << ' ' << fileDTypeName(entry.dtype) << ' '
+        << shapeText(entry.shape) << '\n';
+  }
+}
+
+void printCheckpoint(const std::string& dir, std::ostream& out) {
+  const RankManifest manifest = validateCheckpoint(dir);
+  out << "checkpoint " << dir << ": step " << manifest.step << ", world size "
+      << manifest.worldSize() << ", " << manifest.layout.specs.size() << " tensors, layout "
+      << manifest.layout.describe() << '\n';
+  out << "  schedule " << manifest.schedule.describe() << '\n';
+  for (const RankFileRecord& record : manifest.files) {
+    out << "  rank " << record.rank << ' ' << record.name << ' ' << record.size << " bytes, xxh64 "
+        << checksumHex(record.checksum) << " ok\n";
+  }
+  for (const shard::ShardSpec& spec : manifest.layout.specs) {
+    out << "  tensor " << spec.name << ' ' << shard::layoutKindName(spec.kind) << ' '
+        << c10::toString(spec.dtype) << ' ' << shapeText(spec.globalShape) << " ranges";
+    for (const shard::ElementRange& range : spec.ranges) {
+      out << " [" << range.begin << ", " << range.end << ")";
+    }
+    out << '\n';
+  }
+}
+
+int inspect(const std::string& path, std::ostream& out) {
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0) throw UsageError(path + ": no such file or folder");
+  if (S_ISDIR(info.st_mode)) {
+    printCheckpoint(path, out);
+  } else {
+    printFile(path, out);
+  }
+  return 0;
+}
+
+}  // namespace
+
+void printInspectUsage(std::ostream& out) {
+  out << "usage: shardema inspect FILE|DIR\n\n"
+         "Validates a safetensors file (header, sizes) and lists its metadata and tensors\n"
+         "with its XXH64; or validates a per-rank checkpoint folder: the manifest, every rank\n"
+         "file's size, XXH64 and tensors against it, and lists the layout.\n";
+}
+
+int runInspectCommand(const std::vector<std::string>& args, std::ostream& out) {
+  std::vector<std::string> paths;
+  for (const std::string& arg : args) {
+    if (arg == "--help" || arg == "-h") {
+      printInspectUsage(out);
+      return 0;
+    }
+    if (arg.rfind("--", 0) == 0)
+      throw UsageError("unknown flag " + arg + " (inspect takes a path)");
+    paths.push_back(arg);
+  }
+  if (paths.size() != 1) {
+    throw UsageError("takes exactly one FILE or DIR, got " + std::to_string(paths.size()));
+  }
+  try {
+    return inspect(paths.front(), out);
+  } catch (const c10::Error& error) {
+    throw UsageError(error.what_without_backtrace());
+  }
+}
+
+}  // namespace shardema::cli
