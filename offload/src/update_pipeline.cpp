@@ -9,6 +9,7 @@
 #include <sstream>
 #include <utility>
 
+#include "error_text.h"
 #include "shardema/offload/pinned_arena.h"
 #include "shardema/tensor_update.h"
 #include "shardema/worker_pool.h"
@@ -43,17 +44,7 @@ int64_t alignUp(int64_t value, int64_t alignment) {
   return (value + alignment - 1) / alignment * alignment;
 }
 
-std::string describe(std::exception_ptr error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "unknown error";
-  }
-}
+std::string describe(std::exception_ptr error) { return detail::describeError(error); }
 
 void checkJob(const PipelineJob& job) {
   const char* api = "UpdatePipeline::submit";

@@ -6,22 +6,13 @@
 #include <mutex>
 #include <vector>
 
+#include "error_text.h"
 #include "shardema/offload/update_pipeline.h"
 
 namespace shardema::offload {
 namespace {
 
-std::string describe(std::exception_ptr error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "unknown error";
-  }
-}
+std::string describe(std::exception_ptr error) { return detail::describeError(error); }
 
 // Outstanding copies of one copyToDestinations call. Callbacks run on the
 // engine's thread; engine->synchronize() is called before this goes away.

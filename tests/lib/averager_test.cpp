@@ -38,24 +38,33 @@ std::vector<double> toDoubles(const at::Tensor& t) {
   return std::vector<double>(f.data_ptr<double>(), f.data_ptr<double>() + f.numel());
 }
 
+// Updates `averager` at steps 1..steps with setSource's values (fencing
+// before each change) and returns the float64 EMA of the same values with
+// the default warmup schedule: the first update copies.
+std::vector<double> updateAgainstWarmupReference(Averager& averager, at::Tensor& source,
+                                                 int64_t steps) {
+  std::vector<double> reference;
+  for (int64_t n = 1; n <= steps; ++n) {
+    setSource(source, n);
+    EXPECT_TRUE(averager.update(n));
+    averager.fence();  // before the source changes
+    const std::vector<double> x = toDoubles(source);
+    if (n == 1) {
+      reference = x;
+      continue;
+    }
+    const double w = 1.0 - warmupDecay(n, 0.75, 0.9999);
+    for (size_t i = 0; i < x.size(); ++i) reference[i] += w * (x[i] - reference[i]);
+  }
+  return reference;
+}
+
 TEST(AveragerTest, FirstUpdateCopiesThenLerpsLikeFloat64Reference) {
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
     at::Tensor source = at::zeros({3, 5}, at::TensorOptions().dtype(dtype));
     setSource(source, 0);
     Averager averager({{"w", source, TrackRole::kAverage}});
-    std::vector<double> reference;
-    for (int64_t n = 1; n <= 12; ++n) {
-      setSource(source, n);
-      ASSERT_TRUE(averager.update(n));
-      averager.fence();  // before the source changes
-      const std::vector<double> x = toDoubles(source);
-      if (n == 1) {
-        reference = x;
-        continue;
-      }
-      const double w = 1.0 - warmupDecay(n, 0.75, 0.9999);
-      for (size_t i = 0; i < x.size(); ++i) reference[i] += w * (x[i] - reference[i]);
-    }
+    const std::vector<double> reference = updateAgainstWarmupReference(averager, source, 12);
     const std::vector<double> got = toDoubles(averager.ema("w"));
     ASSERT_EQ(averager.ema("w").scalar_type(), at::kFloat);
     // Twelve fp32 lerps of values of magnitude <= 1.2: a few ulps each.
@@ -280,19 +289,7 @@ TEST(AveragerTest, BothPlacementsFollowTheFloat64Reference) {
     options.offload.chunkBytes = 64;
     Averager averager({{"w", source, TrackRole::kAverage}}, options);
     EXPECT_EQ(averager.placement(), placement);
-    std::vector<double> reference;
-    for (int64_t n = 1; n <= 8; ++n) {
-      setSource(source, n);
-      ASSERT_TRUE(averager.update(n));
-      averager.fence();  // before the source changes
-      const std::vector<double> x = toDoubles(source);
-      if (n == 1) {
-        reference = x;
-        continue;
-      }
-      const double w = 1.0 - warmupDecay(n, 0.75, 0.9999);
-      for (size_t i = 0; i < x.size(); ++i) reference[i] += w * (x[i] - reference[i]);
-    }
+    const std::vector<double> reference = updateAgainstWarmupReference(averager, source, 8);
     const std::vector<double> got = toDoubles(averager.ema("w"));
     for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], reference[i], 2e-6) << i;
     EXPECT_EQ(averager.offloadStats().stagingBytes,
