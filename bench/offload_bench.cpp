@@ -91,7 +91,7 @@ struct Model {
   std::vector<offload::PipelineJob> jobs() const {
     std::vector<offload::PipelineJob> out;
     for (int t = 0; t < kTensors; ++t) {
-      out.push_back({emas[t], sources[t], UpdateOp::kLerp, false, "t" + std::to_string(t)});
+      out.push_back({emas[t], sources[t], UpdateOp::kLerp, false, "t" + std::to_string(t), {}});
     }
     return out;
   }

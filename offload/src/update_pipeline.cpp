@@ -46,7 +46,7 @@ int64_t alignUp(int64_t value, int64_t alignment) {
 
 std::string describe(std::exception_ptr error) { return detail::describeError(error); }
 
-void checkJob(const PipelineJob& job) {
+void checkJob(const PipelineJob& job, size_t profiles) {
   const char* api = "UpdatePipeline::submit";
   TORCH_CHECK_VALUE(job.ema.defined() && job.source.defined(), api, ": tensor '", job.name,
                     "' has an undefined ema or source");
@@ -58,6 +58,8 @@ void checkJob(const PipelineJob& job) {
   TORCH_CHECK_VALUE(job.ema.numel() == job.source.numel(), api, ": tensor '", job.name, "' has ",
                     job.source.numel(), " source elements but ", job.ema.numel(), " EMA elements");
   if (job.rawCopy) {
+    TORCH_CHECK_VALUE(job.moreEmas.empty(), api, ": raw copy of '", job.name,
+                      "' cannot have more EMAs (copies are shared by every profile)");
     TORCH_CHECK_TYPE(job.ema.scalar_type() == job.source.scalar_type(), api, ": raw copy of '",
                      job.name, "' needs equal dtypes, got ema ", job.ema.scalar_type(),
                      " and source ", job.source.scalar_type());
@@ -66,6 +68,18 @@ void checkJob(const PipelineJob& job) {
   TORCH_CHECK_TYPE(job.ema.scalar_type() == at::kFloat, api, ": ema of '", job.name,
                    "' must be float32, got ", job.ema.scalar_type());
   sourceTypeOf(job.source, job.name);  // float32 / bfloat16 / float16, else TypeError
+  TORCH_CHECK_VALUE(job.moreEmas.size() + 1 == profiles, api, ": tensor '", job.name, "' has ",
+                    job.moreEmas.size() + 1, " EMAs but ", profiles, " weights were given");
+  for (size_t p = 0; p < job.moreEmas.size(); ++p) {
+    const at::Tensor& more = job.moreEmas[p];
+    TORCH_CHECK_VALUE(more.defined() && more.device().is_cpu() && more.is_contiguous() &&
+                          more.scalar_type() == at::kFloat && more.numel() == job.ema.numel(),
+                      api, ": EMA ", p + 1, " of '", job.name,
+                      "' must be a contiguous float32 CPU tensor of ", job.ema.numel(),
+                      " elements");
+    TORCH_CHECK_VALUE(more.data_ptr() != job.ema.data_ptr(), api, ": EMA ", p + 1, " of '",
+                      job.name, "' shares memory with its first EMA");
+  }
 }
 
 }  // namespace
@@ -136,13 +150,23 @@ void UpdatePipeline::plan(const std::vector<PipelineJob>& jobs) {
 }
 
 void UpdatePipeline::submit(std::vector<PipelineJob> jobs, float weight, int64_t step) {
+  submit(std::move(jobs), std::vector<float>{weight}, step);
+}
+
+void UpdatePipeline::submit(std::vector<PipelineJob> jobs, std::vector<float> weights,
+                            int64_t step) {
   wait();
-  TORCH_CHECK_VALUE(weight >= 0.0f && weight <= 1.0f,
-                    "UpdatePipeline::submit: weight (1 - decay) must be in [0, 1], got ", weight);
-  for (const PipelineJob& job : jobs) checkJob(job);
+  TORCH_CHECK_VALUE(!weights.empty() && weights.size() <= static_cast<size_t>(kMaxProfiles),
+                    "UpdatePipeline::submit: ", weights.size(), " weights given; 1 to ",
+                    kMaxProfiles, " profiles are supported");
+  for (float weight : weights) {
+    TORCH_CHECK_VALUE(weight >= 0.0f && weight <= 1.0f,
+                      "UpdatePipeline::submit: weight (1 - decay) must be in [0, 1], got ", weight);
+  }
+  for (const PipelineJob& job : jobs) checkJob(job, weights.size());
   jobs_ = std::move(jobs);
   plan(jobs_);
-  weight_ = weight;
+  weights_ = std::move(weights);
   step_ = step;
   recordVersions();
   const auto total = static_cast<int64_t>(chunks_.size());
@@ -260,6 +284,7 @@ void UpdatePipeline::applyChunk(int64_t chunk, int slot) {
     TORCH_CHECK(false, "injected fault (PipelineFaultForTesting)");
   }
   std::vector<UpdateSpan> spans;
+  std::vector<MultiUpdateSpan> multiSpans;
   for (const Piece& piece : chunks_[chunk].pieces) {
     const PipelineJob& job = jobs_[piece.job];
     const char* staged = stagingData_[slot] + piece.stagingOffset;
@@ -267,15 +292,32 @@ void UpdatePipeline::applyChunk(int64_t chunk, int slot) {
       std::memcpy(piece.ema, staged, static_cast<size_t>(piece.bytes));
       continue;
     }
-    UpdateSpan span;
-    span.ema = reinterpret_cast<float*>(piece.ema);
+    if (weights_.size() == 1) {
+      UpdateSpan span;
+      span.ema = reinterpret_cast<float*>(piece.ema);
+      span.src = staged;
+      span.type = piece.type;
+      span.count = piece.count;
+      span.op = job.op;
+      spans.push_back(span);
+      continue;
+    }
+    // Every profile's piece sits at the same element offset as the first's.
+    const auto first = static_cast<float*>(job.ema.data_ptr());
+    const int64_t offset = reinterpret_cast<float*>(piece.ema) - first;
+    MultiUpdateSpan span;
+    span.emas.push_back(reinterpret_cast<float*>(piece.ema));
+    for (const at::Tensor& more : job.moreEmas) {
+      span.emas.push_back(static_cast<float*>(more.data_ptr()) + offset);
+    }
     span.src = staged;
     span.type = piece.type;
     span.count = piece.count;
     span.op = job.op;
-    spans.push_back(span);
+    multiSpans.push_back(std::move(span));
   }
-  updateSpans(spans, weight_, pool_);
+  if (!spans.empty()) updateSpans(spans, weights_.front(), pool_);
+  if (!multiSpans.empty()) updateSpansMulti(multiSpans, weights_, pool_);
 }
 
 void UpdatePipeline::finishChunk(int slot, std::exception_ptr&& error) {

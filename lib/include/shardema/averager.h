@@ -101,6 +101,13 @@ struct AveragerOptions {
   EmaPlacement placement = EmaPlacement::kPinnedHost;
   /// Pipeline settings (kPinnedHost only).
   AveragerOffloadOptions offload;
+  /// Further EMA profiles of the same tensors, updated in the same pass as
+  /// the first (post-hoc EMA: one power-function schedule per sigma_rel, so
+  /// k profiles stage and read each source once). Profile 0 is `schedule`,
+  /// profile p its moreSchedules[p - 1]. Every schedule must have the same
+  /// updateEvery (they share the due steps); at most kMaxProfiles - 1.
+  /// Copy roles keep one copy shared by all profiles. Default: none.
+  std::vector<DecaySchedule> moreSchedules;
 };
 
 /// How load() treats names that differ between a file and the Averager.
@@ -184,6 +191,26 @@ class Averager {
   /// The live sources, in construction order (handles, not copies).
   std::vector<TrackedTensor> tracked() const;
 
+  /// Profiles tracked: 1 + options.moreSchedules.size().
+  int numProfiles() const { return static_cast<int>(options_.moreSchedules.size()) + 1; }
+  /// Schedule of profile p (0 = schedule()); c10::IndexError for a bad p.
+  const DecaySchedule& profileSchedule(int profile) const;
+  /// Decay profile p used at the last due update (0 before any).
+  double profileLastDecay(int profile) const;
+  /// ema() / emaTensors() of profile p (profile 0 is ema()); copy roles
+  /// return the shared copy. Waits for the update in flight.
+  const at::Tensor& profileEma(int profile, const std::string& name) const;
+  std::vector<std::pair<std::string, at::Tensor>> profileTensors(int profile) const;
+  /// loadEmaValues() into profile p (copy roles: the shared copy), e.g. from
+  /// a post-hoc snapshot on resume.
+  LoadReport loadProfileValues(int profile,
+                               const std::vector<std::pair<std::string, at::Tensor>>& values,
+                               LoadStrictness strictness);
+  /// Sets the progress a resume from snapshots restores (loadState() does
+  /// it from its metadata): the last step and whether the first copy
+  /// happened. The step must be >= 0. Waits for the update in flight.
+  void restoreProgress(int64_t step, bool initialized);
+
   /// Writes the EMA into the sources (dtype and device converted), e.g. to
   /// evaluate with EMA weights; kPinnedHost goes through the copy engine.
   /// Blocks.
@@ -194,7 +221,10 @@ class Averager {
                            LoadStrictness strictness);
 
   /// State for resume: every EMA tensor under its name, metadata with the
-  /// step, initialised flag, last decay, schedule (JSON) and roles.
+  /// step, initialised flag, last decay, schedule (JSON) and roles. Single
+  /// profile only: an Averager with moreSchedules is saved as post-hoc
+  /// snapshots, one file per profile (posthoc_snapshot.h), and c10::Error
+  /// says so.
   TensorFile state() const;
   /// Restores state(): tensors as loadEmaValues, plus step and flags. In
   /// strict mode a schedule different from ours is an error naming both.
@@ -210,7 +240,11 @@ class Averager {
     // changesInForward only: host copy taken inside update(), read by the
     // pipeline instead of the live source. Allocated at the first update.
     at::Tensor snapshot;
+    // Profiles 1.. of averaging roles (empty for copies, which are shared).
+    std::vector<at::Tensor> moreEmas;
   };
+  const at::Tensor& profileStorage(const Slot& s, int profile) const;
+  void checkProfile(int profile, const char* api) const;
   const Slot& slot(const std::string& name, const char* api) const;
   void checkRoles(const TensorFile& file) const;
   // Throws when failed; otherwise waits for the pipeline and turns its error
@@ -218,9 +252,9 @@ class Averager {
   void settle(const char* api) const;
   void checkNotFailed(const char* api) const;
   LoadReport loadValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
-                        LoadStrictness strictness);
-  void updateOnDevice(bool firstCopy, double weight);
-  void submitToPipeline(bool firstCopy, double weight, int64_t step);
+                        LoadStrictness strictness, int profile = 0);
+  void updateOnDevice(bool firstCopy, const std::vector<double>& weights);
+  void submitToPipeline(bool firstCopy, const std::vector<double>& weights, int64_t step);
   void rejectUnfenced(int64_t step);
   at::Tensor pipelineSource(Slot& s, at::ScalarType dtype);
 
@@ -230,6 +264,7 @@ class Averager {
   int64_t step_ = 0;
   bool initialized_ = false;
   double lastDecay_ = 0.0;
+  std::vector<double> moreLastDecays_;  // profiles 1..
   // Why the Averager is failed; empty when it is not. Set by const calls
   // that wait (ema(), state()), hence mutable. Caller's thread only.
   mutable std::string failure_;

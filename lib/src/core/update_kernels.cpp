@@ -121,11 +121,15 @@ void lerpF16C(float*, const uint16_t*, int64_t, float) {}
 void copyF16C(float*, const uint16_t*, int64_t) {}
 #endif
 
+// Where the source of a span starts `offset` elements in.
+const void* sourceAt(const void* src, SourceType type, int64_t offset) {
+  return static_cast<const char*>(src) + offset * static_cast<int64_t>(sourceTypeSize(type));
+}
+
 // Applies one op to `count` elements starting `offset` elements into a span.
 void applyPart(const UpdateSpan& span, int64_t offset, int64_t count, float weight) {
   float* ema = span.ema + offset;
-  const char* src =
-      static_cast<const char*>(span.src) + offset * static_cast<int64_t>(sourceTypeSize(span.type));
+  const void* src = sourceAt(span.src, span.type, offset);
   if (span.op == UpdateOp::kLerp) {
     lerpRange(ema, src, span.type, count, weight);
   } else {
@@ -139,8 +143,11 @@ int64_t pieceBoundary(int64_t p, int64_t pieces, int64_t total) {
   return (total / pieces) * p + std::min(p, total % pieces);
 }
 
-void applyGlobalRange(const std::vector<UpdateSpan>& spans, const std::vector<int64_t>& starts,
-                      int64_t begin, int64_t end, float weight) {
+// part(span, offset, count) for the pieces of every span within
+// [begin, end) of the spans laid end to end.
+template <typename Span, typename Part>
+void applyGlobalRange(const std::vector<Span>& spans, const std::vector<int64_t>& starts,
+                      int64_t begin, int64_t end, const Part& part) {
   // Last span starting at or before `begin`; zero-size spans share a start
   // and are stepped over by the loop.
   auto it = std::upper_bound(starts.begin(), starts.end(), begin);
@@ -149,7 +156,7 @@ void applyGlobalRange(const std::vector<UpdateSpan>& spans, const std::vector<in
     const int64_t from = std::max(begin, starts[s]);
     const int64_t to = std::min(end, starts[s] + spans[s].count);
     if (to > from) {
-      applyPart(spans[s], from - starts[s], to - from, weight);
+      part(spans[s], from - starts[s], to - from);
     }
   }
 }
@@ -157,6 +164,78 @@ void applyGlobalRange(const std::vector<UpdateSpan>& spans, const std::vector<in
 // A few pieces per thread so a thread slowed by a neighbour process hands
 // work to the others; more would only add scheduling overhead.
 constexpr int64_t kPiecesPerThread = 4;
+
+// The body of updateSpans and updateSpansMulti: checks the counts, cuts the
+// spans laid end to end into pieces of at least minGrain elements spread
+// over the pool's threads and the caller, and runs part on each. One
+// splitter for both so the single- and multi-profile paths balance alike.
+template <typename Span, typename Part>
+void splitOverPool(const char* who, const std::vector<Span>& spans, WorkerPool* pool,
+                   int64_t minGrain, const Part& part) {
+  TORCH_CHECK_VALUE(minGrain >= 1, "shardema::", who, ": minGrain must be >= 1, got ", minGrain);
+  std::vector<int64_t> starts;
+  starts.reserve(spans.size());
+  int64_t total = 0;
+  for (const Span& span : spans) {
+    TORCH_CHECK_VALUE(span.count >= 0, "shardema::", who, ": span count must be >= 0, got ",
+                      span.count);
+    starts.push_back(total);
+    total += span.count;
+  }
+  if (total == 0) {
+    return;
+  }
+  const int64_t threads = pool == nullptr ? 1 : pool->size() + 1;
+  const int64_t pieces =
+      threads == 1 ? 1 : std::clamp<int64_t>(total / minGrain, 1, threads * kPiecesPerThread);
+  if (pieces == 1) {
+    applyGlobalRange(spans, starts, 0, total, part);
+    return;
+  }
+  pool->parallelFor(pieces, [&](int64_t p) {
+    applyGlobalRange(spans, starts, pieceBoundary(p, pieces, total),
+                     pieceBoundary(p + 1, pieces, total), part);
+  });
+}
+
+// Source elements converted per block by the multi-profile kernels: 8 KiB
+// of floats stays in L1 while every profile's EMA streams past it, so the
+// source is read from memory once; larger blocks would spill to L2 for no
+// gain, smaller ones would add loop overhead per profile.
+constexpr int64_t kMultiBlock = 2048;
+
+void checkNumEmas(const char* who, int numEmas) {
+  TORCH_CHECK_VALUE(numEmas >= 1 && numEmas <= kMaxProfiles, "shardema::", who,
+                    ": numEmas must be in [1, ", kMaxProfiles, "], got ", numEmas);
+}
+
+// The block [begin, begin + n) of src as floats: f32 is used in place (it is
+// already float, and the block stays cached across profiles); bf16/fp16 are
+// converted once into `buffer` by copyRange, whose conversion is exactly the
+// one lerpRange applies, so the lerp below rounds as lerpRange does.
+const float* blockAsFloat(const void* src, SourceType type, int64_t begin, int64_t n,
+                          float* buffer) {
+  if (type == SourceType::kFloat32) {
+    return static_cast<const float*>(src) + begin;
+  }
+  copyRange(buffer, sourceAt(src, type, begin), type, n);
+  return buffer;
+}
+
+void applyMultiPart(const MultiUpdateSpan& span, const float* weights, int64_t offset,
+                    int64_t count) {
+  float* emas[kMaxProfiles];
+  const int numEmas = static_cast<int>(span.emas.size());
+  for (int p = 0; p < numEmas; ++p) {
+    emas[p] = span.emas[static_cast<size_t>(p)] + offset;
+  }
+  const void* src = sourceAt(span.src, span.type, offset);
+  if (span.op == UpdateOp::kLerp) {
+    lerpRangeMulti(emas, weights, numEmas, src, span.type, count);
+  } else {
+    copyRangeMulti(emas, numEmas, src, span.type, count);
+  }
+}
 
 }  // namespace
 
@@ -202,30 +281,63 @@ void copyRange(float* ema, const void* src, SourceType type, int64_t count) {
 
 void updateSpans(const std::vector<UpdateSpan>& spans, float weight, WorkerPool* pool,
                  int64_t minGrain) {
-  TORCH_CHECK_VALUE(minGrain >= 1, "shardema::updateSpans: minGrain must be >= 1, got ", minGrain);
-  std::vector<int64_t> starts;
-  starts.reserve(spans.size());
-  int64_t total = 0;
-  for (const UpdateSpan& span : spans) {
-    TORCH_CHECK_VALUE(span.count >= 0, "shardema::updateSpans: span count must be >= 0, got ",
-                      span.count);
-    starts.push_back(total);
-    total += span.count;
-  }
-  if (total == 0) {
+  splitOverPool("updateSpans", spans, pool, minGrain,
+                [weight](const UpdateSpan& span, int64_t offset, int64_t count) {
+                  applyPart(span, offset, count, weight);
+                });
+}
+
+void lerpRangeMulti(float* const* emas, const float* weights, int numEmas, const void* src,
+                    SourceType type, int64_t count) {
+  checkNumEmas("lerpRangeMulti", numEmas);
+  if (numEmas == 1) {
+    // Nothing to share: the direct loop skips the staging buffer, which
+    // for a 16-bit source would be an extra pass through L1.
+    lerpRange(emas[0], src, type, count, weights[0]);
     return;
   }
-  const int64_t threads = pool == nullptr ? 1 : pool->size() + 1;
-  const int64_t pieces =
-      threads == 1 ? 1 : std::clamp<int64_t>(total / minGrain, 1, threads * kPiecesPerThread);
-  if (pieces == 1) {
-    applyGlobalRange(spans, starts, 0, total, weight);
-    return;
+  alignas(64) float buffer[kMultiBlock];
+  for (int64_t begin = 0; begin < count; begin += kMultiBlock) {
+    const int64_t n = std::min(kMultiBlock, count - begin);
+    const float* x = blockAsFloat(src, type, begin, n, buffer);
+    // The same loop lerpRange runs for an f32 source (LoadF32, same sub,
+    // mul, add), so every profile matches its single-profile update bit for
+    // bit, whichever of them vectorised.
+    for (int p = 0; p < numEmas; ++p) {
+      lerpLoop(emas[p] + begin, x, n, weights[p], LoadF32{});
+    }
   }
-  pool->parallelFor(pieces, [&](int64_t p) {
-    applyGlobalRange(spans, starts, pieceBoundary(p, pieces, total),
-                     pieceBoundary(p + 1, pieces, total), weight);
-  });
+}
+
+void copyRangeMulti(float* const* emas, int numEmas, const void* src, SourceType type,
+                    int64_t count) {
+  checkNumEmas("copyRangeMulti", numEmas);
+  for (int64_t begin = 0; begin < count; begin += kMultiBlock) {
+    const int64_t n = std::min(kMultiBlock, count - begin);
+    // Convert into the first profile, then copy that block (still in L1) to
+    // the others: the source is read once and converted once.
+    copyRange(emas[0] + begin, sourceAt(src, type, begin), type, n);
+    for (int p = 1; p < numEmas; ++p) {
+      std::memcpy(emas[p] + begin, emas[0] + begin, static_cast<size_t>(n) * sizeof(float));
+    }
+  }
+}
+
+void updateSpansMulti(const std::vector<MultiUpdateSpan>& spans, const std::vector<float>& weights,
+                      WorkerPool* pool, int64_t minGrain) {
+  const int numEmas = static_cast<int>(std::min<size_t>(weights.size(), kMaxProfiles + 1));
+  TORCH_CHECK_VALUE(numEmas >= 1 && numEmas <= kMaxProfiles,
+                    "shardema::updateSpansMulti: weights.size() must be in [1, ", kMaxProfiles,
+                    "], got ", weights.size());
+  for (size_t s = 0; s < spans.size(); ++s) {
+    TORCH_CHECK_VALUE(spans[s].emas.size() == weights.size(), "shardema::updateSpansMulti: span ",
+                      s, " has emas.size() ", spans[s].emas.size(), " but weights.size() is ",
+                      weights.size());
+  }
+  splitOverPool("updateSpansMulti", spans, pool, minGrain,
+                [&weights](const MultiUpdateSpan& span, int64_t offset, int64_t count) {
+                  applyMultiPart(span, weights.data(), offset, count);
+                });
 }
 
 }  // namespace shardema

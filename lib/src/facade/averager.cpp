@@ -58,6 +58,16 @@ Averager::Averager(std::vector<TrackedTensor> tensors, AveragerOptions options)
     : options_(std::move(options)) {
   std::unordered_set<std::string> seen;
   for (const TrackedTensor& tracked : tensors) checkTracked(tracked, seen);
+  TORCH_CHECK_VALUE(options_.moreSchedules.size() < static_cast<size_t>(kMaxProfiles),
+                    "Averager: options.moreSchedules holds ", options_.moreSchedules.size(),
+                    " schedules; at most ", kMaxProfiles - 1, " profiles can be added");
+  for (size_t p = 0; p < options_.moreSchedules.size(); ++p) {
+    TORCH_CHECK_VALUE(options_.moreSchedules[p].updateEvery() == options_.schedule.updateEvery(),
+                      "Averager: options.moreSchedules[", p, "] updates every ",
+                      options_.moreSchedules[p].updateEvery(), " steps but options.schedule every ",
+                      options_.schedule.updateEvery(), "; profiles share their due steps");
+  }
+  moreLastDecays_.assign(options_.moreSchedules.size(), 0.0);
   if (options_.placement == EmaPlacement::kPinnedHost) {
     arena_ = std::make_unique<offload::PinnedArena>();
     engine_ = offload::makeCopyEngine(options_.offload.engine);
@@ -74,7 +84,13 @@ Averager::Averager(std::vector<TrackedTensor> tensors, AveragerOptions options)
   for (TrackedTensor& tracked : tensors) {
     at::Tensor storage = makeStorage(tracked, options_, arena_.get());
     index_.emplace(tracked.name, slots_.size());
-    slots_.push_back(Slot{std::move(tracked), std::move(storage), at::Tensor()});
+    std::vector<at::Tensor> moreEmas;
+    if (isAveragingRole(tracked.role)) {
+      for (size_t p = 0; p < options_.moreSchedules.size(); ++p) {
+        moreEmas.push_back(makeStorage(tracked, options_, arena_.get()));
+      }
+    }
+    slots_.push_back(Slot{std::move(tracked), std::move(storage), at::Tensor(), std::move(moreEmas)});
   }
   initialized_ = !options_.copyOnFirstUpdate;
 }
@@ -126,17 +142,24 @@ bool Averager::update(int64_t step) {
     return false;
   }
   const double decay = options_.schedule.decayAt(step);
+  std::vector<double> weights{1.0 - decay};
+  std::vector<double> moreDecays;
+  for (const DecaySchedule& schedule : options_.moreSchedules) {
+    moreDecays.push_back(schedule.decayAt(step));
+    weights.push_back(1.0 - moreDecays.back());
+  }
   const bool firstCopy = !initialized_;
   if (pipeline_) {
-    submitToPipeline(firstCopy, 1.0 - decay, step);
+    submitToPipeline(firstCopy, weights, step);
   } else {
-    updateOnDevice(firstCopy, 1.0 - decay);
+    updateOnDevice(firstCopy, weights);
   }
   // Progress is recorded only once the update was accepted, so an update
   // refused on the caller can be retried at the same step.
   initialized_ = true;
   step_ = step;
   lastDecay_ = decay;
+  moreLastDecays_ = std::move(moreDecays);
   return true;
 }
 
@@ -157,14 +180,27 @@ void Averager::rejectUnfenced(int64_t step) {
               "to continue");
 }
 
-void Averager::submitToPipeline(bool firstCopy, double weight, int64_t step) {
-  // A zero decay must reproduce the source exactly; ema + 1 * (x - ema) can
-  // be off by an ulp, so it becomes a copy.
+namespace {
+
+// A zero decay must reproduce the source exactly; ema + 1 * (x - ema) can
+// be off by an ulp, so it becomes a copy (when every profile has it).
+bool allWeightsOne(const std::vector<double>& weights) {
+  for (double w : weights) {
+    if (w != 1.0) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+void Averager::submitToPipeline(bool firstCopy, const std::vector<double>& weights,
+                                int64_t step) {
+  const bool weightIsOne = allWeightsOne(weights);
   std::vector<offload::PipelineJob> jobs;
   jobs.reserve(slots_.size());
   // Everything is checked before the first snapshot is written.
   for (const Slot& s : slots_) {
-    if (actionFor(s.tracked, firstCopy, weight == 1.0) == Action::kSkip) continue;
+    if (actionFor(s.tracked, firstCopy, weightIsOne) == Action::kSkip) continue;
     // TypeError before anything starts
     if (isAveragingRole(s.tracked.role)) sourceTypeOf(s.tracked.source, s.tracked.name);
     TORCH_CHECK_VALUE(s.tracked.source.sizes() == s.ema.sizes(), "Averager::update: tensor '",
@@ -172,10 +208,11 @@ void Averager::submitToPipeline(bool firstCopy, double weight, int64_t step) {
                       " but the EMA has shape ", s.ema.sizes());
   }
   for (Slot& s : slots_) {
-    const Action action = actionFor(s.tracked, firstCopy, weight == 1.0);
+    const Action action = actionFor(s.tracked, firstCopy, weightIsOne);
     if (action == Action::kSkip) continue;
-    offload::PipelineJob job{s.ema, at::Tensor(), UpdateOp::kCopy, false, s.tracked.name};
+    offload::PipelineJob job{s.ema, at::Tensor(), UpdateOp::kCopy, false, s.tracked.name, {}};
     if (isAveragingRole(s.tracked.role)) {
+      job.moreEmas = s.moreEmas;
       job.source = pipelineSource(s, s.tracked.source.scalar_type());
       job.op = action == Action::kLerp ? UpdateOp::kLerp : UpdateOp::kCopy;
     } else {
@@ -186,7 +223,8 @@ void Averager::submitToPipeline(bool firstCopy, double weight, int64_t step) {
     }
     jobs.push_back(std::move(job));
   }
-  pipeline_->submit(std::move(jobs), static_cast<float>(weight), step);
+  std::vector<float> floatWeights(weights.begin(), weights.end());
+  pipeline_->submit(std::move(jobs), std::move(floatWeights), step);
   if (options_.offload.fenceInUpdate) pipeline_->fence();
 }
 
@@ -213,7 +251,8 @@ at::Tensor Averager::pipelineSource(Slot& s, at::ScalarType dtype) {
 // The comparison placement: ATen on the sources' device. ema + w * (x - ema)
 // in float32 with the three roundings of the CPU kernels (sub, mul, add), so
 // on CPU tensors it matches kPinnedHost bit for bit.
-void Averager::updateOnDevice(bool firstCopy, double weight) {
+void Averager::updateOnDevice(bool firstCopy, const std::vector<double>& weights) {
+  const bool weightIsOne = allWeightsOne(weights);
   for (const Slot& s : slots_) {
     if (isAveragingRole(s.tracked.role)) sourceTypeOf(s.tracked.source, s.tracked.name);
     TORCH_CHECK_VALUE(
@@ -223,14 +262,63 @@ void Averager::updateOnDevice(bool firstCopy, double weight) {
         " (placement kDevice keeps the EMA where the source was)");
   }
   c10::NoGradGuard noGrad;
-  const double w = static_cast<float>(weight);
   for (Slot& s : slots_) {
-    const Action action = actionFor(s.tracked, firstCopy, weight == 1.0);
-    if (action == Action::kCopy) s.ema.copy_(s.tracked.source.detach());
-    if (action != Action::kLerp) continue;
-    at::Tensor x = s.tracked.source.detach().to(at::kFloat);
-    s.ema.add_(x.sub(s.ema).mul_(w));
+    const Action action = actionFor(s.tracked, firstCopy, weightIsOne);
+    if (action == Action::kSkip) continue;
+    for (size_t p = 0; p < weights.size(); ++p) {
+      if (p > 0 && s.moreEmas.empty()) break;  // copies are shared
+      const at::Tensor& ema = p == 0 ? s.ema : s.moreEmas[p - 1];
+      if (action == Action::kCopy) {
+        ema.copy_(s.tracked.source.detach());
+        continue;
+      }
+      const double w = static_cast<float>(weights[p]);
+      at::Tensor x = s.tracked.source.detach().to(at::kFloat);
+      ema.add_(x.sub(ema).mul_(w));
+    }
   }
+}
+
+void Averager::checkProfile(int profile, const char* api) const {
+  TORCH_CHECK_INDEX(profile >= 0 && profile < numProfiles(), "Averager::", api, ": profile ",
+                    profile, " does not exist (this Averager has ", numProfiles(), ")");
+}
+
+const at::Tensor& Averager::profileStorage(const Slot& s, int profile) const {
+  return profile == 0 || s.moreEmas.empty() ? s.ema : s.moreEmas[profile - 1];
+}
+
+const DecaySchedule& Averager::profileSchedule(int profile) const {
+  checkProfile(profile, "profileSchedule");
+  return profile == 0 ? options_.schedule : options_.moreSchedules[profile - 1];
+}
+
+double Averager::profileLastDecay(int profile) const {
+  checkProfile(profile, "profileLastDecay");
+  return profile == 0 ? lastDecay_ : moreLastDecays_[profile - 1];
+}
+
+const at::Tensor& Averager::profileEma(int profile, const std::string& name) const {
+  checkProfile(profile, "profileEma");
+  const Slot& s = slot(name, "profileEma");
+  settle("profileEma");
+  return profileStorage(s, profile);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Averager::profileTensors(int profile) const {
+  checkProfile(profile, "profileTensors");
+  settle("profileTensors");
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  out.reserve(slots_.size());
+  for (const Slot& s : slots_) out.emplace_back(s.tracked.name, profileStorage(s, profile));
+  return out;
+}
+
+void Averager::restoreProgress(int64_t step, bool initialized) {
+  TORCH_CHECK_VALUE(step >= 0, "Averager::restoreProgress: step (", step, ") must be >= 0");
+  settle("restoreProgress");
+  step_ = step;
+  initialized_ = initialized;
 }
 
 const Averager::Slot& Averager::slot(const std::string& name, const char* api) const {

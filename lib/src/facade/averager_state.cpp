@@ -62,8 +62,16 @@ LoadReport Averager::loadEmaValues(const std::vector<std::pair<std::string, at::
   return loadValues(values, strictness);
 }
 
+LoadReport Averager::loadProfileValues(
+    int profile, const std::vector<std::pair<std::string, at::Tensor>>& values,
+    LoadStrictness strictness) {
+  checkProfile(profile, "loadProfileValues");
+  settle("loadProfileValues");
+  return loadValues(values, strictness, profile);
+}
+
 LoadReport Averager::loadValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
-                                LoadStrictness strictness) {
+                                LoadStrictness strictness, int profile) {
   LoadReport report;
   std::unordered_set<std::string> given;
   for (const auto& [name, tensor] : values) {
@@ -93,12 +101,15 @@ LoadReport Averager::loadValues(const std::vector<std::pair<std::string, at::Ten
   // the Averager as it was.
   for (const auto& [name, tensor] : values) {
     const auto it = index_.find(name);
-    if (it != index_.end()) slots_[it->second].ema.copy_(tensor);
+    if (it != index_.end()) profileStorage(slots_[it->second], profile).copy_(tensor);
   }
   return report;
 }
 
 TensorFile Averager::state() const {
+  TORCH_CHECK(options_.moreSchedules.empty(), "Averager::state: this Averager tracks ",
+              numProfiles(), " profiles; save each one as a post-hoc snapshot (writeSnapshot ",
+              "of profileTensors(p)) and resume with loadProfileValues + restoreProgress");
   TensorFile file;
   file.tensors = emaTensors();
   nlohmann::json roles = nlohmann::json::object();

@@ -99,6 +99,12 @@ struct PipelineJob {
   bool rawCopy = false;
   /// Named in errors.
   std::string name;
+  /// Further float32 EMAs of the same source (post-hoc profiles: one per
+  /// sigma_rel), same numel, host, contiguous. They are updated in the same
+  /// pass as `ema`, each with its own weight (submit's weights[1], [2], ...),
+  /// so the source is staged and read once whatever the number of profiles.
+  /// Must be empty for raw copies.
+  std::vector<at::Tensor> moreEmas;
 };
 
 /// A host tensor to write into a destination (swap-in, restore).
@@ -134,6 +140,11 @@ class UpdatePipeline {
   /// nothing new starts). Jobs are validated here, before anything starts
   /// (c10::ValueError / TypeError naming the tensor).
   void submit(std::vector<PipelineJob> jobs, float weight, int64_t step);
+  /// Multi-profile form: weights[0] for every job's ema, weights[p] for its
+  /// moreEmas[p - 1]; every non-raw job must have weights.size() - 1
+  /// moreEmas (c10::ValueError naming the tensor otherwise). 1 to
+  /// kMaxProfiles weights, each in [0, 1].
+  void submit(std::vector<PipelineJob> jobs, std::vector<float> weights, int64_t step);
   /// Blocks until every chunk of the update in flight has been copied out
   /// of its source (with the CUDA engine: until every copy is queued, then
   /// the training stream waits on them). Late chunks' copies wait for early
@@ -188,7 +199,7 @@ class UpdatePipeline {
   // read-only afterwards (the engine and pool hand-offs order it).
   std::vector<PipelineJob> jobs_;
   std::vector<Chunk> chunks_;
-  float weight_ = 0.0f;
+  std::vector<float> weights_;  // one per profile
   int64_t step_ = 0;
 
   mutable std::mutex mutex_;
