@@ -6,10 +6,10 @@
 #include <sstream>
 
 #include "flag_parser.h"
+#include "flagged_command.h"
 #include "shardema/sharded_checkpoint.h"
 
 namespace shardema::cli {
-namespace {
 
 c10::ScalarType parseDtype(const std::string& text) {
   if (text == "f32") return c10::ScalarType::Float;
@@ -17,6 +17,8 @@ c10::ScalarType parseDtype(const std::string& text) {
   if (text == "f16") return c10::ScalarType::Half;
   throw UsageError("--dtype must be f32, bf16 or f16 (got '" + text + "')");
 }
+
+namespace {
 
 ExportOptions optionsFromFlags(const ParsedFlags& flags) {
   ExportOptions options;
@@ -109,24 +111,14 @@ void printExportUsage(std::ostream& out) {
 }
 
 int runExportCommand(const std::vector<std::string>& args, std::ostream& out) {
-  const ParsedFlags flags = parseFlags({{"help", FlagArity::kNone},
-                                        {"checkpoint", FlagArity::kValue},
-                                        {"out", FlagArity::kValue},
-                                        {"dtype", FlagArity::kValue},
-                                        {"world-size", FlagArity::kValue},
-                                        {"layout", FlagArity::kValue},
-                                        {"buffer-mib", FlagArity::kValue}},
-                                       args);
-  if (flags.has("help")) {
-    printExportUsage(out);
-    return 0;
-  }
-  try {
-    return runParsed(flags, out);
-  } catch (const c10::Error& error) {
-    // File and OS problems are the user's input too: exit status 2.
-    throw UsageError(error.what_without_backtrace());
-  }
+  return runFlaggedCommand({{"help", FlagArity::kNone},
+                            {"checkpoint", FlagArity::kValue},
+                            {"out", FlagArity::kValue},
+                            {"dtype", FlagArity::kValue},
+                            {"world-size", FlagArity::kValue},
+                            {"layout", FlagArity::kValue},
+                            {"buffer-mib", FlagArity::kValue}},
+                           args, out, printExportUsage, runParsed);
 }
 
 }  // namespace shardema::cli

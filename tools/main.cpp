@@ -12,6 +12,7 @@
 #include "flag_parser.h"
 #include "inspect_command.h"
 #include "schedule_command.h"
+#include "synthesize_command.h"
 
 namespace {
 
@@ -32,6 +33,8 @@ const Command kCommands[] = {
      shardema::cli::runExportCommand},
     {"inspect", "validate a safetensors file or checkpoint folder and list its contents",
      shardema::cli::runInspectCommand},
+    {"synthesize", "post-hoc EMA of any sigma_rel from a folder of power-function snapshots",
+     shardema::cli::runSynthesizeCommand},
 };
 
 void printUsage(std::ostream& out) {

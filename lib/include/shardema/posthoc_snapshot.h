@@ -1,0 +1,102 @@
+#pragma once
+// Post-hoc EMA snapshot files (DESIGN section 5): one power-function profile
+// at one step, `{folder}/{i}.{step}.safetensors`, or per rank
+// `{folder}/rank_{r:05d}/{i}.{step}.safetensors` in sharded placement.
+// Core only: no threads, no communication.
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace shardema {
+
+/// What a snapshot file says about itself (its metadata).
+struct SnapshotInfo {
+  /// Index of the EMA profile in the averager's profile list, >= 0.
+  int64_t profileIndex = 0;
+  /// Training step the snapshot was taken at, >= 1.
+  int64_t step = 0;
+  /// The profile's sigma_rel; must agree with gamma (gammaToSigmaRel).
+  double sigmaRel = 0;
+  /// The profile's power-function exponent, > 0 and finite.
+  double gamma = 0;
+  /// -1: full-copy placement (one file holds every tensor). >= 0: this
+  /// rank's shard of a sharded snapshot.
+  int64_t rank = -1;
+  /// Sharded only: number of ranks (>= 1, > rank); 0 for full placement.
+  int64_t worldSize = 0;
+  /// Sharded only: JSON text describing the shard layout (non-empty);
+  /// stored and compared verbatim, not interpreted here.
+  std::string layoutJson;
+
+  bool sharded() const { return rank >= 0; }
+};
+
+/// "{i}.{step}.safetensors", step not zero-padded (ema-pytorch's naming).
+std::string snapshotFileName(int64_t profileIndex, int64_t step);
+
+/// "rank_00003": the sharded placement's per-rank subfolder.
+std::string rankFolderName(int64_t rank);
+
+/// Parses "{i}.{step}.safetensors" strictly: both parts plain decimal digits
+/// (no sign, no spaces, no leading zeros except "0" itself, no int64
+/// overflow). Returns false and leaves the outputs untouched for any other
+/// name. Outputs may be nullptr.
+bool parseSnapshotFileName(const std::string& fileName, int64_t* profileIndex, int64_t* step);
+
+/// The metadata written into a snapshot: shardema.format, shardema.kind =
+/// posthoc_snapshot, shardema.sigma_rel and shardema.gamma (%.17g, so they
+/// read back bit-exactly), shardema.step, shardema.profile_index; sharded
+/// info adds shardema.rank, shardema.world_size, shardema.layout. Does not
+/// validate `info` (writeSnapshot does).
+std::map<std::string, std::string> snapshotMetadata(const SnapshotInfo& info);
+
+/// Validates `info` (c10::ValueError naming the field), converts floating
+/// tensors to contiguous float32 on the CPU (integer and bool tensors keep
+/// their dtype) and writes them in the given order with snapshotMetadata,
+/// crash-safely (writeTensorFile). The caller picks `path`; it should end in
+/// snapshotFileName(info.profileIndex, info.step) or readSnapshotInfo will
+/// refuse it. Blocks.
+void writeSnapshot(const std::string& path,
+                   const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                   const SnapshotInfo& info);
+
+/// Reads only the header of a snapshot file and parses its metadata
+/// strictly; c10::ValueError naming the file (and the key) when the file is
+/// not a valid snapshot, a key is missing or garbled, or the file's name
+/// disagrees with its step or profile index. Blocks.
+SnapshotInfo readSnapshotInfo(const std::string& path);
+
+/// One snapshot file found by scanSnapshotFolder.
+struct SnapshotEntry {
+  std::string path;
+  SnapshotInfo info;
+};
+
+/// The snapshots of one folder.
+struct SnapshotFolder {
+  /// Whether the folder uses sharded (rank_NNNNN) placement.
+  bool sharded = false;
+  /// Sharded: the world size every file agrees on; 0 for full placement.
+  int64_t worldSize = 0;
+  /// Full placement: every snapshot, sorted by (step, profileIndex).
+  std::vector<SnapshotEntry> snapshots;
+  /// Sharded: index = rank; each sorted by (step, profileIndex), and all
+  /// ranks hold the same (profileIndex, step) set.
+  std::vector<std::vector<SnapshotEntry>> perRank;
+};
+
+/// Finds and validates the snapshots of `dir` (reading headers only).
+/// Full placement: every top-level "*.safetensors" must be a snapshot name;
+/// other files and "*.tmp" leftovers of interrupted writes are ignored.
+/// Sharded placement: rank_NNNNN subfolders for every rank 0..W-1, each file
+/// naming its folder's rank and one world size, one layout per rank, and the
+/// same (profileIndex, step) set on every rank. Also refused: a missing
+/// folder, both placements at once, two profiles with the same gamma at one
+/// step, no snapshots. c10::ValueError naming the folder or file. Blocks.
+SnapshotFolder scanSnapshotFolder(const std::string& dir);
+
+}  // namespace shardema
