@@ -33,6 +33,7 @@
 
 #include "shardema/update_kernels.h"
 #include "shardema/worker_pool.h"
+#include "build_type_warning.h"
 
 namespace {
 
@@ -197,21 +198,6 @@ void checkOnePassMatches() {
   }
 }
 
-void warnIfUnoptimised() {
-  const std::string type = SHARDEMA_BUILD_TYPE;
-  bool optimised = type == "Release" || type == "RelWithDebInfo" || type == "MinSizeRel";
-#ifndef NDEBUG
-  optimised = false;
-#endif
-  benchmark::AddCustomContext("shardema_build_type", type.empty() ? "<none>" : type);
-  if (!optimised) {
-    std::fprintf(stderr,
-                 "WARNING: posthoc_bench built as '%s' (assertions on or unoptimised): the "
-                 "numbers below do not describe a Release build\n",
-                 type.c_str());
-  }
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -234,7 +220,7 @@ int main(int argc, char** argv) {
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) {
     return 1;
   }
-  warnIfUnoptimised();
+  shardema::bench::warnIfUnoptimised("posthoc_bench");
   benchmark::AddCustomContext("elements_per_profile", std::to_string(gElements));
   benchmark::AddCustomContext("threads", std::to_string(kThreads));
   checkOnePassMatches();

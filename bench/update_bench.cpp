@@ -39,6 +39,7 @@
 
 #include "shardema/tensor_update.h"
 #include "shardema/worker_pool.h"
+#include "build_type_warning.h"
 
 namespace {
 
@@ -313,21 +314,6 @@ void checkAgainstAten() {
   }
 }
 
-void warnIfUnoptimised() {
-  const std::string type = SHARDEMA_BUILD_TYPE;
-  bool optimised = type == "Release" || type == "RelWithDebInfo" || type == "MinSizeRel";
-#ifndef NDEBUG
-  optimised = false;
-#endif
-  benchmark::AddCustomContext("shardema_build_type", type.empty() ? "<none>" : type);
-  if (!optimised) {
-    std::fprintf(stderr,
-                 "WARNING: update_bench built as '%s' (assertions on or unoptimised): the numbers "
-                 "below do not describe a Release build\n",
-                 type.c_str());
-  }
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -335,7 +321,7 @@ int main(int argc, char** argv) {
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) {
     return 1;
   }
-  warnIfUnoptimised();
+  shardema::bench::warnIfUnoptimised("update_bench");
   benchmark::AddCustomContext("elements", std::to_string(kElements));
   benchmark::AddCustomContext("small_layout_tensors", std::to_string(kSmallTensors));
   checkAgainstAten();
