@@ -1,3 +1,9 @@
+// One file over the 400-line guideline on purpose: submit, the copy
+// callbacks, the workers' math, fence and wait share one mutex-guarded state
+// machine (slotChunk_, claimed_/queued_/finished_, released_), and keeping
+// every transition of it in one place is what makes its ordering reviewable
+// (and what ThreadSanitizer runs exercise). The swap-in copies, which do not
+// touch that state, live in update_pipeline_swap.cpp.
 #include "shardema/offload/update_pipeline.h"
 
 #include <ATen/ops/empty.h>
