@@ -83,8 +83,9 @@ void checkJob(const PipelineJob& job, size_t profiles) {
                       api, ": EMA ", p + 1, " of '", job.name,
                       "' must be a contiguous float32 CPU tensor of ", job.ema.numel(),
                       " elements");
-    TORCH_CHECK_VALUE(more.data_ptr() != job.ema.data_ptr(), api, ": EMA ", p + 1, " of '",
-                      job.name, "' shares memory with its first EMA");
+    // Empty tensors may share a (null or arena) pointer: nothing is written.
+    TORCH_CHECK_VALUE(more.numel() == 0 || more.data_ptr() != job.ema.data_ptr(), api, ": EMA ",
+                      p + 1, " of '", job.name, "' shares memory with its first EMA");
   }
 }
 

@@ -99,4 +99,12 @@ struct SnapshotFolder {
 /// step, no snapshots. c10::ValueError naming the folder or file. Blocks.
 SnapshotFolder scanSnapshotFolder(const std::string& dir);
 
+/// The snapshots of one rank of a sharded folder, `{dir}/rank_{r:05d}/`,
+/// sorted by (step, profileIndex), validated like scanSnapshotFolder does
+/// per rank (every file names `rank`, one world size, one layout, distinct
+/// gammas per step) but without looking at the other ranks' folders: what
+/// a rank reads on its own when it synthesizes its shards. Empty when the
+/// rank folder does not exist or holds no snapshot yet. Blocks.
+std::vector<SnapshotEntry> scanRankSnapshots(const std::string& dir, int64_t rank);
+
 }  // namespace shardema

@@ -36,6 +36,11 @@ struct LocalShard {
   at::Tensor local;
   shard::ShardSpec spec;
   TrackRole role = TrackRole::kAverage;
+  /// The forward pass changes it (a buffer such as BatchNorm statistics):
+  /// read inside update() rather than in the background (see
+  /// TrackedTensor::changesInForward). shardsFromFullTensors carries it
+  /// over. Default false.
+  bool changesInForward = false;
 };
 
 class ShardedAverager {
@@ -116,8 +121,8 @@ class ShardedAverager {
 /// full tensor (dim-0 rows [min(r*c, d0), min((r+1)*c, d0)) for FSDP2 and
 /// replicated, everything or nothing for rank 0 full copy), which is what
 /// FSDP2's local DTensor view holds; 0-dim tensors belong to rank 0. The
-/// spec dtype is the tensor's. `full` must be contiguous (c10::ValueError
-/// naming the tensor); kFsdp1 is refused (use shardsFromFlatParam).
+/// spec dtype, role and changesInForward are the tensor's. `full` must be contiguous
+/// (c10::ValueError naming the tensor); kFsdp1 is refused (use shardsFromFlatParam).
 std::vector<LocalShard> shardsFromFullTensors(const std::vector<TrackedTensor>& full,
                                               shard::LayoutKind kind, int64_t rank,
                                               int64_t worldSize);

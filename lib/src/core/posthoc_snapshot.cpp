@@ -352,4 +352,15 @@ SnapshotFolder scanSnapshotFolder(const std::string& dir) {
   return folder;
 }
 
+std::vector<SnapshotEntry> scanRankSnapshots(const std::string& dir, int64_t rank) {
+  TORCH_CHECK_VALUE(rank >= 0, "scanRankSnapshots(", dir, "): rank must be >= 0, got ", rank);
+  const fs::path rankDir = fs::path(dir) / rankFolderName(rank);
+  std::error_code error;
+  if (!fs::is_directory(rankDir, error)) return {};
+  if (readSnapshotsIn(rankDir).empty()) return {};
+  int64_t worldSize = 0;
+  std::vector<std::vector<SnapshotEntry>> perRank = readRanks({{rank, rankDir}}, dir, &worldSize);
+  return std::move(perRank.front());
+}
+
 }  // namespace shardema

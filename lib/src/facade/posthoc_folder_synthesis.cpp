@@ -12,12 +12,20 @@
 #include <vector>
 
 #include "shardema/posthoc_snapshot.h"
+#include "shardema/posthoc_snapshot_synthesis.h"
 #include "shardema/shard/shard_layout.h"
 #include "shardema/tensor_file_reader.h"
 #include "shardema/tensor_file_writer.h"
+#include "weighted_snapshots.h"
 
 namespace shardema {
 namespace {
+
+using detail::checkTensor;
+using detail::openUsed;
+using detail::WeightedReaders;
+
+bool isFloating(at::ScalarType type) { return at::isFloatingType(type); }
 
 std::string decimal17(double value) {
   char text[32];
@@ -25,81 +33,18 @@ std::string decimal17(double value) {
   return text;
 }
 
-bool isFloating(at::ScalarType type) { return at::isFloatingType(type); }
-
-// The snapshots of one rank (or of the whole folder) that the solve uses,
-// opened once, with their weights.
-struct WeightedReaders {
-  std::vector<std::unique_ptr<TensorFileReader>> readers;
-  std::vector<double> weights;
-  // Index of the newest snapshot used: integer/bool copies come from it.
-  size_t newest = 0;
-};
-
-WeightedReaders openUsed(const std::vector<SnapshotEntry>& entries, const SynthesisWeights& solve) {
-  WeightedReaders out;
-  int64_t newestStep = -1;
-  for (size_t i = 0; i < entries.size(); ++i) {
-    if (!solve.used[i]) continue;
-    out.readers.push_back(std::make_unique<TensorFileReader>(entries[i].path));
-    out.weights.push_back(solve.weights[i]);
-    if (entries[i].info.step >= newestStep) {
-      newestStep = entries[i].info.step;
-      out.newest = out.readers.size() - 1;
-    }
-  }
-  return out;
-}
-
-// Every used snapshot must hold `name` with `numel` elements of one dtype
-// (float32 for averaged tensors, as writeSnapshot stores them).
-at::ScalarType checkTensor(const WeightedReaders& used, const std::string& name, int64_t numel) {
-  const TensorFileReader& first = *used.readers.front();
-  TORCH_CHECK_VALUE(first.contains(name), "synthesize: snapshot ", first.path(),
-                    " has no tensor '", name, "'");
-  const at::ScalarType type = first.scalarType(name);
-  for (const auto& reader : used.readers) {
-    TORCH_CHECK_VALUE(reader->contains(name), "synthesize: snapshot ", reader->path(),
-                      " has no tensor '", name, "' (the other snapshots do)");
-    TORCH_CHECK_VALUE(reader->entry(name).numel() == numel, "synthesize: tensor '", name,
-                      "' has ", reader->entry(name).numel(), " elements in ", reader->path(),
-                      " but ", numel, " are expected");
-    TORCH_CHECK_VALUE(reader->scalarType(name) == type, "synthesize: tensor '", name,
-                      "' has dtype ", reader->scalarType(name), " in ", reader->path(), " but ",
-                      type, " in ", first.path());
-    TORCH_CHECK_VALUE(!isFloating(type) || type == at::kFloat, "synthesize: tensor '", name,
-                      "' in ", reader->path(), " is ", type,
-                      "; snapshots store averaged tensors as float32");
-  }
-  return type;
-}
-
-// Appends elements [begin, begin + count) of `name` as synthesized from
-// `used`: the weighted float64 sum for floating tensors, the newest
-// snapshot's bytes for copies. `scratch` holds the accumulators.
+// Appends the synthesized range to the output file.
 void appendSynthesized(const WeightedReaders& used, const std::string& name, at::ScalarType type,
-                       int64_t begin, int64_t count, int64_t roundElements,
-                       c10::ScalarType outType, std::vector<double>& scratch,
-                       TensorFileWriter& writer) {
-  for (int64_t offset = 0; offset < count; offset += roundElements) {
-    const int64_t n = std::min(roundElements, count - offset);
-    if (!isFloating(type)) {
-      writer.append(used.readers[used.newest]->readRange(name, begin + offset, n));
-      continue;
-    }
-    scratch.assign(static_cast<size_t>(n), 0.0);
-    for (size_t i = 0; i < used.readers.size(); ++i) {
-      const at::Tensor x = used.readers[i]->readRange(name, begin + offset, n);
-      const float* data = x.data_ptr<float>();
-      const double w = used.weights[i];
-      for (int64_t e = 0; e < n; ++e) scratch[e] += w * static_cast<double>(data[e]);
-    }
-    writer.append(at::from_blob(scratch.data(), {n}, at::kDouble).to(outType));
-  }
+                       int64_t begin, int64_t count, int64_t roundElements, c10::ScalarType outType,
+                       std::vector<double>& scratch, TensorFileWriter& writer) {
+  detail::synthesizeRange(used, name, type, begin, count, roundElements, outType, scratch,
+                          [&](const at::Tensor& piece) { writer.append(piece); });
 }
 
-std::map<std::string, std::string> deployableMetadata(const SynthesisWeights& solve,
-                                                      bool normalize) {
+}  // namespace
+
+std::map<std::string, std::string> synthesizedMetadata(const SynthesisWeights& solve,
+                                                       bool normalize) {
   return {{"shardema.kind", "deployable_weights"},
           {"shardema.sigma_rel", decimal17(solve.targetSigmaRel)},
           {"shardema.gamma", decimal17(solve.targetGamma)},
@@ -107,23 +52,7 @@ std::map<std::string, std::string> deployableMetadata(const SynthesisWeights& so
           {"shardema.synthesis", normalize ? "normalized" : "raw"}};
 }
 
-void checkOptions(const FolderSynthesisOptions& options) {
-  TORCH_CHECK_VALUE(options.dtype == at::kFloat || options.dtype == at::kBFloat16 ||
-                        options.dtype == at::kHalf,
-                    "synthesize: dtype must be float32, bfloat16 or float16 (got ",
-                    options.dtype, ")");
-  TORCH_CHECK_VALUE(options.bufferBytes >= 64, "synthesize: bufferBytes (", options.bufferBytes,
-                    ") must be >= 64");
-}
-
-SynthesisWeights solveFor(const std::vector<SnapshotEntry>& entries,
-                          const FolderSynthesisOptions& options) {
-  std::vector<SnapshotProfile> profiles;
-  for (const SnapshotEntry& entry : entries) profiles.push_back({entry.info.step, entry.info.gamma});
-  SynthesisOptions solveOptions;
-  solveOptions.normalize = options.normalize;
-  return solveSynthesisWeights(profiles, options.sigmaRel, options.step, solveOptions);
-}
+namespace {
 
 void synthesizeFull(const std::vector<SnapshotEntry>& entries, const SynthesisWeights& solve,
                     const std::string& outPath, const FolderSynthesisOptions& options,
@@ -138,11 +67,11 @@ void synthesizeFull(const std::vector<SnapshotEntry>& entries, const SynthesisWe
     outEntries.push_back({entry.name, isFloating(type) ? options.dtype : type, entry.shape});
   }
   for (const auto& reader : used.readers) {
-    TORCH_CHECK_VALUE(reader->header().tensors.size() == outEntries.size(), "synthesize: ",
-                      reader->path(), " holds ", reader->header().tensors.size(),
+    TORCH_CHECK_VALUE(reader->header().tensors.size() == outEntries.size(),
+                      "synthesize: ", reader->path(), " holds ", reader->header().tensors.size(),
                       " tensors but ", newest.path(), " holds ", outEntries.size());
   }
-  TensorFileWriter writer(outPath, outEntries, deployableMetadata(solve, options.normalize));
+  TensorFileWriter writer(outPath, outEntries, synthesizedMetadata(solve, options.normalize));
   const int64_t round = std::max<int64_t>(1, options.bufferBytes / 8);
   std::vector<double> scratch;
   for (size_t t = 0; t < outEntries.size(); ++t) {
@@ -172,9 +101,9 @@ void synthesizeSharded(const SnapshotFolder& folder, const SynthesisWeights& sol
                         info.gamma, ") does not match rank 0's ", rankZero[i].path);
     }
     for (const SnapshotEntry& entry : rankEntries) {
-      TORCH_CHECK_VALUE(entry.info.layoutJson == layoutJson, "synthesize: mixed layouts: ",
-                        entry.path, " records another shard layout than ",
-                        folder.perRank.front().front().path);
+      TORCH_CHECK_VALUE(entry.info.layoutJson == layoutJson,
+                        "synthesize: mixed layouts: ", entry.path,
+                        " records another shard layout than ", folder.perRank.front().front().path);
     }
   }
   const shard::ShardLayout layout = shard::ShardLayout::fromJson(layoutJson);
@@ -200,7 +129,7 @@ void synthesizeSharded(const SnapshotFolder& folder, const SynthesisWeights& sol
     types.push_back(type);
     outEntries.push_back({spec.name, isFloating(type) ? options.dtype : type, spec.globalShape});
   }
-  TensorFileWriter writer(outPath, outEntries, deployableMetadata(solve, options.normalize));
+  TensorFileWriter writer(outPath, outEntries, synthesizedMetadata(solve, options.normalize));
   const int64_t round = std::max<int64_t>(1, options.bufferBytes / 8);
   std::vector<double> scratch;
   for (size_t t = 0; t < layout.specs.size(); ++t) {
@@ -220,14 +149,14 @@ void synthesizeSharded(const SnapshotFolder& folder, const SynthesisWeights& sol
 
 FolderSynthesisReport synthesizeSnapshotFolder(const std::string& dir, const std::string& outPath,
                                                const FolderSynthesisOptions& options) {
-  checkOptions(options);
+  detail::checkSynthesisOptions(options);
   const SnapshotFolder folder = scanSnapshotFolder(dir);
   FolderSynthesisReport report;
   report.sharded = folder.sharded;
   report.worldSize = folder.sharded ? folder.worldSize : 1;
   const std::vector<SnapshotEntry>& entries =
       folder.sharded ? folder.perRank.front() : folder.snapshots;
-  report.weights = solveFor(entries, options);
+  report.weights = detail::solveFor(entries, options);
   for (const SnapshotEntry& entry : entries) report.files.push_back(entry.path);
   if (folder.sharded) {
     synthesizeSharded(folder, report.weights, outPath, options, report);

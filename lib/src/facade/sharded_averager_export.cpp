@@ -16,8 +16,6 @@ namespace shardema {
 
 namespace {
 
-constexpr const char* kExportApi = "ShardedAverager::exportFull";
-
 std::vector<TensorFileEntry> deployableEntries(const shard::ShardLayout& layout,
                                                const std::vector<at::Tensor>& pieces,
                                                c10::ScalarType dtype) {
@@ -39,7 +37,7 @@ std::unique_ptr<TensorFileWriter> openOnRoot(shard::Communicator& comm, const st
                                              const std::vector<at::Tensor>& pieces,
                                              c10::ScalarType dtype,
                                              const std::map<std::string, std::string>& metadata,
-                                             const shard::GatherOptions& options) {
+                                             const shard::GatherOptions& options, const char* api) {
   std::unique_ptr<TensorFileWriter> writer;
   std::exception_ptr failure;
   at::Tensor ok = at::ones({1}, at::kInt);
@@ -56,7 +54,7 @@ std::unique_ptr<TensorFileWriter> openOnRoot(shard::Communicator& comm, const st
   }
   comm.broadcast(ok, options.root, "exportFull open " + path);
   if (failure) std::rethrow_exception(failure);
-  TORCH_CHECK(ok.item<int>() != 0, kExportApi, ": rank ", options.root, " could not create ", path,
+  TORCH_CHECK(ok.item<int>() != 0, api, ": rank ", options.root, " could not create ", path,
               "; nothing was exported");
   return writer;
 }
@@ -64,40 +62,27 @@ std::unique_ptr<TensorFileWriter> openOnRoot(shard::Communicator& comm, const st
 // After the gather: the root's append/commit outcome, so no rank returns
 // as if the export had succeeded when the root's file was not written.
 void agreeOnCommit(shard::Communicator& comm, const std::string& path, int64_t root,
-                   std::exception_ptr failure) {
+                   std::exception_ptr failure, const char* api) {
   at::Tensor ok = at::zeros({1}, at::kInt);
   ok.fill_(failure ? 0 : 1);
   comm.broadcast(ok, root, "exportFull commit " + path);
   if (failure) std::rethrow_exception(failure);
-  TORCH_CHECK(ok.item<int>() == 1, kExportApi, ": rank ", root, " could not write ", path,
+  TORCH_CHECK(ok.item<int>() == 1, api, ": rank ", root, " could not write ", path,
               "; nothing was exported");
 }
 
 }  // namespace
 
-void ShardedAverager::exportFull(shard::Communicator& comm, const std::string& path,
-                                 c10::ScalarType dtype, shard::GatherOptions options) const {
-  detail::checkExportDtype(dtype, kExportApi);
-  TORCH_CHECK_VALUE(options.root >= 0 && options.root < comm.worldSize(), kExportApi,
-                    ": options.root must name one rank in [0, ", comm.worldSize(), "), got ",
-                    options.root);
-  TORCH_CHECK_VALUE(comm.worldSize() == worldSize_ && comm.rank() == rank_, kExportApi,
-                    ": communicator is rank ", comm.rank(), " of ", comm.worldSize(),
-                    " but this averager is rank ", rank_, " of ", worldSize_);
-  std::vector<at::Tensor> pieces;
-  try {
-    pieces = localEmaPieces();
-  } catch (...) {
-    // A background failure: join the gather's checks with it (see gather.h).
-    options.localError = detail::currentErrorMessage();
-  }
-  std::unique_ptr<TensorFileWriter> writer = openOnRoot(
-      comm, path, layout_, pieces, dtype,
-      detail::deployableMetadata(averager_.step(), averager_.schedule(), worldSize_), options);
+void detail::exportPieces(shard::Communicator& comm, const std::string& path,
+                          const shard::ShardLayout& layout, const std::vector<at::Tensor>& pieces,
+                          c10::ScalarType dtype, const std::map<std::string, std::string>& metadata,
+                          shard::GatherOptions options, const char* api) {
+  std::unique_ptr<TensorFileWriter> writer =
+      openOnRoot(comm, path, layout, pieces, dtype, metadata, options, api);
   std::exception_ptr sinkFailure;
   try {
     shard::gatherStreaming(
-        comm, layout_, pieces,
+        comm, layout, pieces,
         [&](const shard::ShardSpec&, int64_t, const at::Tensor& piece) {
           try {
             writer->append(piece.to(detail::exportedDtype(piece.scalar_type(), dtype)));
@@ -118,7 +103,30 @@ void ShardedAverager::exportFull(shard::Communicator& comm, const std::string& p
       sinkFailure = std::current_exception();
     }
   }
-  agreeOnCommit(comm, path, options.root, sinkFailure);
+  agreeOnCommit(comm, path, options.root, sinkFailure, api);
+}
+
+void ShardedAverager::exportFull(shard::Communicator& comm, const std::string& path,
+                                 c10::ScalarType dtype, shard::GatherOptions options) const {
+  constexpr const char* kExportApi = "ShardedAverager::exportFull";
+  detail::checkExportDtype(dtype, kExportApi);
+  TORCH_CHECK_VALUE(options.root >= 0 && options.root < comm.worldSize(), kExportApi,
+                    ": options.root must name one rank in [0, ", comm.worldSize(), "), got ",
+                    options.root);
+  TORCH_CHECK_VALUE(comm.worldSize() == worldSize_ && comm.rank() == rank_, kExportApi,
+                    ": communicator is rank ", comm.rank(), " of ", comm.worldSize(),
+                    " but this averager is rank ", rank_, " of ", worldSize_);
+  std::vector<at::Tensor> pieces;
+  try {
+    pieces = localEmaPieces();
+  } catch (...) {
+    // A background failure: join the gather's checks with it (see gather.h).
+    options.localError = detail::currentErrorMessage();
+  }
+  detail::exportPieces(
+      comm, path, layout_, pieces, dtype,
+      detail::deployableMetadata(averager_.step(), averager_.schedule(), worldSize_), options,
+      kExportApi);
 }
 
 }  // namespace shardema

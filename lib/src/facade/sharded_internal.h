@@ -1,12 +1,15 @@
 #pragma once
 // Helpers shared by the sharded_*.cpp files (not installed).
+#include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "shardema/decay_schedule.h"
+#include "shardema/shard/gather.h"
 #include "shardema/shard/shard_layout.h"
 
 namespace shardema {
@@ -37,6 +40,18 @@ std::map<std::string, std::string> deployableMetadata(int64_t step, const DecayS
 
 /// Elements per piece for a buffer bound of `bufferBytes` (at least 1).
 int64_t elementsPerPiece(int64_t bufferBytes, c10::ScalarType dtype);
+
+/// The collective behind ShardedAverager::exportFull, for any pieces of
+/// `layout` (this rank's, layout order, 1-D CPU): options.root opens `path`
+/// first and tells every rank whether it could, the pieces are gathered
+/// into it (floating ones written as `dtype`), and the root's commit
+/// outcome is broadcast, so every rank returns or throws together. A
+/// non-empty options.localError fails every rank before anything moves.
+/// `api` names the caller in errors.
+void exportPieces(shard::Communicator& comm, const std::string& path,
+                  const shard::ShardLayout& layout, const std::vector<at::Tensor>& pieces,
+                  c10::ScalarType dtype, const std::map<std::string, std::string>& metadata,
+                  shard::GatherOptions options, const char* api);
 
 }  // namespace detail
 }  // namespace shardema
