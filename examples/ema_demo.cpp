@@ -1,166 +1,264 @@
-// shardema demo: trains a small MLP with noisy SGD, keeps a warmup EMA of its
-// weights with the EmaCallback, and shows what the average buys on held-out
-// data. Writes the EMA as a deployable safetensors file plus a resumable
-// training checkpoint.
+// shardema demo, the main job: trains a small MLP with noisy SGD on W local
+// ranks (processes it starts itself, one c10d group over loopback Gloo),
+// averaging the gradients through the communicator as DDP would. Every rank
+// keeps only its FSDP2 rows of a warmup EMA (ShardedAverager) and of the
+// post-hoc EMA profiles (PostHocCallback, sharded placement), in host
+// memory. After training it gathers the EMAs, sweeps sigma_rel by synthesis
+// from the per-rank snapshots, prints the held-out loss of each beside the
+// raw weights, draws the sweep as an SVG and writes deployable files.
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
-#include <iostream>
+#include <optional>
 
+#include "data_parallel.h"
+#include "demo_options.h"
+#include "demo_ranks.h"
+#include "demo_report.h"
 #include "demo_task.h"
 #include "flag_parser.h"
-#include "shardema/ema_callback.h"
-#include "shardema/tensor_file.h"
+#include "posthoc_sweep.h"
+#include "shardema/module_tracking.h"
+#include "shardema/posthoc_callback.h"
+#include "shardema/posthoc_snapshot.h"
+#include "shardema/shard/communicator.h"
+#include "shardema/sharded_averager.h"
+#include "shardema/sharded_checkpoint.h"
+#include "sweep_svg.h"
 
 namespace {
 
-using shardema::cli::FlagArity;
-using shardema::cli::FlagSpec;
+namespace demo = shardema::demo;
+using shardema::shard::Communicator;
 
-struct DemoOptions {
-  int64_t steps = 1500;
-  int64_t width = 64;
-  int64_t batch = 32;
-  int64_t accumulate = 1;
-  double lr = 0.1;
-  double noise = 1.0;
-  int64_t seed = 0;
-  std::string out = "out/demo";
+shardema::PostHocCallbackOptions posthocOptions(const demo::DemoOptions& o) {
+  shardema::PostHocCallbackOptions options;  // sigmaRels {0.05, 0.1}
+  options.placement = shardema::PostHocPlacement::kSharded;
+  options.checkpointFolder = o.out + "/posthoc";
+  options.checkpointEvery =
+      o.snapshotEvery > 0 ? o.snapshotEvery : std::max<int64_t>(1, o.steps / 10);
+  options.outputFolder = o.out;
+  return options;
+}
+
+// This rank's EMAs over its FSDP2 rows of the replicated model.
+struct RankEmas {
+  shardema::ShardedAverager warmup;
+  shardema::PostHocCallback posthoc;
 };
 
-const char* kUsage =
-    "usage: ema_demo [--steps N] [--width N] [--batch N] [--accumulate N] [--lr X]\n"
-    "                [--noise X] [--seed N] [--out DIR]\n"
-    "Trains a small MLP on a noisy synthetic regression task with shardema's\n"
-    "warmup EMA and compares held-out loss of the raw and the EMA weights.\n";
-
-DemoOptions parseOptions(int argc, char** argv) {
-  const std::vector<FlagSpec> specs = {{"steps"},      {"width"}, {"batch"},
-                                       {"accumulate"}, {"lr"},    {"noise"},
-                                       {"seed"},       {"out"},   {"help", FlagArity::kNone}};
-  const auto flags =
-      shardema::cli::parseFlags(specs, std::vector<std::string>(argv + 1, argv + argc));
-  if (flags.boolean("help")) {
-    std::cout << kUsage;
-    std::exit(0);
+// The loop with the hooks where a trainer calls them: fence both EMAs
+// before the weights change, average the gradients, step, sync buffers,
+// then fold the new weights in. Returns the optimizer steps done.
+int64_t train(const demo::DemoOptions& o, Communicator& comm, demo::RegressionTask& task,
+              demo::Student& model, RankEmas& emas) {
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(o.lr));
+  const bool tty = comm.rank() == 0 && isatty(STDOUT_FILENO);
+  const int64_t batches = o.steps * o.accumulate;
+  const int64_t every = std::max<int64_t>(1, o.steps / (tty ? 100 : 10));
+  const int64_t rows = o.batch / o.worldSize;
+  int64_t globalStep = 0;
+  double runningLoss = 0;
+  double windowLoss = 0;
+  for (int64_t b = 0; b < batches; ++b) {
+    // Every rank draws the same global batch and trains on its own rows.
+    const auto [x, y] = task.trainBatch(b, o.batch);
+    torch::Tensor loss = torch::mse_loss(model->forward(x.narrow(0, comm.rank() * rows, rows)),
+                                         y.narrow(0, comm.rank() * rows, rows));
+    (loss / o.accumulate).backward();
+    windowLoss += loss.item<double>() / o.accumulate;
+    const bool last = b == batches - 1;
+    if ((b + 1) % o.accumulate == 0 || last) {
+      emas.warmup.fence();
+      emas.posthoc.onBeforeOptimizerStep();
+      const double meanLoss = demo::averageGradients(comm, *model, windowLoss);
+      optimizer.step();
+      optimizer.zero_grad();
+      demo::broadcastBuffers(comm, *model);
+      ++globalStep;
+      emas.warmup.update(globalStep);
+      runningLoss = globalStep == 1 ? meanLoss : 0.95 * runningLoss + 0.05 * meanLoss;
+      windowLoss = 0;
+      if (comm.rank() == 0 && (globalStep % every == 0 || last)) {
+        demo::printProgress(tty, globalStep, o.steps, runningLoss,
+                            emas.warmup.averager().lastDecay());
+      }
+    }
+    emas.posthoc.onTrainBatchEnd(globalStep, b, o.accumulate, last);
   }
-  DemoOptions o;
-  auto positive = [&](const char* name, int64_t& field) {
-    if (!flags.has(name)) return;
-    field = flags.integer(name);
-    if (field < 1) throw shardema::cli::UsageError(std::string("--") + name + " must be >= 1");
-  };
-  positive("steps", o.steps);
-  positive("width", o.width);
-  positive("batch", o.batch);
-  positive("accumulate", o.accumulate);
-  if (flags.has("lr")) o.lr = flags.number("lr");
-  if (flags.has("noise")) o.noise = flags.number("noise");
-  if (flags.has("seed")) o.seed = flags.integer("seed");
-  if (flags.has("out")) o.out = flags.text("out");
-  if (o.lr <= 0) throw shardema::cli::UsageError("--lr must be > 0");
-  if (o.noise < 0) throw shardema::cli::UsageError("--noise must be >= 0");
-  return o;
+  emas.warmup.wait();
+  emas.posthoc.wait();
+  return globalStep;
 }
 
-// One progress line, redrawn in place on a terminal, printed plainly otherwise.
-void progress(bool tty, int64_t step, int64_t total, double loss, double decay) {
-  if (tty) {
-    const int width = 30;
-    const int filled = static_cast<int>(width * step / total);
-    std::printf("\r[%-*s] step %lld/%lld  loss %.4f  ema decay %.5f", width,
-                std::string(filled, '#').c_str(), static_cast<long long>(step),
-                static_cast<long long>(total), loss, decay);
-    if (step == total) std::printf("\n");
-    std::fflush(stdout);
-  } else {
-    std::printf("step %lld/%lld loss %.4f ema_decay %.5f\n", static_cast<long long>(step),
-                static_cast<long long>(total), loss, decay);
+// Host bytes of an averager's storage: floating tensors once per profile,
+// copies (integer buffers) once, shared by the profiles.
+int64_t emaBytes(const shardema::ShardedAverager& averager) {
+  const int64_t profiles = averager.averager().numProfiles();
+  int64_t bytes = 0;
+  for (const at::Tensor& piece : averager.localEmaPieces()) {
+    bytes += piece.nbytes() * (piece.is_floating_point() ? profiles : 1);
+  }
+  return bytes;
+}
+
+int64_t fullCopyBytes(const shardema::ShardedAverager& averager) {
+  const int64_t profiles = averager.averager().numProfiles();
+  int64_t bytes = 0;
+  for (const shardema::shard::ShardSpec& spec : averager.layout().specs) {
+    const bool floating = at::isFloatingType(spec.dtype);
+    bytes += spec.numel() * (floating ? 4 * profiles : c10::elementSize(spec.dtype));
+  }
+  return bytes;
+}
+
+// Every rank's EMA bytes, gathered on rank 0 into the report.
+void reportMemory(Communicator& comm, const RankEmas& emas, demo::RunReport& report) {
+  at::Tensor mine = at::empty({2}, at::kLong);
+  mine[0] = emaBytes(emas.warmup);
+  mine[1] = emaBytes(emas.posthoc.averager());
+  at::Tensor all = at::empty({2 * comm.worldSize()}, at::kLong);
+  comm.allGather(mine, all, "memory report");
+  for (int64_t r = 0; r < comm.worldSize(); ++r) {
+    report.memory.push_back({all[2 * r].item<int64_t>(), all[2 * r + 1].item<int64_t>()});
+  }
+  report.fullWarmupEmaBytes = fullCopyBytes(emas.warmup);
+  report.fullPosthocEmaBytes = fullCopyBytes(emas.posthoc.averager());
+}
+
+// Held-out loss of the gathered warmup EMA (rank 0), its deployable file,
+// and the resumable checkpoint: raw weights + post-hoc calls from rank 0,
+// the sharded EMA state from every rank.
+void evaluateAndSave(const demo::DemoOptions& o, Communicator& comm, demo::Student& model,
+                     const demo::RegressionTask& task, RankEmas& emas, demo::RunReport& report) {
+  const auto full = emas.warmup.gatherFull(comm);
+  if (comm.rank() == 0) {
+    report.rawLoss = demo::heldOutLoss(model, task);
+    demo::Student scratch(task.inputs(), o.width);
+    shardema::loadIntoModule(*scratch, full);
+    report.emaLoss = demo::heldOutLoss(scratch, task);
+    report.emaDecay = emas.warmup.averager().lastDecay();
+  }
+  report.emaWeightsPath = o.out + "/ema_weights.safetensors";
+  emas.warmup.exportFull(comm, report.emaWeightsPath);
+  shardema::saveShardedCheckpoint(comm, o.out + "/checkpoint/ema", emas.warmup);
+  if (comm.rank() == 0) {
+    shardema::TrainingCheckpoint checkpoint = shardema::TrainingCheckpoint::capture(*model);
+    checkpoint.rawWeights = checkpoint.weights;
+    emas.posthoc.onSaveCheckpoint(checkpoint);
+    checkpoint.metadata["global_step"] = std::to_string(report.optimizerSteps);
+    report.checkpointPath = o.out + "/checkpoint";
+    checkpoint.save(report.checkpointPath + "/raw.safetensors");
   }
 }
 
-int run(const DemoOptions& o) {
-  namespace demo = shardema::demo;
+std::string sweepSubtitle(const demo::DemoOptions& o, const shardema::PostHocCallbackOptions& p) {
+  std::string profiles;
+  char text[256];
+  for (const double sigmaRel : p.sigmaRels) {
+    std::snprintf(text, sizeof(text), "%s%g", profiles.empty() ? "" : ", ", sigmaRel);
+    profiles += text;
+  }
+  std::snprintf(text, sizeof(text),
+                "%lld steps on %lld ranks, seed %lld, label noise %g; snapshots of sigma_rel %s "
+                "every %lld steps",
+                static_cast<long long>(o.steps), static_cast<long long>(o.worldSize),
+                static_cast<long long>(o.seed), o.noise, profiles.c_str(),
+                static_cast<long long>(p.checkpointEvery));
+  return text;
+}
+
+void sweepAndDraw(const demo::DemoOptions& o, Communicator& comm, const demo::Student& model,
+                  const demo::RegressionTask& task, const RankEmas& emas, demo::RunReport& report) {
+  const auto start = std::chrono::steady_clock::now();
+  report.sweep = demo::sweepSigmaRel(comm, emas.posthoc.averager().layout(), o.out + "/posthoc",
+                                     o.sigmaGrid, model, task);
+  report.sweepSeconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  report.snapshotsPerRank =
+      static_cast<int64_t>(shardema::scanRankSnapshots(o.out + "/posthoc", comm.rank()).size());
+  if (comm.rank() != 0) return;
+  demo::SweepPicture picture;
+  picture.subtitle = sweepSubtitle(o, emas.posthoc.options());
+  picture.rows = report.sweep;
+  picture.rawLoss = report.rawLoss;
+  picture.warmupEmaLoss = report.emaLoss;
+  report.svgPath = o.out + "/posthoc_sweep.svg";
+  demo::writeSweepSvg(report.svgPath, picture);
+}
+
+int runRank(const demo::DemoOptions& o, Communicator& comm) {
   at::set_num_threads(1);
   demo::TaskOptions taskOptions;
   taskOptions.width = o.width;
   taskOptions.labelNoise = o.noise;
   taskOptions.seed = static_cast<uint64_t>(o.seed);
   demo::RegressionTask task(taskOptions);
-  torch::manual_seed(o.seed + 1);
+  torch::manual_seed(o.seed + 1);  // the same initial model on every rank
   demo::Student model(task.inputs(), o.width);
-  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(o.lr));
 
-  shardema::EmaCallback ema;
-  ema.onFitStart(*model);
-  const bool tty = isatty(STDOUT_FILENO);
-  const int64_t batches = o.steps * o.accumulate;
-  const int64_t every = std::max<int64_t>(1, o.steps / (tty ? 100 : 10));
-  int64_t globalStep = 0;
-  double runningLoss = 0;
-  for (int64_t b = 0; b < batches; ++b) {
-    const auto [x, y] = task.trainBatch(b, o.batch);
-    torch::Tensor loss = torch::mse_loss(model->forward(x), y);
-    (loss / o.accumulate).backward();
-    runningLoss = b == 0 ? loss.item<double>() : 0.95 * runningLoss + 0.05 * loss.item<double>();
-    const bool last = b == batches - 1;
-    if ((b + 1) % o.accumulate == 0 || last) {
-      ema.onBeforeOptimizerStep();  // the last EMA update must have read the weights
-      optimizer.step();
-      optimizer.zero_grad();
-      ++globalStep;
-    }
-    if (ema.onTrainBatchEnd(globalStep, b, o.accumulate, last) &&
-        (globalStep % every == 0 || last)) {
-      progress(tty, globalStep, o.steps, runningLoss, ema.decay());
-    }
-  }
+  // Snapshots of an earlier run would join this run's synthesis.
+  if (comm.rank() == 0) demo::removeStaleSnapshots(o.out + "/posthoc");
+  comm.barrier("stale snapshots removed");
+  const auto tracked = shardema::trackModule(*model);
+  RankEmas emas{
+      shardema::ShardedAverager(
+          comm.rank(), comm.worldSize(),
+          shardema::shardsFromFullTensors(tracked, shardema::shard::LayoutKind::kFsdp2, comm.rank(),
+                                          comm.worldSize())),
+      shardema::PostHocCallback(posthocOptions(o), {comm.rank(), comm.worldSize(), &comm})};
+  emas.posthoc.onFitStart(*model);
 
-  const double rawLoss = demo::heldOutLoss(model, task);
-  double emaLoss = 0;
-  {
-    shardema::EmaValidationScope swap(ema);
-    emaLoss = demo::heldOutLoss(model, task);
-  }
-  std::filesystem::create_directories(o.out);
-  shardema::TensorFile deployable;
-  deployable.tensors = ema.averager().emaTensors();
-  deployable.metadata["shardema.kind"] = "deployable_weights";
-  deployable.metadata["shardema.step"] = std::to_string(globalStep);
-  deployable.metadata["shardema.schedule"] = ema.averager().schedule().toJson();
-  const std::string weightsPath = o.out + "/ema_weights.safetensors";
-  shardema::writeTensorFile(weightsPath, deployable);
-  shardema::TrainingCheckpoint checkpoint = shardema::TrainingCheckpoint::capture(*model);
-  ema.onSaveCheckpoint(checkpoint);
-  checkpoint.metadata["global_step"] = std::to_string(globalStep);
-  const std::string checkpointPath = o.out + "/checkpoint.safetensors";
-  checkpoint.save(checkpointPath);
-
-  std::printf("\nheld-out MSE after %lld optimizer steps (clean targets, %lld samples)\n",
-              static_cast<long long>(globalStep),
-              static_cast<long long>(task.heldOutInputs().size(0)));
-  std::printf("  raw weights  %.5f\n", rawLoss);
-  std::printf("  EMA weights  %.5f   (%+.1f%% vs raw, final decay %.5f)\n", emaLoss,
-              100.0 * (emaLoss - rawLoss) / rawLoss, ema.decay());
-  std::printf("deployable EMA weights: %s\n", weightsPath.c_str());
-  std::printf("training checkpoint (EMA weights + raw weights for resume): %s\n",
-              checkpointPath.c_str());
+  demo::RunReport report;
+  report.worldSize = comm.worldSize();
+  const auto start = std::chrono::steady_clock::now();
+  report.optimizerSteps = train(o, comm, task, model, emas);
+  report.trainSeconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  report.heldOutSamples = task.heldOutInputs().size(0);
+  evaluateAndSave(o, comm, model, task, emas, report);
+  report.posthocWeightsPath = emas.posthoc.onTrainEnd();
+  report.deployableSigmaRel = emas.posthoc.options().defaultOutputSigma;
+  report.snapshotFolder = o.out + "/posthoc";
+  sweepAndDraw(o, comm, model, task, emas, report);
+  reportMemory(comm, emas, report);
+  if (comm.rank() == 0) demo::printReport(report);
   return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  DemoOptions options;
+  demo::DemoOptions options;
   try {
-    options = parseOptions(argc, argv);
+    options = demo::parseDemoOptions(argc, argv);
   } catch (const shardema::cli::UsageError& e) {
     std::fprintf(stderr, "ema_demo: %s\n", e.what());
     return 2;
   }
   try {
-    return run(options);
+    std::filesystem::create_directories(options.out);
+    demo::LocalRanks ranks =
+        demo::LocalRanks::start(static_cast<int>(options.worldSize),
+                                std::vector<std::string>(argv, argv + argc), options.out);
+    int status = 0;
+    {
+      shardema::shard::CommunicatorOptions commOptions;
+      commOptions.timeout = std::chrono::seconds(60);
+      commOptions.glooHostname = "127.0.0.1";
+      Communicator comm = Communicator::fromEnvironment(commOptions);
+      status = runRank(options, comm);
+    }
+    if (ranks.rank() == 0) {
+      const std::string failure = ranks.waitForChildren(std::chrono::seconds(60));
+      if (!failure.empty()) {
+        std::fprintf(stderr, "ema_demo: %s\n", failure.c_str());
+        return 1;
+      }
+    }
+    return status;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ema_demo: %s\n", e.what());
     return 1;

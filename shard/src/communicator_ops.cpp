@@ -154,6 +154,24 @@ void Communicator::allToAll(const at::Tensor& input, const at::Tensor& output,
   unstage(*impl_, out, devOut);
 }
 
+void Communicator::allReduceSum(const at::Tensor& tensor, const std::string& tag) {
+  TORCH_CHECK_VALUE(tensor.defined() && tensor.device().is_cpu() && tensor.is_contiguous(),
+                    "Communicator::allReduceSum of '", tag,
+                    "': the tensor must be a defined, contiguous CPU tensor");
+  TORCH_CHECK_VALUE(tensor.scalar_type() == at::kFloat || tensor.scalar_type() == at::kDouble,
+                    "Communicator::allReduceSum of '", tag, "': float32 or float64 only, got ",
+                    tensor.scalar_type());
+  if (tensor.numel() == 0) return;
+  at::Tensor dev = staged(*impl_, tensor);
+  impl_->run("allReduceSum", tag, tensor.nbytes(), [&] {
+    std::vector<at::Tensor> tensors{dev};
+    c10d::AllreduceOptions opts;  // the default op is SUM in 1.13 and 2.x
+    opts.timeout = impl_->options.timeout;
+    return impl_->group->allreduce(tensors, opts);
+  });
+  unstage(*impl_, tensor, dev);
+}
+
 void Communicator::barrier(const std::string& tag) {
   impl_->run("barrier", tag, 0, [&] {
     c10d::BarrierOptions opts;

@@ -67,6 +67,25 @@ TEST(CommunicatorTest, CollectivesMoveWhatTheyShould) {
   }
 }
 
+// Data-parallel gradients: every rank ends with the elementwise sum, which
+// for small integers is exact, so it is compared with equality.
+TEST(CommunicatorTest, AllReduceSumAddsEveryRanksValues) {
+  for (int64_t worldSize = 1; worldSize <= 3; ++worldSize) {
+    runThreadRanks(worldSize, [worldSize](Communicator& comm) {
+      at::Tensor grads = encoded(comm.rank(), 6).view({2, 3});
+      comm.allReduceSum(grads, "allReduceSum test");
+      at::Tensor expected = at::zeros({6}, at::kDouble);
+      for (int64_t r = 0; r < worldSize; ++r) expected += encoded(r, 6).to(at::kDouble);
+      EXPECT_TRUE(at::equal(grads.reshape({-1}).to(at::kDouble), expected)) << comm.rank();
+      at::Tensor wide = at::full({4}, 0.25 * (comm.rank() + 1), at::kDouble);
+      comm.allReduceSum(wide, "allReduceSum float64");
+      EXPECT_DOUBLE_EQ(wide[3].item<double>(), 0.125 * worldSize * (worldSize + 1));
+      EXPECT_VALUE_ERROR(comm.allReduceSum(at::zeros({2}, at::kInt), "ints"), "float32 or float64");
+      EXPECT_FALSE(comm.broken());
+    });
+  }
+}
+
 TEST(CommunicatorTest, BadArgumentsAreValueErrorsThatMoveNothing) {
   runThreadRanks(2, [](Communicator& comm) {
     EXPECT_VALUE_ERROR(comm.allGather(at::zeros({3}), at::zeros({5}), "w"), "output must hold 24");

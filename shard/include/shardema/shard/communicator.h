@@ -104,6 +104,11 @@ class Communicator {
   void allToAll(const at::Tensor& input, const at::Tensor& output,
                 const std::vector<int64_t>& inputSplits, const std::vector<int64_t>& outputSplits,
                 const std::string& tag);
+  /// Elementwise sum over every rank, in place (c10d allreduce): what
+  /// data-parallel training does to its gradients. float32 or float64, same
+  /// shape on every rank; unlike the byte-moving collectives this one reads
+  /// the values.
+  void allReduceSum(const at::Tensor& tensor, const std::string& tag);
   /// Returns when every rank has called it.
   void barrier(const std::string& tag);
 

@@ -1,0 +1,128 @@
+#include "demo_ranks.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <stdexcept>
+#include <thread>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+extern char** environ;
+
+namespace shardema::demo {
+namespace {
+
+constexpr const char* kChildRankVariable = "SHARDEMA_DEMO_RANK";
+
+// A TCPStore on port 0 makes the kernel pick a free port; the store closes
+// again before rank 0's communicator binds it (a listening socket leaves no
+// TIME_WAIT behind).
+int freeLoopbackPort() {
+  c10d::TCPStoreOptions options;
+  options.port = 0;
+  options.isServer = true;
+  options.waitWorkers = false;
+  c10d::TCPStore store("127.0.0.1", options);
+  return store.getPort();
+}
+
+void exportJob(int rank, int worldSize, int port) {
+  setenv("RANK", std::to_string(rank).c_str(), 1);
+  setenv("WORLD_SIZE", std::to_string(worldSize).c_str(), 1);
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+}
+
+// fork + exec rather than posix_spawn: the child must set its parent-death
+// signal before exec, which posix_spawn cannot do.
+pid_t spawnChild(int rank, const std::vector<std::string>& argv, const std::string& log) {
+  std::vector<std::string> args = argv;
+  std::vector<char*> raw;
+  for (std::string& a : args) raw.push_back(a.data());
+  raw.push_back(nullptr);
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid < 0) throw std::runtime_error("demo: fork failed for rank " + std::to_string(rank));
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (getppid() != parent) _exit(3);  // the parent died before prctl
+    setenv(kChildRankVariable, std::to_string(rank).c_str(), 1);
+    setenv("RANK", std::to_string(rank).c_str(), 1);
+    const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+      close(fd);
+    }
+    execv("/proc/self/exe", raw.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+}  // namespace
+
+LocalRanks LocalRanks::start(int worldSize, const std::vector<std::string>& argv,
+                             const std::string& logDir) {
+  if (const char* childRank = std::getenv(kChildRankVariable)) {
+    return LocalRanks(std::atoi(childRank), worldSize);
+  }
+  LocalRanks ranks(0, worldSize);
+  exportJob(0, worldSize, worldSize > 1 ? freeLoopbackPort() : 29500);
+  for (int r = 1; r < worldSize; ++r) {
+    ranks.logs_.push_back(logDir + "/rank" + std::to_string(r) + ".log");
+    ranks.children_.push_back(spawnChild(r, argv, ranks.logs_.back()));
+  }
+  return ranks;
+}
+
+LocalRanks::LocalRanks(LocalRanks&& other) noexcept
+    : rank_(other.rank_),
+      worldSize_(other.worldSize_),
+      children_(std::move(other.children_)),
+      logs_(std::move(other.logs_)) {
+  other.children_.clear();
+}
+
+LocalRanks::~LocalRanks() {
+  for (pid_t pid : children_) {
+    if (pid > 0 && waitpid(pid, nullptr, WNOHANG) == 0) {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+  }
+}
+
+std::string LocalRanks::waitForChildren(std::chrono::seconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::string failure;
+  for (size_t i = 0; i < children_.size(); ++i) {
+    int status = 0;
+    pid_t done = 0;
+    while ((done = waitpid(children_[i], &status, WNOHANG)) == 0 &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    const std::string who = "rank " + std::to_string(i + 1) + " (log: " + logs_[i] + ")";
+    if (done == 0) {
+      kill(children_[i], SIGKILL);
+      waitpid(children_[i], nullptr, 0);
+      if (failure.empty()) failure = who + " did not finish in time";
+    } else if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      if (failure.empty()) {
+        failure =
+            who + (WIFEXITED(status) ? " exited with status " + std::to_string(WEXITSTATUS(status))
+                                     : " was killed by signal " + std::to_string(WTERMSIG(status)));
+      }
+    }
+    children_[i] = -1;
+  }
+  return failure;
+}
+
+}  // namespace shardema::demo
