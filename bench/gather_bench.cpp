@@ -11,6 +11,13 @@
 //              nccl-tests' gather uses the same factor)
 // frac_of_allgather = busbw / busbw of the plain all-gather (target >= 0.8).
 //
+// Sweep: ranks 1..4; S = max/256 .. max, x4 apart (--gather_max_kib=N,
+// default 64 MiB: 256 KiB .. 64 MiB); 1 or 16 tensors. ranks:1 is kept on
+// purpose although nothing crosses ranks there: busbw is 0 by the formula,
+// but algbw and frac_of_allgather (then a ratio of algbw) show what the
+// gather costs over the plain all-gather's local copy, i.e. our fixed
+// overhead. Peak memory, 4 ranks at 64 MiB: about 4 x 2.5 x S = 640 MiB.
+//
 // Like with like: every timed iteration runs the plain all-gather and then
 // the operation, on the same communicators, both warmed up by one untimed
 // pair, and each reports the median of its times. (Timing them in separate
@@ -26,6 +33,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <thread>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -40,6 +49,9 @@ using namespace shardema::shard;
 using Clock = std::chrono::steady_clock;
 
 enum Op { kToAll = 1, kToRoot = 2, kStreamToAll = 3 };
+
+int64_t gMaxKib = 64 << 10;
+constexpr int64_t kMaxTensors = 16;
 
 // `tensors` fp32 tensors of S bytes in all, FSDP2-sharded over n ranks.
 ShardLayout modelLayout(int64_t bytes, int64_t tensors, int64_t n) {
@@ -111,7 +123,7 @@ double median(std::vector<double> values) {
 void BM_Gather(benchmark::State& state) {
   const Op op = static_cast<Op>(state.range(0));
   const int64_t n = state.range(1);
-  const int64_t bytes = state.range(2) << 20;
+  const int64_t bytes = state.range(2) << 10;
   const ShardLayout layout = modelLayout(bytes, state.range(3), n);
   const int64_t iterations = state.max_iterations;
   auto store = c10::make_intrusive<c10d::HashStore>();
@@ -134,6 +146,7 @@ void BM_Gather(benchmark::State& state) {
   for (auto _ : state) {
     state.SetIterationTime(times.op[i++]);
   }
+  // n = 1: factor 0, busbw 0 (nothing crosses ranks); algbw still counts.
   const double factor = static_cast<double>(n - 1) / static_cast<double>(n);
   const double algbw = static_cast<double>(bytes) / median(times.op) / 1e9;
   const double plainAlgbw = static_cast<double>(bytes / n * n) / median(times.plain) / 1e9;
@@ -141,23 +154,26 @@ void BM_Gather(benchmark::State& state) {
   state.counters["busbw_GBps"] = algbw * factor;
   state.counters["plain_busbw_GBps"] = plainAlgbw * factor;
   state.counters["frac_of_allgather"] = algbw / plainAlgbw;
+  state.counters["ranks"] = static_cast<double>(n);
+  state.counters["bytes"] = static_cast<double>(bytes);
   state.SetBytesProcessed(bytes * state.iterations());
 }
 
 void registerAll() {
-  for (int64_t n = 2; n <= 4; ++n) {
-    for (int64_t mib : {1, 16, 64}) {
+  for (int64_t n = 1; n <= 4; ++n) {
+    for (int64_t divisor = 256; divisor >= 1; divisor /= 4) {
+      const int64_t kib = gMaxKib / divisor;
       for (int64_t op : {kToAll, kStreamToAll, kToRoot}) {
-        for (int64_t tensors : {int64_t{1}, int64_t{16}}) {
+        for (int64_t tensors : {int64_t{1}, kMaxTensors}) {
           const char* name = op == kToAll         ? "GatherFullToAll"
                              : op == kStreamToAll ? "GatherStreamingToAll"
                                                   : "GatherFullToRoot";
           benchmark::RegisterBenchmark(name, BM_Gather)
-              ->Args({op, n, mib, tensors})
-              ->ArgNames({"op", "ranks", "MiB", "tensors"})
-              ->Iterations(mib >= 64   ? 3
-                           : mib >= 16 ? 5
-                                       : 9)
+              ->Args({op, n, kib, tensors})
+              ->ArgNames({"op", "ranks", "KiB", "tensors"})
+              ->Iterations(kib >= 64 << 10   ? 3
+                           : kib >= 16 << 10 ? 5
+                                             : 9)
               ->UseManualTime()
               ->Unit(benchmark::kMillisecond);
         }
@@ -168,7 +184,32 @@ void registerAll() {
 
 }  // namespace
 
+// Removes --gather_max_kib=N from argv (Google Benchmark rejects flags it
+// does not know); false after printing why when it is invalid.
+bool takeMaxKibFlag(int& argc, char** argv) {
+  const char* prefix = "--gather_max_kib=";
+  int out = 1;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], prefix, std::strlen(prefix)) == 0) {
+      gMaxKib = std::atoll(argv[i] + std::strlen(prefix));
+    } else {
+      argv[out++] = argv[i];
+    }
+  }
+  argc = out;
+  // The smallest size (max/256) must give each of 16 tensors one 1 KiB row.
+  if (gMaxKib < 256 * kMaxTensors) {
+    std::fprintf(stderr, "gather_bench: --gather_max_kib must be >= %lld\n",
+                 static_cast<long long>(256 * kMaxTensors));
+    return false;
+  }
+  return true;
+}
+
 int main(int argc, char** argv) {
+  if (!takeMaxKibFlag(argc, argv)) {
+    return 1;
+  }
 #ifdef SHARDEMA_BUILD_TYPE
   if (std::string(SHARDEMA_BUILD_TYPE) != "Release") {
     std::fprintf(stderr, "gather_bench: built as '%s', not Release: figures are not meaningful\n",

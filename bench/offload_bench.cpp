@@ -2,17 +2,21 @@
 // engine) beside its two limits measured in the same process, and the
 // overlap of the EMA with a synthetic training step.
 //
-// Data: kTensors fp32 (or bf16) source tensors of kElements/kTensors each,
-// an fp32 EMA in a PinnedArena, staging 2 x 32 MiB (the defaults).
+// Data: kTensors fp32 (or bf16) source tensors of elements/kTensors each,
+// an fp32 EMA in a PinnedArena, staging 2 x 32 MiB (the defaults). Every row
+// takes elements as its argument: 5 sizes x4 apart from max/256 to max
+// (--offload_elements=N, default 64Mi: 1..256 MiB of fp32 sources), to show
+// where fixed costs stop mattering. One model lives at a time.
 //   copy/<dtype>      engine copies of every source chunk into the two
 //                     staging slots, no math: the engine's raw bandwidth
-//   update/<dtype>    updateSpans straight from the sources into the EMA,
-//                     no copy, on one thread (the pipeline's math runs on
-//                     its one worker): the CPU update bandwidth
+//   update/<dtype>    updateSpans from the sources into the EMA, no copy, on
+//                     one thread (as the pipeline's one math worker): the
+//                     CPU update bandwidth
 //   pipeline/<dtype>  submit + wait: copy into staging, then the math
 //   GBps = source bytes / seconds / 1e9 for every row (the bytes a user's
-//   model has), so the rows compare times; frac_of_min_limit = pipeline
-//   GBps / min(copy, update) GBps.
+//   model has), so the rows compare times. Pipeline rows also carry the
+//   copy_GBps and update_GBps of the same dtype and size (rows run just
+//   before), limit_GBps = their minimum and frac_of_min_limit = GBps / that.
 //   overlap           a training step (one thread of in-cache arithmetic,
 //                     sized to take about as long as one EMA update) runs
 //                     while the EMA of the previous step proceeds in the
@@ -20,23 +24,20 @@
 //                     ratio = wall(step + EMA) / max(step alone, EMA alone),
 //                     per round (alone-times re-measured in every round);
 //                     median and best reported. 1.0 is perfect overlap,
-//                     2.0 none. Target <= 1.1.
-//                     Pinning, so the ratio compares like with like: DESIGN
-//                     has the training step on one core and the EMA on the
-//                     other. Unpinned, the EMA alone would run its copy
-//                     thread and its math worker on two cores in parallel
-//                     but get only one while the step computes, which puts
-//                     the ratio near 1.5 by construction. So for the whole
-//                     overlap row (sizing, alone runs and overlapped run
-//                     alike) the calling thread (the training step; it only
-//                     submits and waits for the EMA) is pinned to the first
-//                     allowed CPU and the EMA's threads (the pool's worker
-//                     and the host engine's copy thread) to the second. The
-//                     running threads are re-pinned from inside a pool task
-//                     and a copy callback, and restored to the original mask
-//                     afterwards, so the copy/update/pipeline rows use every
-//                     CPU. With fewer than 2 CPUs nothing is pinned, a line
-//                     says so, and counter pinned = 0.
+//                     2.0 none. Target <= 1.1. Rounds: 10, or
+//                     --offload_overlap_rounds=N.
+// Pinning, so the ratio compares like with like: DESIGN has the training
+// step on one core and the EMA on the other. Unpinned, the EMA alone would
+// run its copy thread and its math worker on two cores in parallel but get
+// only one while the step computes, which puts the ratio near 1.5 by
+// construction. So for the whole overlap row (sizing, alone runs and
+// overlapped run alike) the calling thread (the training step; it only
+// submits and waits for the EMA) is pinned to the first allowed CPU and the
+// EMA's threads (the pool's worker and the host engine's copy thread) to the
+// second. The running threads are re-pinned from inside a pool task and a
+// copy callback, and restored to the original mask afterwards, so the
+// copy/update/pipeline rows use every CPU. With fewer than 2 CPUs nothing is
+// pinned, a line says so, and counter pinned = 0.
 // Counters staging_bytes (numSlots x chunkBytes) and device_bytes (0: the
 // EMA and the staging live in host memory) are reported on every row.
 #include <ATen/ops/empty.h>
@@ -47,7 +48,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <future>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -63,7 +67,8 @@ namespace {
 using namespace shardema;
 using Clock = std::chrono::steady_clock;
 
-constexpr int64_t kElements = int64_t{64} << 20;  // 256 MiB of fp32 sources
+int64_t gMaxElements = int64_t{64} << 20;  // 256 MiB of fp32 sources
+int64_t gOverlapRounds = 10;
 constexpr int kTensors = 16;
 constexpr float kWeight = 0.001f;
 
@@ -71,12 +76,12 @@ double seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 
 // Everything a row needs, built once per dtype and shared.
 struct Model {
-  explicit Model(at::ScalarType dtype) : pool(1) {
+  Model(at::ScalarType dtype, int64_t elements) : pool(1) {
     engine = offload::makeCopyEngine(offload::EngineChoice::kHost);
     for (int t = 0; t < kTensors; ++t) {
-      at::Tensor source = arena.allocate({kElements / kTensors}, dtype);
+      at::Tensor source = arena.allocate({elements / kTensors}, dtype);
       source.fill_(0.25 * (t + 1));
-      at::Tensor ema = arena.allocate({kElements / kTensors}, at::kFloat);
+      at::Tensor ema = arena.allocate({elements / kTensors}, at::kFloat);
       ema.fill_(0.0);
       sources.push_back(source);
       emas.push_back(ema);
@@ -107,18 +112,24 @@ struct Model {
   std::unique_ptr<offload::CopyEngine> engine;
   std::unique_ptr<offload::UpdatePipeline> pipeline;
   std::vector<at::Tensor> sources, emas;
-  int64_t sourceBytes = 0;
-  int64_t step = 0;
+  int64_t sourceBytes = 0, step = 0;
 };
 
-Model& model(at::ScalarType dtype) {
-  static Model f32(at::kFloat);
-  static Model bf16(at::kBFloat16);
-  return dtype == at::kFloat ? f32 : bf16;
+// The model of the running row. Rows are registered size by size, so this
+// rebuilds once per (dtype, size) and only one model's memory is held.
+Model& model(at::ScalarType dtype, int64_t elements) {
+  static std::unique_ptr<Model> current;
+  static std::pair<at::ScalarType, int64_t> currentKey;
+  if (!current || currentKey != std::pair{dtype, elements}) {
+    current.reset();  // free the previous model before allocating the next
+    current = std::make_unique<Model>(dtype, elements);
+    currentKey = {dtype, elements};
+  }
+  return *current;
 }
 
-// GB/s of the last row of each kind, for the fractions.
-double gCopy = 0, gUpdate = 0;
+// GB/s of the copy and update rows per (dtype, elements): pipeline limits.
+std::map<std::pair<at::ScalarType, int64_t>, double> gCopy, gUpdate;
 
 void counters(benchmark::State& state, const Model& m, double gbps) {
   state.SetBytesProcessed(state.iterations() * m.sourceBytes);
@@ -127,10 +138,9 @@ void counters(benchmark::State& state, const Model& m, double gbps) {
   state.counters["device_bytes"] = 0;  // host engine and host arena: nothing on a device
 }
 
-void copyOnly(Model& m) {
+// Slots from the caller: allocating 64 MiB per pass swamps small sizes.
+void copyOnly(Model& m, const std::vector<at::Tensor>& slots) {
   const int64_t chunk = m.pipeline->options().chunkBytes;
-  std::vector<at::Tensor> slots = {m.arena.allocate({chunk}, at::kByte),
-                                   m.arena.allocate({chunk}, at::kByte)};
   int next = 0;
   for (const at::Tensor& source : m.sources) {
     const auto* bytes = static_cast<const char*>(source.data_ptr());
@@ -144,19 +154,23 @@ void copyOnly(Model& m) {
 }
 
 void BM_Copy(benchmark::State& state, at::ScalarType dtype) {
-  Model& m = model(dtype);
+  Model& m = model(dtype, state.range(0));
+  const int64_t chunk = m.pipeline->options().chunkBytes;
+  const std::vector<at::Tensor> slots = {m.arena.allocate({chunk}, at::kByte),
+                                         m.arena.allocate({chunk}, at::kByte)};
   double total = 0;
   for (auto _ : state) {
     const auto start = Clock::now();
-    copyOnly(m);
+    copyOnly(m, slots);
     total += seconds(Clock::now() - start);
   }
-  gCopy = m.sourceBytes * state.iterations() / total / 1e9;
-  counters(state, m, gCopy);
+  const double gbps = m.sourceBytes * state.iterations() / total / 1e9;
+  gCopy[{dtype, state.range(0)}] = gbps;
+  counters(state, m, gbps);
 }
 
 void BM_Update(benchmark::State& state, at::ScalarType dtype) {
-  Model& m = model(dtype);
+  Model& m = model(dtype, state.range(0));
   std::vector<UpdateSpan> spans;
   for (int t = 0; t < kTensors; ++t) {
     spans.push_back({m.emas[t].data_ptr<float>(), m.sources[t].data_ptr(),
@@ -169,12 +183,13 @@ void BM_Update(benchmark::State& state, at::ScalarType dtype) {
     updateSpans(spans, kWeight, nullptr);  // one thread, like the pipeline's worker
     total += seconds(Clock::now() - start);
   }
-  gUpdate = m.sourceBytes * state.iterations() / total / 1e9;
-  counters(state, m, gUpdate);
+  const double gbps = m.sourceBytes * state.iterations() / total / 1e9;
+  gUpdate[{dtype, state.range(0)}] = gbps;
+  counters(state, m, gbps);
 }
 
 void BM_Pipeline(benchmark::State& state, at::ScalarType dtype) {
-  Model& m = model(dtype);
+  Model& m = model(dtype, state.range(0));
   double total = 0;
   for (auto _ : state) {
     const auto start = Clock::now();
@@ -183,8 +198,14 @@ void BM_Pipeline(benchmark::State& state, at::ScalarType dtype) {
   }
   const double gbps = m.sourceBytes * state.iterations() / total / 1e9;
   counters(state, m, gbps);
-  if (gCopy > 0 && gUpdate > 0)
-    state.counters["frac_of_min_limit"] = gbps / std::min(gCopy, gUpdate);
+  const std::pair key{dtype, state.range(0)};
+  if (gCopy.count(key) && gUpdate.count(key)) {  // absent when a filter skipped them
+    const double limit = std::min(gCopy[key], gUpdate[key]);
+    state.counters["copy_GBps"] = gCopy[key];
+    state.counters["update_GBps"] = gUpdate[key];
+    state.counters["limit_GBps"] = limit;
+    state.counters["frac_of_min_limit"] = gbps / limit;
+  }
 }
 
 // In-cache arithmetic: compute bound, so it leaves the memory bus to the
@@ -294,7 +315,7 @@ Round overlapRound(Model& m, int64_t iterations) {
 }
 
 void BM_Overlap(benchmark::State& state, at::ScalarType dtype) {
-  Model& m = model(dtype);
+  Model& m = model(dtype, state.range(0));
   const OverlapPinning pinning(m);
   // Size the step to the EMA, both measured now on this machine.
   m.ema();
@@ -329,28 +350,47 @@ void BM_Overlap(benchmark::State& state, at::ScalarType dtype) {
 
 }  // namespace
 
+// Removes our --offload_* flags from argv (Google Benchmark rejects flags
+// it does not know); false after printing why when one is invalid.
+bool takeOwnFlags(int& argc, char** argv) {
+  int out = 1;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const auto valueOf = [&](const std::string& prefix) {
+      return arg.rfind(prefix, 0) == 0 ? std::atoll(arg.c_str() + prefix.size()) : -1;
+    };
+    if (const int64_t n = valueOf("--offload_elements="); n != -1) gMaxElements = n;
+    else if (const int64_t r = valueOf("--offload_overlap_rounds="); r != -1) gOverlapRounds = r;
+    else argv[out++] = argv[i];
+  }
+  argc = out;
+  // The smallest size (max/256) must still give every tensor an element.
+  if (gMaxElements < 256 * kTensors || gOverlapRounds < 1) {
+    std::fprintf(stderr, "offload_bench: need elements >= %d, rounds >= 1\n", 256 * kTensors);
+    return false;
+  }
+  return true;
+}
+
 int main(int argc, char** argv) {
+  if (!takeOwnFlags(argc, argv)) return 1;
 #if !defined(__OPTIMIZE__)
-  std::fprintf(stderr,
-               "offload_bench: built without optimisation (%s); numbers are not "
-               "representative\n",
-               SHARDEMA_BUILD_TYPE);
+  std::fprintf(stderr, "offload_bench: built without optimisation (%s); numbers are not "
+                       "representative\n", SHARDEMA_BUILD_TYPE);
 #endif
+  // Size by size, the four rows of one size together: the pipeline row
+  // reads the copy and update rates just measured, and model() keeps one.
   for (auto [dtype, name] : {std::pair{at::kFloat, "f32"}, std::pair{at::kBFloat16, "bf16"}}) {
     const std::string n = name;
-    benchmark::RegisterBenchmark(("copy/" + n).c_str(), BM_Copy, dtype)
-        ->UseRealTime()
-        ->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark(("update/" + n).c_str(), BM_Update, dtype)
-        ->UseRealTime()
-        ->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark(("pipeline/" + n).c_str(), BM_Pipeline, dtype)
-        ->UseRealTime()
-        ->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark(("overlap/" + n).c_str(), BM_Overlap, dtype)
-        ->UseRealTime()
-        ->Unit(benchmark::kMillisecond)
-        ->Iterations(10);
+    for (int64_t divisor = 256; divisor >= 1; divisor /= 4) {
+      const int64_t elements = gMaxElements / divisor / kTensors * kTensors;
+      for (auto [row, fn] : {std::pair{"copy/", BM_Copy}, std::pair{"update/", BM_Update},
+                             std::pair{"pipeline/", BM_Pipeline}, std::pair{"overlap/", BM_Overlap}}) {
+        auto* b = benchmark::RegisterBenchmark((row + n).c_str(), fn, dtype)->Arg(elements);
+        b->ArgName("elements")->UseRealTime()->Unit(benchmark::kMillisecond);
+        if (fn == BM_Overlap) b->Iterations(gOverlapRounds);
+      }
+    }
   }
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();

@@ -10,7 +10,9 @@
 // Rows (threads = pool workers + the caller, as in update_bench):
 //   one_pass/<src>/k:<k>      updateSpansMulti over k profiles
 //   k_passes/<src>/k:<k>      k calls of updateSpans, one per profile
-//   one_pass_size/f32/k:2/n:  one pass at 4 sizes spanning 100x
+//   one_pass_size/f32/k:<k>/n:<n>  one pass at 4 sizes spanning 100x:
+//                             n = elements x 1/32, 1/4, 1, 3.2 (256 Ki..
+//                             25.6 Mi by default), k = 2 and 8
 // Counters, bytes counted as the one-pass model moves them for both rows
 // (so GBps compares times):
 //   bytes_per_elem_model  srcBytes + 8k (read src once, read+write each EMA)
@@ -24,6 +26,7 @@
 //                         also run in every iteration, / time of one pass
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -173,11 +176,14 @@ void registerAll() {
                                           gElements, false));
     }
   }
-  // 256 Ki .. 25.6 Mi: from cache-resident-ish to well past the LLC.
-  for (int64_t n : {int64_t{256} << 10, int64_t{2} << 20, int64_t{8} << 20,
-                    static_cast<int64_t>(25.6 * (1 << 20))}) {
-    common(benchmark::RegisterBenchmark(("one_pass_size/f32/k:2/n:" + std::to_string(n)).c_str(),
-                                        bench, SourceType::kFloat32, 2, n, true));
+  // 256 Ki .. 25.6 Mi by default: from cache-resident-ish to well past the
+  // LLC. Scaled with --posthoc_elements so a quick run stays quick.
+  for (int k : {2, 8}) {
+    for (double scale : {1.0 / 32, 1.0 / 4, 1.0, 3.2}) {
+      const auto n = std::max<int64_t>(1, static_cast<int64_t>(scale * gElements));
+      const std::string name = "one_pass_size/f32/k:" + std::to_string(k) + "/n:" + std::to_string(n);
+      common(benchmark::RegisterBenchmark(name.c_str(), bench, SourceType::kFloat32, k, n, true));
+    }
   }
 }
 

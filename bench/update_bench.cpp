@@ -3,7 +3,8 @@
 //
 // Data: 256M elements (fp32 EMA 1 GiB, fp32 source 1 GiB, one 2-byte source
 // 0.5 GiB read as bf16 or fp16), allocated once on 2 MiB-aligned, huge-page
-// advised memory and shared by every row. Layouts: "one" = one tensor of
+// advised memory and shared by every row; --update_elements=N changes the
+// 256M (scripts/bench.sh --quick uses a smaller arena). Layouts: "one" = one tensor of
 // 256M; "small" = the same memory as 1000 contiguous tensors of 134K-403K
 // elements (0.5-1.6 MiB of fp32 each), so both layouts move the same bytes.
 // Peak memory: 2.5 GiB plus ATen's temporaries (1 GiB for the bf16 peers).
@@ -24,14 +25,20 @@
 // measured before the rows that divide by it.
 // Threads (the benchmark arg) = pool workers + the calling thread; ATen
 // rows run with at::set_num_threads(threads) for a fair comparison.
+// Size sweep: ours_size/<dtype>/one/threads:2/elements:N runs ours on a
+// prefix of N elements (arena/256 .. the arena, x4 apart: 1Mi..256Mi by
+// default), each with its paired limit pass over the same prefix, to show
+// where the update leaves the caches and meets the memory limit.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <string>
@@ -43,7 +50,7 @@
 
 namespace {
 
-constexpr int64_t kElements = int64_t{256} << 20;
+int64_t kElements = int64_t{256} << 20;  // set once in main, before the arena
 constexpr int kSmallTensors = 1000;
 constexpr double kWeight = 0.001;        // 1 - decay at decay 0.999
 constexpr int64_t kPiecesPerThread = 4;  // as updateSpans splits
@@ -162,14 +169,14 @@ void addInPlace(float* __restrict a, const float* __restrict b, int64_t n, float
 
 // One pass of the limit kernel over the whole arena, split like updateSpans
 // splits; alternates += and -= so repeated passes keep the values in range.
-void limitPass(shardema::WorkerPool& pool, int threads) {
+// `n` elements from the start of the arena (the size sweep), all by default.
+void limitPass(shardema::WorkerPool& pool, int threads, int64_t n = kElements) {
   static float sign = 1.0f;
   float* a = arena().ema.data_ptr<float>();
   const float* b = arena().f32.data_ptr<float>();
   const int64_t pieces = threads * kPiecesPerThread;
   pool.parallelFor(pieces, [&](int64_t p) {
-    const int64_t begin = kElements / pieces * p,
-                  end = p + 1 == pieces ? kElements : begin + kElements / pieces;
+    const int64_t begin = n / pieces * p, end = p + 1 == pieces ? n : begin + n / pieces;
     addInPlace(a + begin, b + begin, end - begin, sign);
   });
   sign = -sign;
@@ -269,6 +276,32 @@ void benchOurs(benchmark::State& state, at::ScalarType dtype, Layout layout) {
   setRatio(state, "x_lerp_loop", gbps, key("lerp_loop", d, layout, threads));
 }
 
+// The size sweep: ours on the first `elements` of the arena as one tensor,
+// paired with a limit pass over the same prefix, as benchOurs pairs them.
+void benchOursSize(benchmark::State& state, at::ScalarType dtype) {
+  const int threads = static_cast<int>(state.range(0));
+  const int64_t elements = state.range(1);
+  shardema::WorkerPool& pool = poolFor(threads);
+  const std::vector<shardema::TensorUpdate> updates = {
+      {arena().ema.narrow(0, 0, elements), sourceOf(dtype).narrow(0, 0, elements),
+       shardema::UpdateOp::kLerp, "prefix"}};
+  double ours = 0.0, limit = 0.0;
+  for (auto _ : state) {
+    limit += secondsOf([&] { limitPass(pool, threads, elements); });
+    const double s = secondsOf([&] { shardema::applyTensorUpdates(updates, kWeight, &pool); });
+    ours += s;
+    state.SetIterationTime(s);
+  }
+  const double n = static_cast<double>(state.iterations()) * static_cast<double>(elements);
+  state.SetBytesProcessed(static_cast<int64_t>(bytesPerElement(dtype) * n));
+  const double gbps = bytesPerElement(dtype) * n / ours / 1e9;
+  const double limitGbps = 12.0 * n / limit / 1e9;
+  state.counters["elements"] = static_cast<double>(elements);
+  state.counters["GBps"] = gbps;
+  state.counters["limit_GBps"] = limitGbps;
+  state.counters["frac_of_limit"] = gbps / limitGbps;
+}
+
 void registerAll() {
   const std::vector<int> threadCounts = {2, 1};
   // Wall time: work runs on pool threads too. Ours times itself (manual) so
@@ -298,12 +331,21 @@ void registerAll() {
              true);
     }
   }
+  // fp16 would repeat bf16's bytes and shape; 2 threads as on the target VM.
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    auto* b = benchmark::RegisterBenchmark(
+        (std::string("ours_size/") + dtypeName(dtype) + "/one").c_str(), benchOursSize, dtype);
+    b->ArgNames({"threads", "elements"})->Unit(benchmark::kMillisecond)->UseManualTime();
+    for (int64_t divisor = 256; divisor >= 1; divisor /= 4) {
+      b->Args({2, std::max<int64_t>(1, kElements / divisor)});
+    }
+  }
 }
 
 // Correctness in the same run: ours against ATen's lerp_ (which for w < 0.5
 // evaluates the same ema + w*(x - ema)) on a prefix of the real data.
 void checkAgainstAten() {
-  const int64_t n = 1 << 20;
+  const int64_t n = std::min<int64_t>(1 << 20, kElements);
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
     at::Tensor ours = arena().ema.narrow(0, 0, n).clone();
     const at::Tensor src = sourceOf(dtype).narrow(0, 0, n);
@@ -316,7 +358,30 @@ void checkAgainstAten() {
 
 }  // namespace
 
+// Removes --update_elements=N from argv (Google Benchmark rejects flags it
+// does not know) and sets kElements from it.
+bool takeElementsFlag(int& argc, char** argv) {
+  const char* prefix = "--update_elements=";
+  int out = 1;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], prefix, std::strlen(prefix)) == 0) {
+      kElements = std::atoll(argv[i] + std::strlen(prefix));
+      if (kElements < kSmallTensors) {
+        std::fprintf(stderr, "update_bench: --update_elements must be >= %d\n", kSmallTensors);
+        return false;
+      }
+    } else {
+      argv[out++] = argv[i];
+    }
+  }
+  argc = out;
+  return true;
+}
+
 int main(int argc, char** argv) {
+  if (!takeElementsFlag(argc, argv)) {
+    return 1;
+  }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) {
     return 1;

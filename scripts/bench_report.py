@@ -1,0 +1,388 @@
+#!/usr/bin/python3
+"""Turns the Google Benchmark JSON files that scripts/bench.sh writes into one
+Markdown report (README's Performance section) and the same rows as JSON.
+
+    bench_report.py OUTDIR [--command CMD] [--build DIR] [--quick]
+
+Reads OUTDIR/{update,offload,gather,posthoc}_bench.json, writes
+OUTDIR/report.md and OUTDIR/report.json. Standard library only (Debian's
+/usr/bin/python3, no pip). Where a program ran repetitions, every figure is
+the median Google Benchmark computed over them, and "cv" (its coefficient
+of variation) says how much the repetitions disagreed.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+
+PROGRAMS = ["update_bench", "offload_bench", "gather_bench", "posthoc_bench"]
+
+
+# ---------------------------------------------------------------- reading
+
+def load_rows(path):
+    """One row per benchmark instance: its median aggregate where
+    repetitions exist, else its only iteration row. Returns (context, rows)."""
+    with open(path) as f:
+        data = json.load(f)
+    by_run, order = {}, []
+    for b in data.get("benchmarks", []):
+        run = b.get("run_name", b["name"])
+        if run not in by_run:
+            order.append(run)
+            by_run[run] = {}
+        kind = b.get("aggregate_name") if b.get("run_type") == "aggregate" else "iteration"
+        by_run[run].setdefault(kind, b)  # first iteration row if several
+    rows = []
+    for run in order:
+        kinds = by_run[run]
+        row = dict(kinds.get("median") or kinds["iteration"])
+        row["cv"] = kinds.get("cv", {})  # per-counter coefficient of variation
+        row.update(parse_name(run))
+        rows.append(row)
+    return data.get("context", {}), rows
+
+
+def parse_name(run_name):
+    """'ours/f32/one/threads:2/manual_time' -> path ['ours','f32','one'] and
+    args {'threads': 2}; Google Benchmark's own suffixes are dropped."""
+    path, args = [], {}
+    for part in run_name.split("/"):
+        if part in ("manual_time", "real_time") or part.startswith("iterations:"):
+            continue
+        if ":" in part:
+            key, value = part.split(":", 1)
+            args[key] = int(value) if re.fullmatch(r"-?\d+", value) else value
+        else:
+            path.append(part)
+    return {"path": path, "args": args}
+
+
+# ---------------------------------------------------------------- formatting
+
+def size_text(n, unit=""):
+    """1048576 -> '1 Mi' (elements) or '1 MiB' (bytes): powers of 1024."""
+    for factor, suffix in ((1 << 30, "Gi"), (1 << 20, "Mi"), (1 << 10, "Ki")):
+        if n >= factor:
+            value = n / factor
+            return f"{value:.3g} {suffix}{unit}"
+    return f"{n} {unit}".strip()
+
+
+def number(value, digits=3):
+    """3 significant digits, trailing zeros kept so columns read alike."""
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        return value
+    return f"{value:#.{digits}g}" if abs(value) < 1000 else f"{value:.0f}"
+
+
+def fraction(value):
+    return "-" if value is None else f"{value:.2f}"
+
+
+def with_cv(row, counter):
+    """'26.4 ±3%' when repetitions measured a spread, else '26.4'."""
+    value = row.get(counter)
+    cv = row["cv"].get(counter)
+    text = number(value)
+    if value is not None and cv:
+        text += f" ±{cv * 100:.0f}%"
+    return text
+
+
+def markdown_table(columns, rows):
+    """columns: (header, function of a row -> text)."""
+    if not rows:
+        return "(no rows: filtered out or not run)"
+    lines = ["| " + " | ".join(h for h, _ in columns) + " |",
+             "| " + " | ".join("---" for _ in columns) + " |"]
+    for row in rows:
+        lines.append("| " + " | ".join(f(row) for _, f in columns) + " |")
+    return "\n".join(lines)
+
+
+def plain(row, keys):
+    """The JSON form of a row: its name, arguments and chosen counters."""
+    out = {"benchmark": "/".join(row["path"]), **row["args"]}
+    for k in keys:
+        if k in row:
+            out[k] = row[k]
+            if k in row["cv"]:
+                out[k + "_cv"] = row["cv"][k]
+    return out
+
+
+# ---------------------------------------------------------------- sections
+# Each returns (markdown, {table name: JSON rows}).
+
+def update_section(rows):
+    limit_rows = {r["args"]["threads"]: r for r in rows if r["path"][0] == "limit_add_inplace"}
+    ours = [r for r in rows if r["path"][0] == "ours"]
+    sweep = [r for r in rows if r["path"][0] == "ours_size"]
+    main_columns = [
+        ("source, layout", lambda r: f"{r['path'][1]}, {r['path'][2]}"),
+        ("threads", lambda r: str(r["args"]["threads"])),
+        ("ours GB/s", lambda r: with_cv(r, "GBps")),
+        ("limit GB/s (paired)", lambda r: number(r.get("limit_GBps"))),
+        ("fraction of limit", lambda r: fraction(r.get("frac_of_limit"))),
+        ("limit row GB/s", lambda r: number(limit_rows.get(r["args"]["threads"], {}).get("GBps"))),
+        ("x `_foreach`", lambda r: number(r.get("x_foreach"), 3)),
+        ("x `lerp_` loop", lambda r: number(r.get("x_lerp_loop"), 3)),
+    ]
+    sweep_columns = [
+        ("source", lambda r: r["path"][1]),
+        ("elements", lambda r: size_text(r["args"]["elements"])),
+        ("threads", lambda r: str(r["args"]["threads"])),
+        ("ours GB/s", lambda r: with_cv(r, "GBps")),
+        ("limit GB/s (paired)", lambda r: number(r.get("limit_GBps"))),
+        ("fraction of limit", lambda r: fraction(r.get("frac_of_limit"))),
+    ]
+    md = ["### CPU update (`update_bench`)", "",
+          "Fused EMA update vs the host bandwidth limit: an in-place `a += b` over the "
+          "same fp32 arrays, split the same way, run right before each of our passes "
+          "(paired) and once as its own row. Bytes counted: 12 per element for an fp32 "
+          "source, 10 for bf16/fp16. `x _foreach` / `x lerp_ loop`: ours over ATen's "
+          "peers at the same thread count.", "",
+          markdown_table(main_columns, ours), "",
+          "Scaling with model size (one tensor, prefix of the arena):", "",
+          markdown_table(sweep_columns, sweep)]
+    counters = ["GBps", "limit_GBps", "frac_of_limit", "frac_vs_limit_row", "x_foreach",
+                "x_lerp_loop"]
+    return "\n".join(md), {
+        "update": [plain(r, counters) for r in ours],
+        "update_limit_rows": [plain(r, ["GBps"]) for r in limit_rows.values()],
+        "update_size_sweep": [plain(r, counters) for r in sweep]}
+
+
+def offload_section(rows):
+    def key(r):
+        return (r["path"][1], r["args"]["elements"])
+    overlap = {key(r): r for r in rows if r["path"][0] == "overlap"}
+    pipeline = [r for r in rows if r["path"][0] == "pipeline"]
+    bytes_per_element = {"f32": 4, "bf16": 2}
+
+    def ov(r, counter, digits=3):
+        return number(overlap.get(key(r), {}).get(counter), digits)
+    columns = [
+        ("source", lambda r: r["path"][1]),
+        ("elements", lambda r: size_text(r["args"]["elements"])),
+        ("source bytes", lambda r: size_text(
+            r["args"]["elements"] * bytes_per_element.get(r["path"][1], 4), "B")),
+        ("pipeline GB/s", lambda r: with_cv(r, "GBps")),
+        ("copy GB/s", lambda r: number(r.get("copy_GBps"))),
+        ("update GB/s", lambda r: number(r.get("update_GBps"))),
+        ("fraction of min(copy, update)", lambda r: fraction(r.get("frac_of_min_limit"))),
+        ("overlap ratio median (best)", lambda r: f"{ov(r, 'ratio_median')} ({ov(r, 'ratio_best')})"),
+        ("step / EMA ms", lambda r: f"{ov(r, 'step_ms')} / {ov(r, 'ema_ms')}"),
+    ]
+    md = ["### Offload pipeline (`offload_bench`)", "",
+          "Chunked pipeline (host copy engine, 2 x 32 MiB staging, 16 tensors) vs its two "
+          "limits measured in the same run: the engine's copy alone and the one-thread CPU "
+          "update alone. GB/s of source bytes. Overlap ratio = wall(step + EMA) / "
+          "max(step alone, EMA alone), training step pinned to one CPU and the EMA's "
+          "threads to the other; 1.0 is perfect overlap, 2.0 none, target 1.1. At the "
+          "smallest sizes fixed costs (thread wake-ups) dominate every figure.", "",
+          markdown_table(columns, pipeline)]
+    overlap_counters = ["ratio_median", "ratio_best", "step_ms", "ema_ms", "wall_ms",
+                        "step_overlapped_ms", "fence_wait_ms", "pinned"]
+
+    def json_row(r):
+        out = plain(r, ["GBps", "copy_GBps", "update_GBps", "limit_GBps", "frac_of_min_limit",
+                        "staging_bytes", "device_bytes"])
+        o = overlap.get(key(r))
+        for k in overlap_counters:
+            if o is not None and k in o:
+                out["overlap_" + k] = o[k]
+        return out
+    return "\n".join(md), {"offload": [json_row(r) for r in pipeline]}
+
+
+GATHER_OPS = {"GatherFullToAll": "gatherFull to all", "GatherStreamingToAll":
+              "gatherStreaming to all", "GatherFullToRoot": "gatherFull to rank 0"}
+
+
+def gather_section(rows):
+    rows = sorted(rows, key=lambda r: (list(GATHER_OPS).index(r["path"][0]) if r["path"][0] in
+                                       GATHER_OPS else 9, r["args"]["tensors"],
+                                       r["args"]["ranks"], r["args"]["KiB"]))
+    sizes = sorted({r["args"]["KiB"] for r in rows})
+    cell = {(r["path"][0], r["args"]["tensors"], r["args"]["ranks"], r["args"]["KiB"]): r
+            for r in rows}
+    pivot_rows = sorted({k[:3] for k in cell}, key=lambda k: (list(GATHER_OPS).index(k[0])
+                                                             if k[0] in GATHER_OPS else 9, *k[1:]))
+
+    def frac(k, kib):
+        r = cell.get((*k, kib))
+        return fraction(r.get("frac_of_allgather")) if r else "-"
+    pivot_columns = [("operation", lambda k: GATHER_OPS.get(k[0], k[0])),
+                     ("tensors", lambda k: str(k[1])), ("W", lambda k: str(k[2]))] + [
+        (size_text(kib << 10, "B"), lambda k, kib=kib: frac(k, kib)) for kib in sizes]
+    columns = [
+        ("operation", lambda r: GATHER_OPS.get(r["path"][0], r["path"][0])),
+        ("tensors", lambda r: str(r["args"]["tensors"])),
+        ("W", lambda r: str(r["args"]["ranks"])),
+        ("bytes", lambda r: size_text(r["args"]["KiB"] << 10, "B")),
+        ("algbw GB/s", lambda r: number(r.get("algbw_GBps"))),
+        ("busbw GB/s", lambda r: number(r.get("busbw_GBps"))),
+        ("plain all-gather busbw GB/s", lambda r: number(r.get("plain_busbw_GBps"))),
+        ("fraction of plain", lambda r: fraction(r.get("frac_of_allgather"))),
+    ]
+    md = ["### Gather (`gather_bench`)", "",
+          "Ranks as threads over Gloo on loopback. busbw = algbw x (W - 1) / W "
+          "(nccl-tests); the limit is a plain c10d all-gather of the same bytes timed in "
+          "the same iterations; each row is the median of its timed pairs. Target: "
+          "fraction >= 0.8. W = 1 moves nothing between ranks (busbw 0 by the formula): "
+          "its fraction is the ratio of algbw, i.e. our fixed cost over a local copy.", "",
+          "Fraction of the plain all-gather, by world size W and model bytes:", "",
+          markdown_table(pivot_columns, pivot_rows), "",
+          "<details><summary>Every gather row</summary>", "",
+          markdown_table(columns, rows), "", "</details>"]
+    return "\n".join(md), {"gather": [plain(r, ["algbw_GBps", "busbw_GBps", "plain_busbw_GBps",
+                                                "frac_of_allgather"]) for r in rows]}
+
+
+def posthoc_section(rows, context):
+    main = [r for r in rows if r["path"][0] in ("one_pass", "k_passes")]
+    main.sort(key=lambda r: (r["path"][1], r["args"]["k"], r["path"][0] != "one_pass"))
+    sweep = [r for r in rows if r["path"][0] == "one_pass_size"]
+    elements = int(context.get("elements_per_profile", "0") or 0)
+    columns = [
+        ("source", lambda r: r["path"][1]),
+        ("k", lambda r: str(r["args"]["k"])),
+        ("method", lambda r: {"one_pass": "one pass", "k_passes": "k passes",
+                              "one_pass_size": "one pass"}[r["path"][0]]),
+        ("elements", lambda r: size_text(r["args"].get("n", elements))),
+        ("bytes/element (model)", lambda r: number(r.get("bytes_per_elem_model"))),
+        ("ns/element", lambda r: with_cv(r, "ns_per_elem")),
+        ("GB/s", lambda r: number(r.get("GBps"))),
+        ("limit GB/s (paired)", lambda r: number(r.get("limit_GBps"))),
+        ("fraction of limit", lambda r: fraction(r.get("frac_of_limit"))),
+        ("x k passes", lambda r: number(r.get("speedup_vs_k_passes"), 3)),
+    ]
+    md = ["### Post-hoc EMA profiles (`posthoc_bench`)", "",
+          "k profiles of the same weights updated in one pass (`updateSpansMulti`, source "
+          "read once) or in k `updateSpans` passes. Bytes per element as one pass moves "
+          "them: source + 8k (read and write each fp32 EMA); ns/element is per source "
+          "element for all k profiles. Limit: paired in-place `a += b`, 12 B/element. "
+          "`x k passes`: time of k passes over time of one pass, same iteration.", "",
+          markdown_table(columns, main), "", "Scaling with model size:", "",
+          markdown_table(columns, sweep)]
+    counters = ["bytes_per_elem_model", "ns_per_elem", "GBps", "limit_GBps", "frac_of_limit",
+                "speedup_vs_k_passes"]
+    def json_row(r):  # main rows name no size: it is the program's setting
+        return {**plain(r, counters), "elements": r["args"].get("n", elements)}
+    return "\n".join(md), {"posthoc": [json_row(r) for r in main],
+                           "posthoc_size_sweep": [json_row(r) for r in sweep]}
+
+
+# ---------------------------------------------------------------- machine
+
+def machine(build_dir):
+    info = {"cpus": len(os.sched_getaffinity(0)), "cpu_model": "unknown",
+            "memory_gib": None, "os": platform.platform(), "compiler": None}
+    try:
+        with open("/proc/cpuinfo") as f:
+            models = re.findall(r"^model name\s*:\s*(.+)$", f.read(), re.M)
+        info["cpu_model"] = models[0] if models else "unknown"
+        with open("/proc/meminfo") as f:
+            kib = int(re.search(r"MemTotal:\s+(\d+)", f.read()).group(1))
+        info["memory_gib"] = round(kib / (1 << 20), 1)
+        with open("/etc/os-release") as f:
+            pretty = re.search(r'^PRETTY_NAME="?([^"\n]+)', f.read(), re.M)
+        info["os"] = pretty.group(1) if pretty else info["os"]
+    except OSError:
+        pass
+    cache = os.path.join(build_dir or "", "CMakeCache.txt")
+    if build_dir and os.path.exists(cache):
+        with open(cache) as f:
+            found = re.search(r"^CMAKE_CXX_COMPILER:\w+=(.+)$", f.read(), re.M)
+        if found:
+            try:
+                version = subprocess.run([found.group(1), "--version"], capture_output=True,
+                                         text=True, timeout=10).stdout.splitlines()
+                info["compiler"] = version[0] if version else found.group(1)
+            except (OSError, subprocess.SubprocessError):
+                info["compiler"] = found.group(1)
+    return info
+
+
+def l3_text(context):
+    sizes = [c["size"] for c in context.get("caches", []) if c.get("level") == 3]
+    return size_text(max(sizes), "B") if sizes else "unknown"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("outdir")
+    parser.add_argument("--command", default="scripts/bench.sh")
+    parser.add_argument("--build", help="build directory (compiler in the report)")
+    parser.add_argument("--quick", action="store_true", help="mark the report as a quick run")
+    args = parser.parse_args()
+
+    contexts, sections, tables, missing = {}, [], {}, []
+    for name in PROGRAMS:
+        path = os.path.join(args.outdir, name + ".json")
+        if not os.path.exists(path):
+            missing.append(name)
+            continue
+        try:
+            context, rows = load_rows(path)
+        except (ValueError, KeyError) as error:  # cut short or not Google Benchmark's
+            print(f"bench_report: skipping {path}: {error}", file=sys.stderr)
+            missing.append(name)
+            continue
+        contexts[name] = context
+        if name == "update_bench":
+            md, t = update_section(rows)
+        elif name == "offload_bench":
+            md, t = offload_section(rows)
+        elif name == "gather_bench":
+            md, t = gather_section(rows)
+        else:
+            md, t = posthoc_section(rows, context)
+        sections.append(md)
+        tables.update(t)
+    if not contexts:
+        sys.exit(f"bench_report: no benchmark JSON in {args.outdir}")
+
+    first = contexts[next(iter(contexts))]
+    date = first.get("date") or datetime.datetime.now(datetime.timezone.utc).isoformat()
+    try:
+        when = datetime.datetime.fromisoformat(date).astimezone(datetime.timezone.utc)
+        when_text = when.strftime("%Y-%m-%d %H:%M UTC")
+    except ValueError:
+        when_text = date
+    m = machine(args.build)
+    loads = {n: c.get("load_avg", [None])[0] for n, c in contexts.items()}
+    header = ["## Performance", "",
+              f"Measured {when_text} on {m['cpus']} CPUs of "
+              f"\"{m['cpu_model']}\" (L3 {l3_text(first)}), {m['memory_gib']} GiB memory, "
+              f"{m['os']}" + (f", {m['compiler']}" if m['compiler'] else "") + ".", "",
+              f"Reproduce: `{args.command}`", "",
+              "Load average (1 min) when each program started: " +
+              ", ".join(f"{n} {number(v, 2)}" for n, v in loads.items()) +
+              ". Each figure sits beside its limit measured in the same run; on a shared "
+              "machine read the fractions, not the absolute rates."]
+    if args.quick:
+        header += ["", "**Quick mode**: smaller sizes and short runs, to test the script; "
+                   "the figures are not representative."]
+    if missing:
+        header += ["", "Not run or failed (see its .log): " + ", ".join(missing) + "."]
+    report = "\n\n".join(["\n".join(header)] + sections) + "\n"
+    with open(os.path.join(args.outdir, "report.md"), "w") as f:
+        f.write(report)
+    meta = {"date": date, "command": args.command, "quick": args.quick, "machine": m,
+            "l3": l3_text(first), "load_avg_at_start": loads, "missing": missing,
+            "contexts": contexts}
+    with open(os.path.join(args.outdir, "report.json"), "w") as f:
+        json.dump({"meta": meta, "tables": tables}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
