@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
 #include <stdexcept>
 #include <thread>
@@ -104,12 +105,13 @@ std::string LocalRanks::waitForChildren(std::chrono::seconds timeout) {
   for (size_t i = 0; i < children_.size(); ++i) {
     int status = 0;
     pid_t done = 0;
-    while ((done = waitpid(children_[i], &status, WNOHANG)) == 0 &&
-           std::chrono::steady_clock::now() < deadline) {
+    while (
+        ((done = waitpid(children_[i], &status, WNOHANG)) == 0 || (done < 0 && errno == EINTR)) &&
+        std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     const std::string who = "rank " + std::to_string(i + 1) + " (log: " + logs_[i] + ")";
-    if (done == 0) {
+    if (done <= 0) {
       kill(children_[i], SIGKILL);
       waitpid(children_[i], nullptr, 0);
       if (failure.empty()) failure = who + " did not finish in time";

@@ -218,8 +218,10 @@ int runRank(const demo::DemoOptions& o, Communicator& comm) {
   report.trainSeconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   report.heldOutSamples = task.heldOutInputs().size(0);
-  evaluateAndSave(o, comm, model, task, emas, report);
+  // The final snapshot first, so the checkpoint below lands on a snapshot
+  // step and can be resumed from.
   report.posthocWeightsPath = emas.posthoc.onTrainEnd();
+  evaluateAndSave(o, comm, model, task, emas, report);
   report.deployableSigmaRel = emas.posthoc.options().defaultOutputSigma;
   report.snapshotFolder = o.out + "/posthoc";
   sweepAndDraw(o, comm, model, task, emas, report);
@@ -238,11 +240,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "ema_demo: %s\n", e.what());
     return 2;
   }
+  std::optional<demo::LocalRanks> ranks;
   try {
     std::filesystem::create_directories(options.out);
-    demo::LocalRanks ranks =
-        demo::LocalRanks::start(static_cast<int>(options.worldSize),
-                                std::vector<std::string>(argv, argv + argc), options.out);
+    ranks.emplace(demo::LocalRanks::start(static_cast<int>(options.worldSize),
+                                          std::vector<std::string>(argv, argv + argc),
+                                          options.out));
     int status = 0;
     {
       shardema::shard::CommunicatorOptions commOptions;
@@ -251,8 +254,8 @@ int main(int argc, char** argv) {
       Communicator comm = Communicator::fromEnvironment(commOptions);
       status = runRank(options, comm);
     }
-    if (ranks.rank() == 0) {
-      const std::string failure = ranks.waitForChildren(std::chrono::seconds(60));
+    if (ranks->rank() == 0) {
+      const std::string failure = ranks->waitForChildren(std::chrono::seconds(60));
       if (!failure.empty()) {
         std::fprintf(stderr, "ema_demo: %s\n", failure.c_str());
         return 1;
@@ -261,6 +264,11 @@ int main(int argc, char** argv) {
     return status;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ema_demo: %s\n", e.what());
+    // A rank that died is usually the cause of rank 0's error: name it.
+    if (ranks && ranks->rank() == 0) {
+      const std::string failure = ranks->waitForChildren(std::chrono::seconds(5));
+      if (!failure.empty()) std::fprintf(stderr, "ema_demo: %s\n", failure.c_str());
+    }
     return 1;
   }
 }

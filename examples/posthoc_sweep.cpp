@@ -18,11 +18,12 @@ namespace {
 
 // This rank's synthesized shards of `sigmaRel`, 1-D, in layout order; on
 // failure the error text, so the gather fails every rank together.
-std::vector<at::Tensor> synthesizedShards(const std::vector<SnapshotEntry>& entries,
+std::vector<at::Tensor> synthesizedShards(const std::string& snapshotFolder, int64_t rank,
                                           const shard::ShardLayout& layout, double sigmaRel,
                                           shard::GatherOptions& gather, SweepRow& row) {
   std::vector<at::Tensor> pieces;
   try {
+    const std::vector<SnapshotEntry> entries = scanRankSnapshots(snapshotFolder, rank);
     FolderSynthesisOptions options;
     options.sigmaRel = sigmaRel;
     options.step = 0;  // the newest snapshot: the end of training
@@ -49,7 +50,6 @@ std::vector<SweepRow> sweepSigmaRel(shard::Communicator& comm, const shard::Shar
                                     const std::string& snapshotFolder,
                                     const std::vector<double>& grid, const Student& model,
                                     const RegressionTask& task) {
-  const std::vector<SnapshotEntry> entries = scanRankSnapshots(snapshotFolder, comm.rank());
   // A scratch module rather than the trained one: the caller keeps using the
   // raw weights after the sweep, and a fresh module holds no raw value that a
   // tensor missing from the snapshots could silently leave in place (the
@@ -62,7 +62,7 @@ std::vector<SweepRow> sweepSigmaRel(shard::Communicator& comm, const shard::Shar
     row.sigmaRel = sigmaRel;
     shard::GatherOptions gather;  // to rank 0
     const std::vector<at::Tensor> pieces =
-        synthesizedShards(entries, layout, sigmaRel, gather, row);
+        synthesizedShards(snapshotFolder, comm.rank(), layout, sigmaRel, gather, row);
     const auto full = shard::gatherFull(comm, layout, pieces, gather);
     if (comm.rank() != 0) continue;
     loadIntoModule(*scratch, full, LoadStrictness::kStrict);

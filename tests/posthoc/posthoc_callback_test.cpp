@@ -354,5 +354,31 @@ TEST(PostHocCallbackTest, ShardedWorldWithoutACommunicatorIsRefused) {
       c10::ValueError);
 }
 
+// A fresh run in a folder that holds another run's snapshots would
+// synthesize from both; it is refused at its first call, nothing deleted.
+TEST(PostHocCallbackTest, AFreshRunRefusesAFolderWithAnotherRunsSnapshots) {
+  TempDir dir;
+  TempDir out;
+  {
+    PostHocRun first(12, smallOptions(dir.path(), 2, out.path()));
+    first.fitStart();
+    first.epoch(0, stepEveryBatch(2));
+  }
+  PostHocRun second(13, smallOptions(dir.path(), 2, out.path()));
+  second.fitStart();
+  EXPECT_VALUE_ERROR(second.epoch(0, stepEveryBatch(2)), "already holds snapshots");
+  EXPECT_EQ(posthoc_test::filesIn(dir.path()), posthoc_test::snapshotNames({2}));
+}
+
+TEST(PostHocCallbackTest, RejectsAnOutputFolderThatIsTheSnapshotFolder) {
+  TempDir dir;
+  PostHocCallbackOptions options = validOptions(dir);
+  options.outputFolder = dir.path() + "/";
+  EXPECT_VALUE_ERROR(PostHocCallback{options}, "snapshots only");
+  options.outputFolder = "";
+  options.checkpointFolder = ".";  // its parent is "." too
+  EXPECT_VALUE_ERROR(PostHocCallback{options}, "snapshots only");
+}
+
 }  // namespace
 }  // namespace shardema

@@ -181,14 +181,6 @@ TEST(PostHocRanksTest, BothPlacementsGiveTheSameWeightsOnTheDevicePlacement) {
   expectTheSameDeployableWeights(EmaPlacement::kDevice);
 }
 
-// Rows [begin, end) of dim 0 that FSDP2 gives `rank` (0-dim: rank 0's).
-std::pair<int64_t, int64_t> fsdp2Rows(const at::Tensor& tensor, int64_t rank) {
-  if (tensor.dim() == 0) return rank == 0 ? std::make_pair(0, 1) : std::make_pair(0, 0);
-  const int64_t d0 = tensor.size(0);
-  const int64_t chunk = (d0 + kWorld - 1) / kWorld;
-  return {std::min(rank * chunk, d0), std::min((rank + 1) * chunk, d0)};
-}
-
 // Both placements on the given EMA placement: the values each rank's module
 // held during the validation swap.
 void expectTheSameSwapInEveryRank(EmaPlacement ema) {
@@ -219,21 +211,15 @@ void expectTheSameSwapInEveryRank(EmaPlacement ema) {
     const at::Tensor& rank0 = full[0].duringValidation.at(name);
     EXPECT_TRUE(full[1].duringValidation.at(name).equal(rank0)) << name;
     EXPECT_TRUE(posthoc_test::closeTo(rank0, want, 1e-6, "full " + name));
-    // Sharded: each rank swaps its own rows of the replicated module; the
-    // rows together are the same EMA.
+    // Sharded over a replicated module: the rows are gathered, so every
+    // rank swaps in the whole EMA, not just the rows it keeps.
     for (int64_t r = 0; r < kWorld; ++r) {
       const at::Tensor& mine = sharded[r].duringValidation.at(name);
-      const auto [begin, end] = fsdp2Rows(mine, r);
-      if (mine.dim() == 0) {
-        if (end > begin) {
-          EXPECT_TRUE(posthoc_test::closeTo(mine, want, 1e-6, name));
-        }
-        continue;
-      }
-      EXPECT_TRUE(posthoc_test::closeTo(mine.narrow(0, begin, end - begin),
-                                        want.narrow(0, begin, end - begin), 1e-6,
+      EXPECT_TRUE(posthoc_test::closeTo(mine, want, 1e-6,
                                         "sharded rank " + std::to_string(r) + " " + name));
     }
+    EXPECT_TRUE(sharded[1].duringValidation.at(name).equal(sharded[0].duringValidation.at(name)))
+        << name;
   }
   // Integer buffers stay live on every rank: 10 batches counted.
   for (const auto* results : {&full, &sharded}) {

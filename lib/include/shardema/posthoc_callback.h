@@ -26,6 +26,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "shardema/averager.h"
@@ -84,7 +86,8 @@ struct PostHocCallbackOptions {
   /// Deployable weights: {outputFolder}/{outputPrefix}_sigma_{s}_step_
   /// {calls:09d}.safetensors, s = the sigma with '.' as 'p' (0p05).
   /// outputFolder "" (default) = the folder that holds checkpointFolder
-  /// ("." for a bare name): a snapshot folder holds snapshots only.
+  /// ("." for a bare name). A snapshot folder holds snapshots only, so an
+  /// output folder that is the snapshot folder is refused.
   std::string outputFolder;
   std::string outputPrefix = "shardema_ema_final";
   /// dtype of the deployable floating tensors (float32, bfloat16, float16).
@@ -129,7 +132,9 @@ class PostHocCallback {
   /// A counted step increments calls() on every rank, updates this rank's
   /// profiles (step = calls) and, when calls % checkpointEvery == 0, waits
   /// for the math and writes this rank's snapshots. Returns whether the
-  /// step was counted.
+  /// step was counted. The first counted call of a run that did not resume
+  /// refuses (c10::ValueError naming it) a snapshot folder that already
+  /// holds snapshots: another run's would join this one's synthesis.
   bool onTrainBatchEnd(int64_t globalStep, int64_t batchIdx, int64_t accumulateGradBatches,
                        bool isLastBatch);
   /// Before every optimizer step (Averager::fence); see EmaCallback.
@@ -149,9 +154,14 @@ class PostHocCallback {
 
   /// Collective when worldSize > 1. Synthesizes defaultOutputSigma at the
   /// newest snapshot (not after calls()) and swaps it into the tracked
-  /// floating tensors (integer/bool ones stay live): kSharded from each
-  /// rank's own shards, kRankZeroFullCopy on rank 0 and broadcast to all.
-  /// Returns false and changes nothing while no snapshot exists yet.
+  /// floating tensors (integer/bool ones stay live). kSharded: each rank
+  /// synthesizes its own shards, the ranks check they solved the same
+  /// system, and with a module (replicated on every rank) the rows are
+  /// gathered to every rank so each swaps in the whole EMA; with LocalShards
+  /// each rank swaps its shards. kRankZeroFullCopy: rank 0 synthesizes and
+  /// broadcasts. Returns false and changes nothing while no snapshot exists
+  /// yet. A failure on any rank fails every rank, with the raw weights in
+  /// place.
   bool onValidationStart();
   /// Puts the raw values back (no-op when nothing was swapped).
   void onValidationEnd();
@@ -186,7 +196,13 @@ class PostHocCallback {
   void writeSnapshots();
   bool swapInRankZero();
   bool swapInSharded();
+  void keepRawForValidation();
+  void swapInValues(const std::unordered_map<std::string, at::Tensor>& values);
+  std::vector<at::Tensor> piecesInLayoutOrder(
+      const std::vector<std::pair<std::string, at::Tensor>>& tensors) const;
+  void checkFolderIsFresh() const;
   std::string deployablePath() const;
+  static std::string outputFolderOf(const PostHocCallbackOptions& options);
   std::string finishRankZero();
   std::string finishSharded();
 
@@ -199,9 +215,12 @@ class PostHocCallback {
   int64_t newestSnapshot_ = 0;
   std::optional<int64_t> queuedCalls_;
   std::unique_ptr<ShardedAverager> averager_;
-  // kRankZeroFullCopy: the full module tensors on every rank (the swap
-  // target); kSharded: this rank's local shards as tracked tensors.
+  // What the validation swap writes: the full module tensors on every rank
+  // (kRankZeroFullCopy, and kSharded built from a module, whose every rank
+  // holds the whole replicated model), or this rank's local shards
+  // (kSharded built from LocalShards).
   std::vector<TrackedTensor> swapTargets_;
+  bool swapWholeTensors_ = false;
   NamedTensors rawDuringValidation_;
 };
 

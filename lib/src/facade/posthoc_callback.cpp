@@ -108,6 +108,14 @@ PostHocCallback::PostHocCallback(PostHocCallbackOptions options, PostHocRanks ra
     : options_(std::move(options)), ranks_(ranks) {
   checkOptions(options_);
   checkRanks(ranks_, options_.placement);
+  const auto normal = [](const std::string& folder) {
+    std::filesystem::path path = std::filesystem::absolute(folder).lexically_normal();
+    return path.filename().empty() ? path.parent_path() : path;
+  };
+  TORCH_CHECK_VALUE(normal(outputFolderOf(options_)) != normal(options_.checkpointFolder), kApi,
+                    ": the deployable weights would go into the snapshot folder ",
+                    options_.checkpointFolder,
+                    ", which must hold snapshots only; set outputFolder to another folder");
 }
 
 PostHocCallback::~PostHocCallback() = default;
@@ -148,8 +156,12 @@ std::string PostHocCallback::deployableFileName(const std::string& prefix, doubl
 void PostHocCallback::onFitStart(torch::nn::Module& module) {
   std::vector<TrackedTensor> full = trackModule(module, options_.policy);
   if (options_.placement == PostHocPlacement::kSharded) {
-    onFitStart(
-        shardsFromFullTensors(full, shard::LayoutKind::kFsdp2, ranks_.rank, ranks_.worldSize));
+    // Every rank holds the whole replicated module but keeps the EMA of its
+    // FSDP2 rows only; validation swaps the whole (gathered) EMA in.
+    std::vector<LocalShard> rows =
+        shardsFromFullTensors(full, shard::LayoutKind::kFsdp2, ranks_.rank, ranks_.worldSize);
+    swapWholeTensors_ = true;
+    build(std::move(rows), std::move(full));
     return;
   }
   // Rank 0 tracks everything; the other ranks only swap for validation.
@@ -202,8 +214,14 @@ bool PostHocCallback::onTrainBatchEnd(int64_t globalStep, int64_t batchIdx,
   lastGlobalStep_ = globalStep;
   // The seed counts iterations >= start_iter, 0-based.
   if (globalStep - 1 < options_.startIter) return false;
-  ++calls_;
-  if (holdsEma()) averager_->update(calls_);
+  // By the first counted call a resume has happened or never will: a
+  // fresh run must not mix its snapshots with another run's.
+  if (calls_ == 0) checkFolderIsFresh();
+  // calls_ moves only once the update is queued: a refused update (say, a
+  // forgotten fence) can be retried as the same call.
+  const int64_t call = calls_ + 1;
+  if (holdsEma()) averager_->update(call);
+  calls_ = call;
   if (calls_ % options_.checkpointEvery == 0) writeSnapshots();
   return true;
 }
@@ -216,9 +234,25 @@ void PostHocCallback::wait() {
   if (averager_ && holdsEma()) averager_->wait();
 }
 
-void PostHocCallback::writeSnapshots() {
-  newestSnapshot_ = calls_;
+void PostHocCallback::checkFolderIsFresh() const {
   if (!holdsEma()) return;
+  std::error_code error;
+  const std::string folder = snapshotFolder();
+  if (!std::filesystem::is_directory(folder, error)) return;
+  for (const auto& entry : std::filesystem::directory_iterator(folder)) {
+    const std::string name = entry.path().filename().string();
+    TORCH_CHECK_VALUE(!parseSnapshotFileName(name, nullptr, nullptr), kApi, ": ", folder,
+                      " already holds snapshots of another run (", name,
+                      "); resume from that run's checkpoint (onLoadCheckpoint) or start in an "
+                      "empty checkpointFolder, so the two runs' snapshots do not mix");
+  }
+}
+
+void PostHocCallback::writeSnapshots() {
+  if (!holdsEma()) {
+    newestSnapshot_ = calls_;
+    return;
+  }
   const std::string folder = snapshotFolder();
   detail::ensureDirectory(folder, kApi);
   const Averager& averager = averager_->averager();
@@ -240,6 +274,19 @@ void PostHocCallback::writeSnapshots() {
     }
     writeSnapshot(detail::joinPath(folder, snapshotFileName(p, calls_)), tensors, info);
   }
+  // Only now: a failed write must leave the step without snapshots on record.
+  newestSnapshot_ = calls_;
+}
+
+std::string PostHocCallback::outputFolderOf(const PostHocCallbackOptions& options) {
+  if (!options.outputFolder.empty()) return options.outputFolder;
+  // The snapshot folder holds snapshots only (its scan refuses other
+  // safetensors files), so by default the result goes beside it, as
+  // nitrous writes {run_dir}/..._final next to {run_dir}/ema_ckpts.
+  std::filesystem::path snapshots =
+      std::filesystem::path(options.checkpointFolder).lexically_normal();
+  if (snapshots.filename().empty()) snapshots = snapshots.parent_path();
+  return snapshots.has_parent_path() ? snapshots.parent_path().string() : ".";
 }
 
 void PostHocCallback::onSaveCheckpoint(TrainingCheckpoint& checkpoint) const {

@@ -19,6 +19,7 @@
 #include "shardema/posthoc_folder_synthesis.h"
 #include "shardema/posthoc_snapshot_synthesis.h"
 #include "shardema/shard/communicator.h"
+#include "shardema/shard/gather.h"
 #include "shardema/tensor_file.h"
 
 namespace shardema {
@@ -61,14 +62,53 @@ at::Tensor solveFingerprint(const SynthesisWeights* weights) {
   return out;
 }
 
+// Every rank's solve must be the same system: a rank that lost a snapshot
+// (or failed, `ownError`) would otherwise mix other weights into its
+// shards. One all-gather of a fixed-size fingerprint; returns "" when all
+// agree, else what went wrong (the same text on every rank).
+std::string checkSolvesAgree(shard::Communicator& comm, const SynthesisWeights* mine,
+                             const std::string& what) {
+  at::Tensor all = at::empty({4 * comm.worldSize()}, at::kLong);
+  comm.allGather(solveFingerprint(mine), all, "PostHocCallback " + what + " check");
+  const int64_t* f = all.data_ptr<int64_t>();
+  for (int64_t r = 0; r < comm.worldSize(); ++r) {
+    if (f[4 * r] != 1) return "rank " + std::to_string(r) + " could not synthesize";
+    if (std::memcmp(f + 4 * r + 1, f + 1, 3 * sizeof(int64_t)) != 0) {
+      return "rank " + std::to_string(r) + " synthesized from another snapshot set than rank 0";
+    }
+  }
+  return "";
+}
+
+// `pieces` (this rank's, layout order) as full tensors when they are all
+// there is (one rank).
+std::vector<std::pair<std::string, at::Tensor>> wholeFromPieces(
+    const shard::ShardLayout& layout, const std::vector<at::Tensor>& pieces) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (size_t i = 0; i < layout.specs.size(); ++i) {
+    out.emplace_back(layout.specs[i].name, pieces[i].reshape(layout.specs[i].globalShape));
+  }
+  return out;
+}
+
 }  // namespace
+
+std::vector<at::Tensor> PostHocCallback::piecesInLayoutOrder(
+    const std::vector<std::pair<std::string, at::Tensor>>& tensors) const {
+  const std::unordered_map<std::string, at::Tensor> values = byName(tensors);
+  std::vector<at::Tensor> pieces;
+  for (const shard::ShardSpec& spec : averager_->layout().specs) {
+    const auto found = values.find(spec.name);
+    TORCH_CHECK_VALUE(found != values.end(), kApi, ": the snapshots in ", snapshotFolder(),
+                      " hold no '", spec.name, "'");
+    pieces.push_back(found->second.reshape({-1}));
+  }
+  return pieces;
+}
 
 bool PostHocCallback::onValidationStart() {
   TORCH_CHECK(averager_ != nullptr, kApi, "::onValidationStart: called before onFitStart");
   TORCH_CHECK(!emaSwappedIn(), kApi, "::onValidationStart: the EMA is already swapped in");
-  // The swap writes the tracked tensors: no update may still be reading them.
-  wait();
-  if (newestSnapshot_ == 0) return false;
   if (options_.placement == PostHocPlacement::kSharded) return swapInSharded();
   return swapInRankZero();
 }
@@ -84,27 +124,77 @@ void PostHocCallback::onValidationEnd() {
   rawDuringValidation_.clear();
 }
 
-bool PostHocCallback::swapInSharded() {
-  const std::vector<SnapshotEntry> entries =
-      scanRankSnapshots(options_.checkpointFolder, ranks_.rank);
-  const SynthesizedTensors synth =
-      synthesizeSnapshots(entries, synthesisOptions(options_, newestSnapshot_, at::kFloat));
-  const std::unordered_map<std::string, at::Tensor> values = byName(synth.tensors);
+void PostHocCallback::keepRawForValidation() {
   NamedTensors raw;
+  for (const TrackedTensor& target : swapTargets_) {
+    if (at::isFloatingType(target.source.scalar_type())) {
+      raw.emplace_back(target.name, target.source.detach().clone());
+    }
+  }
+  rawDuringValidation_ = std::move(raw);
+}
+
+void PostHocCallback::swapInValues(const std::unordered_map<std::string, at::Tensor>& values) {
   for (const TrackedTensor& target : swapTargets_) {
     if (!at::isFloatingType(target.source.scalar_type())) continue;
     const auto found = values.find(target.name);
     TORCH_CHECK_VALUE(found != values.end() && found->second.numel() == target.source.numel(), kApi,
-                      "::onValidationStart: the snapshots in ", snapshotFolder(),
-                      " do not hold this rank's '", target.name, "'");
-    raw.emplace_back(target.name, target.source.detach().clone());
+                      "::onValidationStart: the synthesized EMA holds no '", target.name, "' of ",
+                      target.source.numel(), " elements");
   }
+  // Raw copies first: whatever fails below, onValidationEnd restores them.
+  keepRawForValidation();
   torch::NoGradGuard noGrad;
   for (const TrackedTensor& target : swapTargets_) {
     if (!at::isFloatingType(target.source.scalar_type())) continue;
     target.source.copy_(values.at(target.name).view(target.source.sizes()));
   }
-  rawDuringValidation_ = std::move(raw);
+}
+
+bool PostHocCallback::swapInSharded() {
+  const bool collective = ranks_.worldSize > 1;  // the constructor made sure of comm
+  // Every rank counts the same calls, so all agree on whether there is a
+  // snapshot without asking each other.
+  if (newestSnapshot_ == 0) {
+    wait();
+    return false;
+  }
+  std::optional<SynthesizedTensors> synth;
+  std::vector<at::Tensor> pieces;
+  std::string ownError;
+  try {
+    // The swap writes the tracked tensors: no update may still read them.
+    wait();
+    synth = synthesizeSnapshots(scanRankSnapshots(options_.checkpointFolder, ranks_.rank),
+                                synthesisOptions(options_, newestSnapshot_, at::kFloat));
+    pieces = piecesInLayoutOrder(synth->tensors);
+  } catch (...) {
+    if (!collective) throw;
+    ownError = detail::currentErrorMessage();
+    synth.reset();
+  }
+  if (collective) {
+    const std::string disagreement =
+        checkSolvesAgree(*ranks_.comm, synth ? &synth->weights : nullptr, "validation");
+    TORCH_CHECK(ownError.empty(), kApi, "::onValidationStart: ", ownError);
+    TORCH_CHECK(disagreement.empty(), kApi, "::onValidationStart: ", disagreement);
+  }
+  if (!swapWholeTensors_) {
+    // Real shards (FSDP locals): each rank swaps what it holds.
+    swapInValues(byName(synth->tensors));
+    return true;
+  }
+  // A replicated module: every rank needs the whole EMA, not just its rows.
+  std::vector<std::pair<std::string, at::Tensor>> whole;
+  if (collective) {
+    shard::GatherOptions gather;
+    gather.root = -1;
+    gather.bufferBytes = options_.bufferBytes;
+    whole = shard::gatherFull(*ranks_.comm, averager_->layout(), pieces, gather);
+  } else {
+    whole = wholeFromPieces(averager_->layout(), pieces);
+  }
+  swapInValues(byName(whole));
   return true;
 }
 
@@ -114,44 +204,56 @@ bool PostHocCallback::swapInRankZero() {
                     "::onValidationStart: with worldSize ", ranks_.worldSize,
                     " the rank-0 placement broadcasts the synthesized weights and needs "
                     "ranks.comm");
-  // Rank 0 synthesizes, then says whether it could before any tensor moves,
-  // so a failure there fails every rank at once instead of a timeout.
+  // Rank 0 decides (it alone holds the EMA and its snapshot count) and
+  // says so before any tensor moves: 1 swap, 0 no snapshot yet, -1 failed.
   std::unordered_map<std::string, at::Tensor> values;
   std::exception_ptr failure;
-  at::Tensor ok = at::ones({1}, at::kInt);
+  at::Tensor decision = at::zeros({1}, at::kLong);
   if (ranks_.rank == 0) {
     try {
-      const SnapshotFolder folder = scanSnapshotFolder(options_.checkpointFolder);
-      values = byName(synthesizeSnapshots(folder.snapshots,
-                                          synthesisOptions(options_, newestSnapshot_, at::kFloat))
-                          .tensors);
+      wait();
+      if (newestSnapshot_ > 0) {
+        const SnapshotFolder folder = scanSnapshotFolder(options_.checkpointFolder);
+        values = byName(synthesizeSnapshots(folder.snapshots,
+                                            synthesisOptions(options_, newestSnapshot_, at::kFloat))
+                            .tensors);
+        for (const TrackedTensor& target : swapTargets_) {
+          if (!at::isFloatingType(target.source.scalar_type())) continue;
+          const auto found = values.find(target.name);
+          TORCH_CHECK_VALUE(found != values.end() && found->second.numel() == target.source.numel(),
+                            kApi, "::onValidationStart: the snapshots in ",
+                            options_.checkpointFolder, " hold no '", target.name, "' of ",
+                            target.source.numel(), " elements");
+        }
+        decision.fill_(1);
+      }
     } catch (...) {
       failure = std::current_exception();
-      ok.fill_(0);
+      decision.fill_(-1);
     }
   }
-  if (collective) ranks_.comm->broadcast(ok, 0, "PostHocCallback validation synthesis");
+  if (collective) ranks_.comm->broadcast(decision, 0, "PostHocCallback validation decision");
   if (failure) std::rethrow_exception(failure);
-  TORCH_CHECK(ok.item<int>() == 1, kApi,
+  TORCH_CHECK(decision.item<int64_t>() != -1, kApi,
               "::onValidationStart: rank 0 could not synthesize the EMA (see its error)");
-  NamedTensors raw;
-  torch::NoGradGuard noGrad;
-  for (const TrackedTensor& target : swapTargets_) {
-    if (!at::isFloatingType(target.source.scalar_type())) continue;
-    at::Tensor value;
-    if (ranks_.rank == 0) {
-      const auto found = values.find(target.name);
-      TORCH_CHECK(found != values.end(), kApi, "::onValidationStart: the snapshots hold no '",
-                  target.name, "'");
-      value = found->second.contiguous();
-    } else {
-      value = at::empty(target.source.sizes(), at::TensorOptions().dtype(at::kFloat));
+  if (decision.item<int64_t>() == 0) return false;
+  keepRawForValidation();
+  try {
+    torch::NoGradGuard noGrad;
+    for (const TrackedTensor& target : swapTargets_) {
+      if (!at::isFloatingType(target.source.scalar_type())) continue;
+      at::Tensor value = ranks_.rank == 0 ? values.at(target.name).contiguous()
+                                          : at::empty(target.source.sizes(),
+                                                      at::TensorOptions().dtype(at::kFloat));
+      if (collective) {
+        ranks_.comm->broadcast(value, 0, "PostHocCallback validation " + target.name);
+      }
+      target.source.copy_(value.view(target.source.sizes()));
     }
-    if (collective) ranks_.comm->broadcast(value, 0, "PostHocCallback validation " + target.name);
-    raw.emplace_back(target.name, target.source.detach().clone());
-    target.source.copy_(value.view(target.source.sizes()));
+  } catch (...) {
+    onValidationEnd();  // a broadcast failed midway: the raw weights come back
+    throw;
   }
-  rawDuringValidation_ = std::move(raw);
   return true;
 }
 
@@ -163,29 +265,20 @@ std::string PostHocCallback::onTrainEnd() {
                  << "); nothing to synthesize";
     return "";
   }
-  wait();
-  if (calls_ != newestSnapshot_) writeSnapshots();
   if (options_.placement == PostHocPlacement::kSharded) return finishSharded();
   return finishRankZero();
 }
 
 std::string PostHocCallback::deployablePath() const {
-  // The snapshot folder holds snapshots only (its scan refuses other
-  // safetensors files), so by default the result goes beside it, as
-  // nitrous writes {run_dir}/..._final next to {run_dir}/ema_ckpts.
-  std::string folder = options_.outputFolder;
-  if (folder.empty()) {
-    std::filesystem::path snapshots =
-        std::filesystem::path(options_.checkpointFolder).lexically_normal();
-    if (snapshots.filename().empty()) snapshots = snapshots.parent_path();
-    folder = snapshots.has_parent_path() ? snapshots.parent_path().string() : ".";
-  }
   return detail::joinPath(
-      folder, deployableFileName(options_.outputPrefix, options_.defaultOutputSigma, calls_));
+      outputFolderOf(options_),
+      deployableFileName(options_.outputPrefix, options_.defaultOutputSigma, calls_));
 }
 
 std::string PostHocCallback::finishRankZero() {
   if (ranks_.rank != 0) return "";
+  wait();
+  if (calls_ != newestSnapshot_) writeSnapshots();
   const std::string path = deployablePath();
   detail::ensureDirectory(std::filesystem::path(path).parent_path().string(), kApi);
   synthesizeSnapshotFolder(options_.checkpointFolder, path,
@@ -196,63 +289,47 @@ std::string PostHocCallback::finishRankZero() {
 std::string PostHocCallback::finishSharded() {
   const std::string path = deployablePath();
   std::optional<SynthesizedTensors> synth;
+  std::vector<at::Tensor> pieces;
   std::string localError;
+  // Whatever fails on this rank (its last math, its final snapshot, its
+  // synthesis) must reach the others through the checks below, not leave
+  // them waiting in a collective.
   try {
+    wait();
+    if (calls_ != newestSnapshot_) writeSnapshots();
     synth = synthesizeSnapshots(scanRankSnapshots(options_.checkpointFolder, ranks_.rank),
                                 synthesisOptions(options_, calls_, at::kFloat));
+    pieces = piecesInLayoutOrder(synth->tensors);
     if (ranks_.rank == 0) {
       detail::ensureDirectory(std::filesystem::path(path).parent_path().string(), kApi);
     }
   } catch (...) {
     if (ranks_.worldSize == 1) throw;
     localError = detail::currentErrorMessage();
+    synth.reset();
+    pieces.clear();
   }
   const shard::ShardLayout& layout = averager_->layout();
-  std::vector<at::Tensor> pieces;
-  if (synth) {
-    const std::unordered_map<std::string, at::Tensor> values = byName(synth->tensors);
-    for (const shard::ShardSpec& spec : layout.specs) {
-      const auto found = values.find(spec.name);
-      TORCH_CHECK_VALUE(found != values.end(), kApi, "::onTrainEnd: the snapshots of rank ",
-                        ranks_.rank, " hold no '", spec.name, "'");
-      pieces.push_back(found->second.reshape({-1}));
-    }
-  }
   const std::map<std::string, std::string> metadata =
       synth ? synthesizedMetadata(synth->weights, options_.normalize)
             : std::map<std::string, std::string>{};
   if (ranks_.worldSize == 1) {
     TensorFile file;
-    for (size_t i = 0; i < layout.specs.size(); ++i) {
-      at::Tensor full = pieces[i].reshape(layout.specs[i].globalShape);
+    for (auto& [name, full] : wholeFromPieces(layout, pieces)) {
       file.tensors.emplace_back(
-          layout.specs[i].name,
-          full.to(detail::exportedDtype(full.scalar_type(), options_.outputDtype)));
+          name, full.to(detail::exportedDtype(full.scalar_type(), options_.outputDtype)));
     }
     file.metadata = metadata;
     writeTensorFile(path, file);
     return path;
   }
-  // Every rank must have solved the same system (a rank that lost a
-  // snapshot would otherwise mix other weights into its shard).
-  shard::Communicator& comm = *ranks_.comm;
-  const at::Tensor mine = solveFingerprint(synth ? &synth->weights : nullptr);
-  at::Tensor all = at::empty({4 * ranks_.worldSize}, at::kLong);
-  comm.allGather(mine, all, "PostHocCallback synthesis check");
-  const int64_t* f = all.data_ptr<int64_t>();
-  for (int64_t r = 0; r < ranks_.worldSize && localError.empty(); ++r) {
-    const bool same = std::memcmp(f + 4 * r + 1, f + 1, 3 * sizeof(int64_t)) == 0;
-    if (f[4 * r] != 1 || !same) {
-      localError = f[4 * r] != 1 ? "rank " + std::to_string(r) + " could not synthesize"
-                                 : "rank " + std::to_string(r) +
-                                       " synthesized from another snapshot set than rank 0";
-    }
-  }
+  const std::string disagreement =
+      checkSolvesAgree(*ranks_.comm, synth ? &synth->weights : nullptr, "synthesis");
   shard::GatherOptions gather;
   gather.root = 0;
   gather.bufferBytes = options_.bufferBytes;
-  gather.localError = localError;
-  detail::exportPieces(comm, path, layout, pieces, options_.outputDtype, metadata, gather,
+  gather.localError = !localError.empty() ? localError : disagreement;
+  detail::exportPieces(*ranks_.comm, path, layout, pieces, options_.outputDtype, metadata, gather,
                        "PostHocCallback::onTrainEnd");
   return ranks_.rank == 0 ? path : "";
 }
