@@ -11,7 +11,8 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <thread>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "shardema/shard/communicator.h"
 
 extern char** environ;
 
@@ -19,18 +20,6 @@ namespace shardema::demo {
 namespace {
 
 constexpr const char* kChildRankVariable = "SHARDEMA_DEMO_RANK";
-
-// A TCPStore on port 0 makes the kernel pick a free port; the store closes
-// again before rank 0's communicator binds it (a listening socket leaves no
-// TIME_WAIT behind).
-int freeLoopbackPort() {
-  c10d::TCPStoreOptions options;
-  options.port = 0;
-  options.isServer = true;
-  options.waitWorkers = false;
-  c10d::TCPStore store("127.0.0.1", options);
-  return store.getPort();
-}
 
 void exportJob(int rank, int worldSize, int port) {
   setenv("RANK", std::to_string(rank).c_str(), 1);
@@ -74,7 +63,7 @@ LocalRanks LocalRanks::start(int worldSize, const std::vector<std::string>& argv
     return LocalRanks(std::atoi(childRank), worldSize);
   }
   LocalRanks ranks(0, worldSize);
-  exportJob(0, worldSize, worldSize > 1 ? freeLoopbackPort() : 29500);
+  exportJob(0, worldSize, worldSize > 1 ? shard::Communicator::freeLoopbackPort() : 29500);
   for (int r = 1; r < worldSize; ++r) {
     ranks.logs_.push_back(logDir + "/rank" + std::to_string(r) + ".log");
     ranks.children_.push_back(spawnChild(r, argv, ranks.logs_.back()));

@@ -104,6 +104,15 @@ Communicator::Communicator(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
   impl_ = std::move(impl);
 }
 
+int Communicator::freeLoopbackPort() {
+  c10d::TCPStoreOptions options;
+  options.port = 0;
+  options.isServer = true;
+  options.waitWorkers = false;
+  c10d::TCPStore store("127.0.0.1", options);
+  return store.getPort();
+}
+
 Communicator Communicator::fromEnvironment(const CommunicatorOptions& options) {
   const std::string host = envText("MASTER_ADDR");
   const int64_t port = envInt("MASTER_PORT", 1, 65535);

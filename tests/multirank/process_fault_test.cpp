@@ -18,7 +18,6 @@
 #include <sstream>
 #include <string>
 #include <thread>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <vector>
 
 #include "shardema/shard/communicator.h"
@@ -31,17 +30,6 @@ namespace shardema::shard {
 namespace {
 
 constexpr auto kTimeout = std::chrono::seconds(3);
-
-// A free port: a TCPStore on port 0 picks one; it is closed before the
-// children bind it (a listening socket leaves no TIME_WAIT).
-int freePort() {
-  c10d::TCPStoreOptions options;
-  options.port = 0;
-  options.isServer = true;
-  options.waitWorkers = false;
-  c10d::TCPStore store("127.0.0.1", options);
-  return store.getPort();
-}
 
 struct Child {
   pid_t pid = -1;
@@ -147,7 +135,7 @@ TEST(ProcessFaultTest, ChildRank) {
 
 TEST(ProcessFaultTest, RankDyingInAGatherFailsTheOthersWithinTheTimeout) {
   shardema::testing::TempDir dir;
-  const int port = freePort();
+  const int port = Communicator::freeLoopbackPort();
   const auto start = std::chrono::steady_clock::now();
   std::vector<Child> children;
   for (int rank = 0; rank < 3; ++rank) {
@@ -169,7 +157,7 @@ TEST(ProcessFaultTest, RankDyingInAGatherFailsTheOthersWithinTheTimeout) {
 
 TEST(ProcessFaultTest, RankThatNeverJoinsTimesOutAtRendezvous) {
   shardema::testing::TempDir dir;
-  const int port = freePort();
+  const int port = Communicator::freeLoopbackPort();
   const auto start = std::chrono::steady_clock::now();
   std::vector<Child> children;
   for (int rank = 0; rank < 2; ++rank) {  // rank 2 of 3 never starts

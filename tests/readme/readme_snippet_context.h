@@ -6,7 +6,6 @@
 // since the fragments write relative paths.
 #include <gtest/gtest.h>
 #include <stdlib.h>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
 
 #include <cstdint>
@@ -38,13 +37,8 @@ class SnippetContext {
         model(std::make_shared<SnippetNet>()),
         optimizer(model->parameters(), torch::optim::SGDOptions(0.1)) {
     std::filesystem::current_path(folder_.path());
-    // A one-rank job, as torchrun would describe it, on a port that is free
-    // (a TCPStore on port 0 lets the kernel pick one).
-    c10d::TCPStoreOptions probe;
-    probe.port = 0;
-    probe.isServer = true;
-    probe.waitWorkers = false;
-    const int port = c10d::TCPStore("127.0.0.1", probe).getPort();
+    // A one-rank job, as torchrun would describe it, on a free port.
+    const int port = shard::Communicator::freeLoopbackPort();
     setenv("MASTER_ADDR", "127.0.0.1", 1);
     setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
     setenv("RANK", "0", 1);
@@ -88,15 +82,18 @@ class SnippetContext {
   auto& comm = (context).communicator();                 \
   (void)comm;                                            \
   SHARDEMA_README_SNIPPET_NAMES(context)
-#define SHARDEMA_README_SNIPPET_NAMES(context)                                       \
-  auto& model = (context).model;                                                     \
-  auto& optimizer = (context).optimizer;                                             \
-  auto& checkpoint = (context).checkpoint;                                           \
-  const int64_t n = 1, globalStep = 1, batchIdx = 0, accumulateGradBatches = 1;      \
-  const bool isLastBatch = true;                                                     \
-  auto validate = [](torch::nn::Module& m) { m.eval(); m.train(); };                 \
-  auto schedule = shardema::DecaySchedule::warmup();                                 \
-  shardema::AveragerOptions options;                                                 \
-  (void)model, (void)optimizer, (void)checkpoint, (void)n, (void)globalStep, \
-      (void)batchIdx, (void)accumulateGradBatches, (void)isLastBatch, (void)validate,   \
-      (void)schedule, (void)options
+#define SHARDEMA_README_SNIPPET_NAMES(context)                                               \
+  auto& model = (context).model;                                                             \
+  auto& optimizer = (context).optimizer;                                                     \
+  auto& checkpoint = (context).checkpoint;                                                   \
+  const int64_t n = 1, globalStep = 1, batchIdx = 0, accumulateGradBatches = 1;              \
+  const bool isLastBatch = true;                                                             \
+  auto validate = [](torch::nn::Module& m) {                                                 \
+    m.eval();                                                                                \
+    m.train();                                                                               \
+  };                                                                                         \
+  auto schedule = shardema::DecaySchedule::warmup();                                         \
+  shardema::AveragerOptions options;                                                         \
+  (void)model, (void)optimizer, (void)checkpoint, (void)n, (void)globalStep, (void)batchIdx, \
+      (void)accumulateGradBatches, (void)isLastBatch, (void)validate, (void)schedule,        \
+      (void)options

@@ -171,26 +171,34 @@ void checkFull(const std::vector<SnapshotEntry>& entries, const std::string& dir
   checkDistinctGammas(entries, dir);
 }
 
+// One rank folder's files: each names that rank, one world size (shared
+// with the other ranks' through *worldSize, 0 until the first), one layout,
+// distinct gammas per step.
+void checkRankEntries(const std::vector<SnapshotEntry>& entries, int64_t rank,
+                      const fs::path& rankDir, const std::string& dir, int64_t* worldSize) {
+  for (const SnapshotEntry& entry : entries) {
+    TORCH_CHECK_VALUE(entry.info.rank == rank, entry.path, ": metadata says rank ", entry.info.rank,
+                      " but the folder is ", rankFolderName(rank));
+    if (*worldSize == 0) *worldSize = entry.info.worldSize;
+    TORCH_CHECK_VALUE(entry.info.worldSize == *worldSize, entry.path, ": world size ",
+                      entry.info.worldSize, " but other files in ", dir, " say ", *worldSize,
+                      "; the folder mixes runs");
+    TORCH_CHECK_VALUE(entry.info.layoutJson == entries.front().info.layoutJson, entry.path,
+                      ": mixed layouts in ", rankDir.string(),
+                      ": its shardema.layout differs "
+                      "from that of ",
+                      entries.front().path);
+  }
+  checkDistinctGammas(entries, rankDir.string());
+}
+
 std::vector<std::vector<SnapshotEntry>> readRanks(const std::map<int64_t, fs::path>& rankDirs,
                                                   const std::string& dir, int64_t* worldSize) {
   std::vector<std::vector<SnapshotEntry>> perRank;
   for (const auto& [rank, rankDir] : rankDirs) {
     std::vector<SnapshotEntry> entries = readSnapshotsIn(rankDir);
     TORCH_CHECK_VALUE(!entries.empty(), rankDir.string(), ": no snapshots in this rank folder");
-    for (const SnapshotEntry& entry : entries) {
-      TORCH_CHECK_VALUE(entry.info.rank == rank, entry.path, ": metadata says rank ",
-                        entry.info.rank, " but the folder is ", rankFolderName(rank));
-      if (*worldSize == 0) *worldSize = entry.info.worldSize;
-      TORCH_CHECK_VALUE(entry.info.worldSize == *worldSize, entry.path, ": world size ",
-                        entry.info.worldSize, " but other files in ", dir, " say ", *worldSize,
-                        "; the folder mixes runs");
-      TORCH_CHECK_VALUE(entry.info.layoutJson == entries.front().info.layoutJson, entry.path,
-                        ": mixed layouts in ", rankDir.string(),
-                        ": its shardema.layout differs "
-                        "from that of ",
-                        entries.front().path);
-    }
-    checkDistinctGammas(entries, rankDir.string());
+    checkRankEntries(entries, rank, rankDir, dir, worldSize);
     perRank.push_back(std::move(entries));
   }
   return perRank;
@@ -357,10 +365,11 @@ std::vector<SnapshotEntry> scanRankSnapshots(const std::string& dir, int64_t ran
   const fs::path rankDir = fs::path(dir) / rankFolderName(rank);
   std::error_code error;
   if (!fs::is_directory(rankDir, error)) return {};
-  if (readSnapshotsIn(rankDir).empty()) return {};
+  // One read of the headers; an empty folder (no snapshot yet) is no error.
+  std::vector<SnapshotEntry> entries = readSnapshotsIn(rankDir);
   int64_t worldSize = 0;
-  std::vector<std::vector<SnapshotEntry>> perRank = readRanks({{rank, rankDir}}, dir, &worldSize);
-  return std::move(perRank.front());
+  checkRankEntries(entries, rank, rankDir, dir, &worldSize);
+  return entries;
 }
 
 }  // namespace shardema

@@ -61,6 +61,12 @@ class Communicator {
   /// c10::ValueError naming the variable when one is missing or invalid;
   /// c10::Error naming "rendezvous" when a rank does not join in time.
   static Communicator fromEnvironment(const CommunicatorOptions& options = {});
+  /// A loopback TCP port that is free now, for MASTER_PORT of a job on one
+  /// host (tests, the demo): a TCPStore on port 0 lets the kernel pick one
+  /// and closes again (a listening socket leaves no TIME_WAIT behind). Another
+  /// process may take it before the job binds it; that fails the rendezvous
+  /// with an error, never a wrong group.
+  static int freeLoopbackPort();
 
   /// Rendezvous over a store the caller made (HashStore for thread ranks,
   /// FileStore or TCPStore for process ranks). The store's timeout is set to
