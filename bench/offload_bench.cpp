@@ -59,8 +59,8 @@
 #include "shardema/offload/copy_engine.h"
 #include "shardema/offload/pinned_arena.h"
 #include "shardema/offload/update_pipeline.h"
-#include "shardema/update_kernels.h"
-#include "shardema/worker_pool.h"
+#include "shardema/detail/update_kernels.h"
+#include "shardema/offload/worker_pool.h"
 
 namespace {
 
@@ -108,7 +108,7 @@ struct Model {
   offload::PinnedArena arena;
   // One worker for the math: with the training step on the caller and the
   // engine's copy thread, that is what a 2-core machine can give.
-  WorkerPool pool;
+  offload::WorkerPool pool;
   std::unique_ptr<offload::CopyEngine> engine;
   std::unique_ptr<offload::UpdatePipeline> pipeline;
   std::vector<at::Tensor> sources, emas;

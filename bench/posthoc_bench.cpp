@@ -34,8 +34,8 @@
 #include <string>
 #include <vector>
 
-#include "shardema/update_kernels.h"
-#include "shardema/worker_pool.h"
+#include "shardema/detail/update_kernels.h"
+#include "shardema/offload/worker_pool.h"
 #include "build_type_warning.h"
 
 namespace {
@@ -46,8 +46,8 @@ int64_t gElements = int64_t{8} << 20;
 constexpr int kThreads = 2;
 constexpr int64_t kPiecesPerThread = 4;  // as updateSpans splits
 
-shardema::WorkerPool& pool() {
-  static shardema::WorkerPool p(kThreads - 1);
+shardema::offload::WorkerPool& pool() {
+  static shardema::offload::WorkerPool p(kThreads - 1);
   return p;
 }
 

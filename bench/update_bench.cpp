@@ -21,7 +21,7 @@
 // limit: in-place a[i] += b[i] (a -= b on odd passes, so values stay put)
 // over the fp32 ema and source arrays: 12 B/elem in the access pattern of
 // the update (two streams read, one written back in place), our own plain
-// loop split over the same WorkerPool. It is registered first so it is
+// loop split over the same offload::WorkerPool. It is registered first so it is
 // measured before the rows that divide by it.
 // Threads (the benchmark arg) = pool workers + the calling thread; ATen
 // rows run with at::set_num_threads(threads) for a fair comparison.
@@ -44,8 +44,8 @@
 #include <string>
 #include <vector>
 
-#include "shardema/tensor_update.h"
-#include "shardema/worker_pool.h"
+#include "shardema/detail/tensor_update.h"
+#include "shardema/offload/worker_pool.h"
 #include "build_type_warning.h"
 
 namespace {
@@ -124,11 +124,11 @@ std::vector<at::Tensor> parts(const at::Tensor& t, Layout layout) {
   return out;
 }
 
-shardema::WorkerPool& poolFor(int threads) {
-  static std::map<int, std::unique_ptr<shardema::WorkerPool>> pools;
+shardema::offload::WorkerPool& poolFor(int threads) {
+  static std::map<int, std::unique_ptr<shardema::offload::WorkerPool>> pools;
   auto& p = pools[threads];
   if (!p) {
-    p = std::make_unique<shardema::WorkerPool>(threads - 1);
+    p = std::make_unique<shardema::offload::WorkerPool>(threads - 1);
   }
   return *p;
 }
@@ -170,7 +170,7 @@ void addInPlace(float* __restrict a, const float* __restrict b, int64_t n, float
 // One pass of the limit kernel over the whole arena, split like updateSpans
 // splits; alternates += and -= so repeated passes keep the values in range.
 // `n` elements from the start of the arena (the size sweep), all by default.
-void limitPass(shardema::WorkerPool& pool, int threads, int64_t n = kElements) {
+void limitPass(shardema::offload::WorkerPool& pool, int threads, int64_t n = kElements) {
   static float sign = 1.0f;
   float* a = arena().ema.data_ptr<float>();
   const float* b = arena().f32.data_ptr<float>();
@@ -191,7 +191,7 @@ double secondsOf(F f) {
 
 void benchLimit(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
-  shardema::WorkerPool& pool = poolFor(threads);
+  shardema::offload::WorkerPool& pool = poolFor(threads);
   timed(state, 12.0 * kElements, key("limit", "f32", Layout::kOne, threads),
         [&] { limitPass(pool, threads); });
 }
@@ -248,7 +248,7 @@ void setRatio(benchmark::State& state, const char* name, double gbps, const std:
 // frac_of_limit divides by that paired limit: both saw the same load.
 void benchOurs(benchmark::State& state, at::ScalarType dtype, Layout layout) {
   const int threads = static_cast<int>(state.range(0));
-  shardema::WorkerPool& pool = poolFor(threads);
+  shardema::offload::WorkerPool& pool = poolFor(threads);
   const std::vector<at::Tensor> emas = parts(arena().ema, layout);
   const std::vector<at::Tensor> srcs = parts(sourceOf(dtype), layout);
   std::vector<shardema::TensorUpdate> updates;
@@ -281,7 +281,7 @@ void benchOurs(benchmark::State& state, at::ScalarType dtype, Layout layout) {
 void benchOursSize(benchmark::State& state, at::ScalarType dtype) {
   const int threads = static_cast<int>(state.range(0));
   const int64_t elements = state.range(1);
-  shardema::WorkerPool& pool = poolFor(threads);
+  shardema::offload::WorkerPool& pool = poolFor(threads);
   const std::vector<shardema::TensorUpdate> updates = {
       {arena().ema.narrow(0, 0, elements), sourceOf(dtype).narrow(0, 0, elements),
        shardema::UpdateOp::kLerp, "prefix"}};

@@ -7,11 +7,9 @@ install(TARGETS shardema_core shardema_shard shardema_offload shardema
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-foreach(part lib shard offload)
-  # shard/ has no public header yet (git keeps no empty folders).
-  if(EXISTS ${PROJECT_SOURCE_DIR}/${part}/include)
-    install(DIRECTORY ${PROJECT_SOURCE_DIR}/${part}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-  endif()
+# detail/ headers are installed too: public headers include some of them.
+foreach(part lib/core shard offload lib/facade)
+  install(DIRECTORY ${PROJECT_SOURCE_DIR}/${part}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 endforeach()
 if(TARGET shardema_cli)
   install(TARGETS shardema_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})

@@ -22,7 +22,7 @@
 #include "posthoc_sweep.h"
 #include "shardema/module_tracking.h"
 #include "shardema/posthoc_callback.h"
-#include "shardema/posthoc_snapshot.h"
+#include "shardema/detail/posthoc_snapshot.h"
 #include "shardema/shard/communicator.h"
 #include "shardema/sharded_averager.h"
 #include "shardema/sharded_checkpoint.h"

@@ -8,7 +8,7 @@
 #include <system_error>
 
 #include "shardema/module_tracking.h"
-#include "shardema/posthoc_snapshot.h"
+#include "shardema/detail/posthoc_snapshot.h"
 #include "shardema/posthoc_snapshot_synthesis.h"
 #include "shardema/shard/gather.h"
 

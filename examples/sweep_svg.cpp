@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <sstream>
 
-#include "shardema/atomic_file.h"
+#include "shardema/detail/atomic_file.h"
 
 namespace shardema::demo {
 namespace {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds and runs the tests under sanitizers.
 #   scripts/sanitize.sh address,undefined   every test suite
-#   scripts/sanitize.sh thread              the concurrency suite
+#   scripts/sanitize.sh thread              the suites labelled concurrency
 source "$(dirname "$0")/common.sh"
 kind=${1:?usage: sanitize.sh address,undefined|thread}
 bash "$repo_root/scripts/install_deps.sh"
@@ -17,7 +17,7 @@ export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1
 export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1"
 if [[ "$kind" == thread ]]; then
-  cmake --build "$build" -j "$jobs" --target concurrency_tests
+  cmake --build "$build" -j "$jobs" --target concurrency_suites
   cd "$build" && ctest -j "$jobs" -L concurrency --output-on-failure
 else
   cmake --build "$build" -j "$jobs"

@@ -7,9 +7,9 @@
 #include <cstring>
 
 #include "flag_parser.h"
-#include "shardema/checksum.h"
+#include "shardema/detail/checksum.h"
 #include "shardema/sharded_checkpoint.h"
-#include "shardema/tensor_file_reader.h"
+#include "shardema/detail/tensor_file_reader.h"
 
 namespace shardema::cli {
 namespace {

@@ -66,7 +66,7 @@ grep -E "^-- shardema" "$logs/configure.log"
 grep -q "CUDA LibTorch found" "$logs/configure.log" || fail "configure: the CUDA LibTorch was not detected"
 
 step "build"
-timeout 600 cmake --build "$build/tree" -j "$(nproc)" --target offload_tests concurrency_tests gpu_check \
+timeout 600 cmake --build "$build/tree" -j "$(nproc)" --target offload_tests concurrency_suites gpu_check \
   >"$logs/build.log" 2>&1 || { grep -E "error|Error" "$logs/build.log" | head -30; echo "run.sh: build failed"; exit 1; }
 echo "built"
 tests=$build/tree/shardema/tests
@@ -83,10 +83,11 @@ ran=$(grep -cE "^\[ +OK \] CudaCopyEngineTest\." "$logs/cuda_tests.log")
 skipped=$(grep -E "^\[  SKIPPED \] CudaCopyEngineTest\.[A-Za-z]+ \(" "$logs/cuda_tests.log" |
   grep -vc ConstructionFailsCleanlyWithoutDevice)
 ((skipped == 0 && ran >= 4)) || fail "CUDA-engine tests: $ran ran, $skipped skipped on a GPU machine"
-step "concurrency_tests"
-timeout 300 "$tests/concurrency_tests" --gtest_brief=1 >"$logs/concurrency_tests.log" 2>&1 ||
-  fail "concurrency_tests"
-tail -3 "$logs/concurrency_tests.log"
+for suite in offload_concurrency_tests facade_concurrency_tests; do
+  step "$suite"
+  timeout 300 "$tests/$suite" --gtest_brief=1 >"$logs/$suite.log" 2>&1 || fail "$suite"
+  tail -3 "$logs/$suite.log"
+done
 
 step "gpu_check"
 timeout 180 "$build/tree/gpu_check" 2>&1 | tee "$logs/gpu_check.log"

@@ -17,8 +17,8 @@
 
 #include "error_text.h"
 #include "shardema/offload/pinned_arena.h"
-#include "shardema/tensor_update.h"
-#include "shardema/worker_pool.h"
+#include "shardema/detail/tensor_update.h"
+#include "shardema/offload/worker_pool.h"
 
 namespace shardema::offload {
 

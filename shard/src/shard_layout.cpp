@@ -7,7 +7,7 @@
 #include <set>
 #include <unordered_set>
 
-#include "shardema/checksum.h"
+#include "shardema/detail/checksum.h"
 
 namespace shardema {
 namespace shard {

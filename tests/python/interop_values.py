@@ -1,6 +1,6 @@
 """The tensors both interop tests use, and the values they must hold.
 
-tests/lib/tensor_file_interop_test.cpp holds the same table and formulas;
+tests/core/tensor_file_interop_test.cpp holds the same table and formulas;
 a value is a function of the tensor's seed (its row here) and the element's
 flat index, so a swapped, shifted or mis-decoded tensor cannot pass.
 Every float value is a multiple of 1/8 below 32, exact in F16 and BF16.

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "shardema/checksum.h"
+#include "shardema/detail/checksum.h"
 #include "shardema/decay_schedule.h"
 #include "shardema/tensor_file.h"
 #include "support/file_bytes.h"

@@ -2,7 +2,7 @@
 // from the format contract); errors are one line with status 2.
 #include <gtest/gtest.h>
 
-#include "shardema/checksum.h"
+#include "shardema/detail/checksum.h"
 #include "support/file_bytes.h"
 #include "support/temp_dir.h"
 #include "tools/checkpoint_cli_fixture.h"

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "shardema/posthoc_snapshot.h"
+#include "shardema/detail/posthoc_snapshot.h"
 #include "shardema/power_function.h"
 #include "shardema/tensor_file.h"
 #include "support/temp_dir.h"

@@ -45,13 +45,13 @@
 #include <vector>
 
 #include "shardema/offload/copy_engine.h"
-#include "shardema/update_kernels.h"
+#include "shardema/detail/update_kernels.h"
 
 namespace shardema {
 
-class WorkerPool;
-
 namespace offload {
+
+class WorkerPool;
 
 class PinnedArena;
 

@@ -1,0 +1,88 @@
+#pragma once
+// Raw update kernels: fused fp32 EMA <- fp32/bf16/fp16 source, no torch, no
+// temporaries. Single-threaded per call; updateSpans() spreads work over a
+// ParallelRunner (offload::WorkerPool). Memory bound by design: one read of
+// the source, one read and one write of the EMA per element.
+#include <cstdint>
+#include <vector>
+
+namespace shardema {
+
+class ParallelRunner;
+
+/// Element type of an update source (the EMA is always float32).
+enum class SourceType { kFloat32, kBFloat16, kFloat16 };
+
+/// Bytes per element of a source type (4 or 2).
+int sourceTypeSize(SourceType type);
+
+enum class UpdateOp {
+  /// ema[i] = ema[i] + weight * (src[i] - ema[i]), in float32.
+  kLerp,
+  /// ema[i] = float(src[i]).
+  kCopy,
+};
+
+/// ema[i] += weight * (src[i] - ema[i]) for i in [0, count). src holds
+/// `count` elements of `type`; buffers must not overlap.
+void lerpRange(float* ema, const void* src, SourceType type, int64_t count, float weight);
+/// ema[i] = float(src[i]) for i in [0, count).
+void copyRange(float* ema, const void* src, SourceType type, int64_t count);
+
+/// One contiguous span to update.
+struct UpdateSpan {
+  float* ema = nullptr;
+  const void* src = nullptr;
+  SourceType type = SourceType::kFloat32;
+  int64_t count = 0;
+  UpdateOp op = UpdateOp::kLerp;
+};
+
+/// Applies every span with the lerp weight `weight` (ignored by kCopy). The
+/// total work is cut into pieces of at least `minGrain` elements balanced
+/// over the pool's threads and the caller, so one huge tensor and a thousand
+/// small ones both use every core. pool == nullptr runs on the caller.
+/// Blocks until done. Results do not depend on the split (no FMA contraction).
+/// c10::ValueError for minGrain < 1 or a negative count. Spans must not
+/// overlap each other's ema.
+void updateSpans(const std::vector<UpdateSpan>& spans, float weight, ParallelRunner* pool,
+                 int64_t minGrain = 1 << 15);
+
+// --- Several EMA profiles of one source in one pass (post-hoc EMA) -------
+// Post-hoc EMA keeps one EMA per sigma_rel of the same weights. Updating
+// them one at a time reads the source k times; these read it once, so k
+// profiles move (2 or 4) + 8k bytes per element instead of k * (10 or 12).
+
+/// Most profiles one multi call accepts (the weights live on the stack).
+constexpr int kMaxProfiles = 16;
+
+/// For each profile p in [0, numEmas): emas[p][i] += weights[p] * (src[i] -
+/// emas[p][i]) for i in [0, count). Bit-identical to calling
+/// lerpRange(emas[p], src, type, count, weights[p]) for each p.
+/// c10::ValueError unless 1 <= numEmas <= kMaxProfiles. No two EMAs, nor an
+/// EMA and src, may overlap.
+void lerpRangeMulti(float* const* emas, const float* weights, int numEmas, const void* src,
+                    SourceType type, int64_t count);
+/// emas[p][i] = float(src[i]) for every profile; same limits as above.
+void copyRangeMulti(float* const* emas, int numEmas, const void* src, SourceType type,
+                    int64_t count);
+
+/// One contiguous span of source with one EMA per profile.
+struct MultiUpdateSpan {
+  std::vector<float*> emas;
+  const void* src = nullptr;
+  SourceType type = SourceType::kFloat32;
+  int64_t count = 0;
+  UpdateOp op = UpdateOp::kLerp;
+};
+
+/// updateSpans for several profiles: profile p of every span is lerped with
+/// weights[p] (kCopy ignores the weights). Split over the pool exactly like
+/// updateSpans, by source elements (minGrain counts source elements, each
+/// updating every profile); the result does not depend on the split.
+/// c10::ValueError for minGrain < 1, a negative count, weights.size() not in
+/// [1, kMaxProfiles], or a span whose emas.size() != weights.size().
+void updateSpansMulti(const std::vector<MultiUpdateSpan>& spans, const std::vector<float>& weights,
+                      ParallelRunner* pool, int64_t minGrain = 1 << 15);
+
+}  // namespace shardema

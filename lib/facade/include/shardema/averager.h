@@ -1,0 +1,278 @@
+#pragma once
+// Averager: the EMA of a set of named tensors (one model, one profile).
+//
+// Two placements (AveragerOptions::placement):
+//   - kPinnedHost (default, DESIGN section 2): the EMA lives in host memory
+//     from a PinnedArena; update() queues the work, the copy engine moves
+//     the sources into bounded staging slots and the worker pool folds them
+//     in. update() returns at once; fence() returns once the sources have
+//     been read (call it before the sources change: before the next
+//     optimizer.step(), EmaCallback::onBeforeOptimizerStep()), wait() once
+//     the math is done. A source written in place between update() and
+//     fence() fails the update (its autograd version is checked) instead of
+//     folding in torn values. Tensors marked changesInForward (buffers) are
+//     read synchronously inside update() into a host snapshot, so the
+//     forward pass may change them at once. offload.fenceInUpdate = true
+//     makes update() call fence() itself (safe, but nothing overlaps the
+//     next forward and backward). No device memory is used.
+//   - kDevice: the EMA lives on the sources' device and update() runs there
+//     synchronously with ATen ops, one tensor at a time (the fused
+//     _foreach_lerp_ does not exist in LibTorch 1.13): the comparison mode.
+//     fence() and wait() return at once.
+// Every call that reads or writes the EMA (ema, emaTensors, state, save,
+// copyEmaToSources, loadEmaValues, loadState, load, the destructor) first
+// waits for an update in flight.
+//
+// Failures. An error found on the caller (a source of the wrong dtype, a
+// step that does not increase) changes nothing: the update can be retried.
+// An error on a worker or the copy engine (after update() returned) leaves
+// some chunks folded in and others not, so the Averager is marked failed:
+// the error (naming the tensor and step) is rethrown by the wait() or the
+// next call that waits, and from then on every call that reads or updates
+// the EMA throws c10::Error saying so, until loadState()/load() restores a
+// complete state (every tracked tensor), which clears the mark.
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "shardema/decay_schedule.h"
+#include "shardema/offload/copy_engine.h"
+#include "shardema/offload/update_pipeline.h"
+#include "shardema/tensor_file.h"
+#include "shardema/tracking_policy.h"
+
+namespace shardema {
+
+namespace offload {
+class PinnedArena;
+class WorkerPool;
+}  // namespace offload
+
+/// Where the EMA lives and how it is updated (see the file comment).
+enum class EmaPlacement {
+  /// Host memory, asynchronous chunked pipeline (default).
+  kPinnedHost,
+  /// The sources' device, synchronous ATen ops on the caller.
+  kDevice,
+};
+
+/// The pipeline of the kPinnedHost placement.
+struct AveragerOffloadOptions {
+  /// Bytes per staging slot (default 32 MiB, >= 64).
+  int64_t chunkBytes = int64_t{32} << 20;
+  /// Staging slots (default 2; staging = numSlots x chunkBytes).
+  int numSlots = 2;
+  /// false (default, DESIGN section 2): update() returns at once and the
+  /// caller calls fence() before the sources change (update after the
+  /// optimizer step, fence before the next one), so the copies overlap the
+  /// next forward and backward passes. A source written in place before
+  /// fence() fails the update (wait() throws naming it). true: update()
+  /// returns once the sources have been read (it calls fence()), so they may
+  /// change as soon as it returns, as with a synchronous update; the math
+  /// still runs in the background until wait(). With bounded staging that
+  /// waits for all but the last numSlots chunks' math.
+  bool fenceInUpdate = false;
+  /// Copy engine: kAuto (default) takes CUDA when a device is present.
+  offload::EngineChoice engine = offload::EngineChoice::kAuto;
+  /// Test seam: makes one chunk's math throw. Off by default.
+  offload::PipelineFaultForTesting faultForTesting;
+};
+
+struct AveragerOptions {
+  /// Decay as a function of the 1-based optimizer step. Default: the
+  /// VersatIL warmup (power 0.75, max 0.9999).
+  DecaySchedule schedule = DecaySchedule::warmup();
+  /// Threads for the update kernels; not owned, must outlive the Averager.
+  /// nullptr (default) uses offload::WorkerPool::shared().
+  offload::WorkerPool* pool = nullptr;
+  /// true (default, ema-pytorch/nitrous): the first due update copies the
+  /// sources, whatever the decay. false (VersatIL's deepcopy at fit start):
+  /// the construction-time copy is the start of the average and every due
+  /// update lerps with the scheduled decay.
+  bool copyOnFirstUpdate = true;
+  /// Where the EMA lives. Default kPinnedHost. With kPinnedHost the pool
+  /// needs at least one worker (c10::ValueError otherwise).
+  EmaPlacement placement = EmaPlacement::kPinnedHost;
+  /// Pipeline settings (kPinnedHost only).
+  AveragerOffloadOptions offload;
+  /// Further EMA profiles of the same tensors, updated in the same pass as
+  /// the first (post-hoc EMA: one power-function schedule per sigma_rel, so
+  /// k profiles stage and read each source once). Profile 0 is `schedule`,
+  /// profile p its moreSchedules[p - 1]. Every schedule must have the same
+  /// updateEvery (they share the due steps); at most kMaxProfiles - 1.
+  /// Copy roles keep one copy shared by all profiles. Default: none.
+  std::vector<DecaySchedule> moreSchedules;
+};
+
+/// How load() treats names that differ between a file and the Averager.
+enum class LoadStrictness {
+  /// Missing or unexpected names are an error listing them (default).
+  kStrict,
+  /// Names present on both sides are loaded; the others are reported by the
+  /// returned LoadReport and left as they are.
+  kNonStrict,
+};
+
+struct LoadReport {
+  std::vector<std::string> missing;     // tracked here, absent in the file
+  std::vector<std::string> unexpected;  // in the file, not tracked here
+};
+
+class Averager {
+ public:
+  /// Copies every source once (the EMA starts equal to the model, as a
+  /// deepcopy would). Names must be unique and non-empty; averaged sources
+  /// must be float32, bfloat16 or float16 (c10::ValueError / TypeError naming
+  /// the tensor). Sources may live on any device; EMA storage is host memory
+  /// (kPinnedHost) or the source's device (kDevice).
+  Averager(std::vector<TrackedTensor> tensors, AveragerOptions options = {});
+  Averager(const Averager&) = delete;
+  Averager& operator=(const Averager&) = delete;
+  Averager(Averager&&) noexcept;
+  Averager& operator=(Averager&&) noexcept;
+  ~Averager();
+
+  /// Folds the sources' current values in as optimizer step `step` (1-based,
+  /// strictly increasing: c10::ValueError otherwise). Does nothing and
+  /// returns false when the schedule says the step is not due. The first due
+  /// update copies; later ones lerp with weight 1 - decay (a decay of 0 is an
+  /// exact copy). kPinnedHost: completes the previous update (which may
+  /// throw its error), snapshots the changesInForward tensors, queues the
+  /// rest and returns at once: the other sources must not be written before
+  /// fence() (or once they are read, with fenceInUpdate). An update() with
+  /// neither fence() nor wait() (nor a call that waits) since the previous
+  /// one is a forgotten fence: c10::Error, and the Averager is failed.
+  /// kDevice: blocks until done.
+  /// If it throws before queueing (a source of the wrong dtype, say),
+  /// step() is unchanged and the update can be retried.
+  bool update(int64_t step);
+  /// Blocks until the update in flight has read every source, so they may
+  /// change (the next optimizer step). The math may still run. A source
+  /// written since update() fails the update (reported by wait()). Adds the
+  /// time it blocked to offloadStats().fenceWaitSeconds. Never throws a
+  /// worker's error (wait() does). No-op for kDevice.
+  void fence();
+  /// Blocks until all math is done; rethrows a background error (c10::Error
+  /// naming the tensor and step) and marks the Averager failed.
+  void wait();
+  /// Where the EMA lives.
+  EmaPlacement placement() const { return options_.placement; }
+  /// Whether a background update failed (see the file comment).
+  bool failed() const { return !failure_.empty(); }
+  /// Pipeline counters (zero for kDevice): staging bytes, fence waits, ...
+  offload::PipelineStats offloadStats() const;
+
+  /// Last step passed to update() (0 before any).
+  int64_t step() const { return step_; }
+  /// Whether the first due update (the initial copy) has happened.
+  bool initialized() const { return initialized_; }
+  /// Decay used by the last due update (0 before any).
+  double lastDecay() const { return lastDecay_; }
+  const DecaySchedule& schedule() const { return options_.schedule; }
+
+  /// Tracked names in construction order.
+  std::vector<std::string> names() const;
+  TrackRole role(const std::string& name) const;
+  /// The EMA (averaging roles: float32) or the copy (kCopy/kCopyOnce: source dtype)
+  /// of a tracked tensor; a view of our storage, valid while the Averager
+  /// lives. c10::IndexError naming the tensor when not tracked.
+  const at::Tensor& ema(const std::string& name) const;
+  /// Every tracked tensor's EMA/copy, in construction order (views). Both
+  /// wait for the update in flight first; with kPinnedHost the next
+  /// update() writes these views in the background, so clone what you keep
+  /// across updates.
+  std::vector<std::pair<std::string, at::Tensor>> emaTensors() const;
+  /// The live sources, in construction order (handles, not copies).
+  std::vector<TrackedTensor> tracked() const;
+
+  /// Profiles tracked: 1 + options.moreSchedules.size().
+  int numProfiles() const { return static_cast<int>(options_.moreSchedules.size()) + 1; }
+  /// Schedule of profile p (0 = schedule()); c10::IndexError for a bad p.
+  const DecaySchedule& profileSchedule(int profile) const;
+  /// Decay profile p used at the last due update (0 before any).
+  double profileLastDecay(int profile) const;
+  /// ema() / emaTensors() of profile p (profile 0 is ema()); copy roles
+  /// return the shared copy. Waits for the update in flight.
+  const at::Tensor& profileEma(int profile, const std::string& name) const;
+  std::vector<std::pair<std::string, at::Tensor>> profileTensors(int profile) const;
+  /// loadEmaValues() into profile p (copy roles: the shared copy), e.g. from
+  /// a post-hoc snapshot on resume.
+  LoadReport loadProfileValues(int profile,
+                               const std::vector<std::pair<std::string, at::Tensor>>& values,
+                               LoadStrictness strictness);
+  /// Sets the progress a resume from snapshots restores (loadState() does
+  /// it from its metadata): the last step and whether the first copy
+  /// happened. The step must be >= 0. Waits for the update in flight.
+  void restoreProgress(int64_t step, bool initialized);
+
+  /// Writes the EMA into the sources (dtype and device converted), e.g. to
+  /// evaluate with EMA weights; kPinnedHost goes through the copy engine.
+  /// Blocks.
+  void copyEmaToSources();
+  /// Overwrites EMA values from named tensors (converted to our dtype);
+  /// shapes must match (c10::ValueError naming the tensor).
+  LoadReport loadEmaValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
+                           LoadStrictness strictness);
+
+  /// State for resume: every EMA tensor under its name, metadata with the
+  /// step, initialised flag, last decay, schedule (JSON) and roles. Single
+  /// profile only: an Averager with moreSchedules is saved as post-hoc
+  /// snapshots, one file per profile (posthoc_snapshot.h), and c10::Error
+  /// says so.
+  TensorFile state() const;
+  /// Restores state(): tensors as loadEmaValues, plus step and flags. In
+  /// strict mode a schedule different from ours is an error naming both.
+  LoadReport loadState(const TensorFile& file, LoadStrictness strictness = LoadStrictness::kStrict);
+  /// state() to a crash-safe safetensors file / loadState from one.
+  void save(const std::string& path) const;
+  LoadReport load(const std::string& path, LoadStrictness strictness = LoadStrictness::kStrict);
+
+ private:
+  struct Slot {
+    TrackedTensor tracked;
+    at::Tensor ema;  // host, contiguous
+    // changesInForward only: host copy taken inside update(), read by the
+    // pipeline instead of the live source. Allocated at the first update.
+    at::Tensor snapshot;
+    // Profiles 1.. of averaging roles (empty for copies, which are shared).
+    std::vector<at::Tensor> moreEmas;
+  };
+  const at::Tensor& profileStorage(const Slot& s, int profile) const;
+  void checkProfile(int profile, const char* api) const;
+  const Slot& slot(const std::string& name, const char* api) const;
+  void checkRoles(const TensorFile& file) const;
+  // Throws when failed; otherwise waits for the pipeline and turns its error
+  // into the failed mark.
+  void settle(const char* api) const;
+  void checkNotFailed(const char* api) const;
+  LoadReport loadValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
+                        LoadStrictness strictness, int profile = 0);
+  void updateOnDevice(bool firstCopy, const std::vector<double>& weights);
+  void submitToPipeline(bool firstCopy, const std::vector<double>& weights, int64_t step);
+  void rejectUnfenced(int64_t step);
+  at::Tensor pipelineSource(Slot& s, at::ScalarType dtype);
+
+  AveragerOptions options_;
+  std::vector<Slot> slots_;
+  std::unordered_map<std::string, size_t> index_;
+  int64_t step_ = 0;
+  bool initialized_ = false;
+  double lastDecay_ = 0.0;
+  std::vector<double> moreLastDecays_;  // profiles 1..
+  // Why the Averager is failed; empty when it is not. Set by const calls
+  // that wait (ema(), state()), hence mutable. Caller's thread only.
+  mutable std::string failure_;
+  // kPinnedHost only (null for kDevice and after a move). The pipeline is
+  // declared first so a move assignment retires the old pipeline while its
+  // engine still exists; the destructor resets it first for the same reason.
+  std::unique_ptr<offload::UpdatePipeline> pipeline_;
+  std::unique_ptr<offload::PinnedArena> arena_;
+  std::unique_ptr<offload::CopyEngine> engine_;
+};
+
+}  // namespace shardema

@@ -1,0 +1,113 @@
+#pragma once
+// EmaCallback: the warmup-EMA lifecycle of a trainer callback (DESIGN
+// section 4, the VersatIL EMACallback), for a C++ training loop. Call the
+// hooks where a Lightning trainer would; all of them run on the caller's
+// thread. With the default placement (pinned host) the EMA math runs in the
+// background after onTrainBatchEnd returns; the hooks that read the EMA
+// (save, validation swap) wait for it first.
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+
+#include "shardema/averager.h"
+#include "shardema/training_checkpoint.h"
+
+namespace shardema {
+
+namespace offload {
+class WorkerPool;
+}  // namespace offload
+
+struct EmaCallbackOptions {
+  /// The warmup schedule; defaults follow VersatIL (power 0.75,
+  /// update_after_step 0, inv_gamma 1, min 0, max 0.9999).
+  WarmupScheduleOptions schedule;
+  /// What is averaged and what is copied. Default: VersatIL.
+  TrackingPolicy policy = TrackingPolicy::kVersatil;
+  /// The decay logger is called on updates whose global step is a multiple
+  /// of this. Default 100; 0 disables logging.
+  int64_t logEveryNSteps = 100;
+  /// Worker threads for the updates; not owned. nullptr: the shared pool.
+  offload::WorkerPool* pool = nullptr;
+  /// Where the EMA lives (AveragerOptions::placement). Default kPinnedHost.
+  EmaPlacement placement = EmaPlacement::kPinnedHost;
+  /// Pipeline settings for kPinnedHost. By default (fenceInUpdate = false)
+  /// onTrainBatchEnd returns at once: the loop must call
+  /// onBeforeOptimizerStep() before every optimizer step (forgetting it
+  /// fails the update with an error saying so, never a silent wrong EMA).
+  AveragerOffloadOptions offload;
+};
+
+class EmaCallback {
+ public:
+  /// Called with (global step, decay); runs on the training thread.
+  using DecayLogger = std::function<void(int64_t globalStep, double decay)>;
+
+  explicit EmaCallback(EmaCallbackOptions options = {});
+  void setDecayLogger(DecayLogger logger) { logger_ = std::move(logger); }
+
+  /// Builds the EMA from `module` (which must outlive the callback's use of
+  /// it), then applies an EMA state queued by onLoadCheckpoint, if any.
+  void onFitStart(torch::nn::Module& module);
+  /// After each training batch. Updates only when an optimizer step just
+  /// happened: at the end of an accumulation window ((batchIdx + 1) %
+  /// accumulateGradBatches == 0) or on the epoch's last batch. The decay
+  /// comes from globalStep (optimizer steps done, 1-based). Returns whether
+  /// the EMA was updated.
+  bool onTrainBatchEnd(int64_t globalStep, int64_t batchIdx, int64_t accumulateGradBatches,
+                       bool isLastBatch);
+  /// Call before every optimizer step (before anything but the forward
+  /// pass changes a tracked tensor again). Blocks until the last update has
+  /// read the tensors (Averager::fence); the math may go on. Buffers (which
+  /// the forward pass changes) are read inside onTrainBatchEnd and need no
+  /// fence. Required by default; a cheap no-op with offload.fenceInUpdate =
+  /// true. Does nothing before onFitStart.
+  void onBeforeOptimizerStep();
+  /// Blocks until the EMA math is done; rethrows a background error.
+  void wait();
+  /// Puts the EMA into checkpoint.weights (for every name it holds) and the
+  /// replaced raw values into checkpoint.rawWeights, plus the EMA progress
+  /// in metadata. Not allowed while EMA weights are swapped in.
+  void onSaveCheckpoint(TrainingCheckpoint& checkpoint) const;
+  /// Restores the raw weights into `module` and queues the EMA weights for
+  /// onFitStart. A checkpoint without raw weights is left alone.
+  void onLoadCheckpoint(torch::nn::Module& module, const TrainingCheckpoint& checkpoint);
+  /// Swap the EMA weights into the module / the raw weights back.
+  void onValidationStart();
+  void onValidationEnd();
+
+  /// Decay of the last update (0 before any).
+  double decay() const { return averager_ ? averager_->lastDecay() : 0.0; }
+  bool hasEma() const { return averager_ != nullptr; }
+  /// The EMA; c10::Error before onFitStart.
+  const Averager& averager() const;
+  bool emaSwappedIn() const { return !rawDuringValidation_.empty(); }
+
+ private:
+  EmaCallbackOptions options_;
+  DecayLogger logger_;
+  torch::nn::Module* module_ = nullptr;
+  std::unique_ptr<Averager> averager_;
+  std::optional<TensorFile> queuedState_;
+  NamedTensors rawDuringValidation_;
+};
+
+/// RAII: onValidationStart() now, onValidationEnd() when it goes out of
+/// scope, so the raw weights come back even when validation throws.
+class EmaValidationScope {
+ public:
+  explicit EmaValidationScope(EmaCallback& callback) : callback_(callback) {
+    callback_.onValidationStart();
+  }
+  /// Never throws (it may run while an exception unwinds): a failure to
+  /// restore is reported as a warning, and emaSwappedIn() stays true.
+  ~EmaValidationScope();
+  EmaValidationScope(const EmaValidationScope&) = delete;
+  EmaValidationScope& operator=(const EmaValidationScope&) = delete;
+
+ private:
+  EmaCallback& callback_;
+};
+
+}  // namespace shardema

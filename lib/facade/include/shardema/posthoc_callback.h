@@ -1,0 +1,229 @@
+#pragma once
+// PostHocCallback: the post-hoc EMA lifecycle (DESIGN section 4) of
+// FastVideo's DDPPostHocEMACallback (nitrous PostHocEMA on rank 0) and of
+// its sharded sibling, for a C++ training loop. Several power-function
+// profiles (one per sigma_rel) are updated in one pass on optimizer steps;
+// every checkpointEvery counted calls each rank writes its snapshots; at
+// the end one sigma_rel is synthesized from them into deployable weights.
+//
+// Placements (PostHocCallbackOptions::placement):
+//   - kRankZeroFullCopy (default, the DDP lifecycle): rank 0 keeps one full
+//     EMA per profile, the other ranks none; snapshots are
+//     `{folder}/{i}.{calls}.safetensors`, written by rank 0.
+//   - kSharded: every rank keeps its shards of every profile and writes
+//     `{folder}/rank_{r:05d}/{i}.{calls}.safetensors`; synthesis runs on
+//     each rank's own files and the result is gathered through the
+//     communicator, so no rank reads another's files.
+// Both give the same deployable weights for one training run (within fp32
+// rounding). Every rank counts calls, whatever the placement, so all ranks
+// agree on the snapshot steps. All hooks run on the caller's thread; with
+// the pinned-host EMA the math runs in the background between calls, and
+// calls that write snapshots wait for it.
+#include <c10/core/ScalarType.h>
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "shardema/averager.h"
+#include "shardema/module_tracking.h"
+#include "shardema/sharded_averager.h"
+#include "shardema/training_checkpoint.h"
+
+namespace shardema {
+
+namespace offload {
+class WorkerPool;
+}  // namespace offload
+
+namespace shard {
+class Communicator;
+}  // namespace shard
+
+enum class PostHocPlacement {
+  /// Rank 0 holds full EMAs, the other ranks none (nitrous under DDP).
+  kRankZeroFullCopy,
+  /// Every rank holds its shards of every profile.
+  kSharded,
+};
+
+struct PostHocCallbackOptions {
+  /// One power-function profile per value, each in (0, 0.2887) and
+  /// distinct; at least 2 (the synthesis needs two profiles per step), at
+  /// most kMaxProfiles. Default {0.05, 0.1} (the seed's).
+  std::vector<double> sigmaRels = {0.05, 0.1};
+  /// Profiles update on calls n with (n - 1) % updateEvery == 0. Default 1.
+  int64_t updateEvery = 1;
+  /// Snapshot when calls % checkpointEvery == 0. Default 5000.
+  int64_t checkpointEvery = 5000;
+  /// Where the snapshots go (created if missing). Required: the seed's
+  /// default is derived from its trainer's output folder, which we do not
+  /// know. Every rank passes the same path.
+  std::string checkpointFolder;
+  /// Optimizer steps whose 0-based index (globalStep - 1) is below this
+  /// are not counted. Default 0.
+  int64_t startIter = 0;
+  /// sigma_rel synthesized at the end and for validation. Default 0.05.
+  double defaultOutputSigma = 0.05;
+  /// nitrous's step_size_correction. Default true (the seed's).
+  bool stepSizeCorrection = true;
+  /// Default kRankZeroFullCopy.
+  PostHocPlacement placement = PostHocPlacement::kRankZeroFullCopy;
+  /// Where the EMA lives on a rank that holds one. Default kPinnedHost;
+  /// kDevice keeps it beside the parameters, as nitrous does on CUDA.
+  EmaPlacement emaPlacement = EmaPlacement::kPinnedHost;
+  /// What is averaged and what is copied. Default kEmaPytorch: nitrous
+  /// averages floating parameters and buffers alike.
+  TrackingPolicy policy = TrackingPolicy::kEmaPytorch;
+  /// Update threads (not owned); nullptr: offload::WorkerPool::shared().
+  offload::WorkerPool* pool = nullptr;
+  /// Pipeline settings of the pinned-host EMA (fence before the next
+  /// optimizer step: onBeforeOptimizerStep()).
+  AveragerOffloadOptions offload;
+  /// Deployable weights: {outputFolder}/{outputPrefix}_sigma_{s}_step_
+  /// {calls:09d}.safetensors, s = the sigma with '.' as 'p' (0p05).
+  /// outputFolder "" (default) = the folder that holds checkpointFolder
+  /// ("." for a bare name). A snapshot folder holds snapshots only, so an
+  /// output folder that is the snapshot folder is refused.
+  std::string outputFolder;
+  std::string outputPrefix = "shardema_ema_final";
+  /// dtype of the deployable floating tensors (float32, bfloat16, float16).
+  c10::ScalarType outputDtype = c10::ScalarType::Float;
+  /// edm2 normalisation of the synthesis weights. Default off (raw solve).
+  bool normalize = false;
+  /// Bound on the synthesis accumulators and each gather round. 64 MiB.
+  int64_t bufferBytes = int64_t{64} << 20;
+};
+
+/// This process's place in the job. `comm` (not owned, must outlive the
+/// callback's collective calls) is needed when worldSize > 1 for the
+/// collective hooks: kSharded's onTrainEnd (gather) and both placements'
+/// validation swap; its rank and world size must be these.
+struct PostHocRanks {
+  int64_t rank = 0;
+  int64_t worldSize = 1;
+  shard::Communicator* comm = nullptr;
+};
+
+class PostHocCallback {
+ public:
+  /// Validates every option (c10::ValueError naming it).
+  explicit PostHocCallback(PostHocCallbackOptions options, PostHocRanks ranks = {});
+  ~PostHocCallback();
+  PostHocCallback(const PostHocCallback&) = delete;
+  PostHocCallback& operator=(const PostHocCallback&) = delete;
+
+  /// Every rank passes its (replicated, DDP-style) module, which must
+  /// outlive the callback. kRankZeroFullCopy: rank 0 tracks all of it.
+  /// kSharded: each rank tracks its FSDP2 rows of every tensor
+  /// (shardsFromFullTensors with kFsdp2). Then resumes from the snapshots
+  /// at the calls queued by onLoadCheckpoint, if any.
+  void onFitStart(torch::nn::Module& module);
+  /// kSharded only: this rank's live local shards (every spec for
+  /// ranks.worldSize; e.g. views of FSDP1 flat shards or FSDP2 locals).
+  void onFitStart(std::vector<LocalShard> shards);
+
+  /// After each training batch; acts only when an optimizer step just
+  /// happened (end of an accumulation window or the epoch's last batch, as
+  /// EmaCallback). Steps with globalStep - 1 < startIter are not counted.
+  /// A counted step increments calls() on every rank, updates this rank's
+  /// profiles (step = calls) and, when calls % checkpointEvery == 0, waits
+  /// for the math and writes this rank's snapshots. Returns whether the
+  /// step was counted. The first counted call of a run that did not resume
+  /// refuses (c10::ValueError naming it) a snapshot folder that already
+  /// holds snapshots: another run's would join this one's synthesis.
+  bool onTrainBatchEnd(int64_t globalStep, int64_t batchIdx, int64_t accumulateGradBatches,
+                       bool isLastBatch);
+  /// Before every optimizer step (Averager::fence); see EmaCallback.
+  void onBeforeOptimizerStep();
+  /// Blocks until the EMA math is done; rethrows a background error.
+  void wait();
+
+  /// The callback's resume state: metadata "shardema.posthoc.calls" (the
+  /// seed's {"calls"}). The EMAs themselves are the snapshots on disk.
+  void onSaveCheckpoint(TrainingCheckpoint& checkpoint) const;
+  /// Reads the calls back. Before onFitStart it is queued; after it the
+  /// snapshots are reloaded at once. A resume must land on a snapshot step
+  /// (calls % checkpointEvery == 0, or 0): each profile's snapshot at that
+  /// step is loaded, and a missing or mismatched one (another sigma_rel,
+  /// world size or shard layout) is a c10::ValueError naming the file.
+  void onLoadCheckpoint(const TrainingCheckpoint& checkpoint);
+
+  /// Collective when worldSize > 1. Synthesizes defaultOutputSigma at the
+  /// newest snapshot (not after calls()) and swaps it into the tracked
+  /// floating tensors (integer/bool ones stay live). kSharded: each rank
+  /// synthesizes its own shards, the ranks check they solved the same
+  /// system, and with a module (replicated on every rank) the rows are
+  /// gathered to every rank so each swaps in the whole EMA; with LocalShards
+  /// each rank swaps its shards. kRankZeroFullCopy: rank 0 synthesizes and
+  /// broadcasts. Returns false and changes nothing while no snapshot exists
+  /// yet. A failure on any rank fails every rank, with the raw weights in
+  /// place.
+  bool onValidationStart();
+  /// Puts the raw values back (no-op when nothing was swapped).
+  void onValidationEnd();
+  bool emaSwappedIn() const { return !rawDuringValidation_.empty(); }
+
+  /// End of training; collective for kSharded when worldSize > 1. Writes a
+  /// final snapshot unless calls() is on a boundary, synthesizes
+  /// defaultOutputSigma at step calls() and writes the deployable weights.
+  /// Returns their path on the rank that wrote them (rank 0), "" on the
+  /// others and when no call was counted (nothing to synthesize).
+  std::string onTrainEnd();
+
+  /// Counted optimizer steps so far (every rank).
+  int64_t calls() const { return calls_; }
+  const PostHocCallbackOptions& options() const { return options_; }
+  /// Whether this rank keeps EMA storage (rank 0, or any rank if sharded).
+  bool holdsEma() const;
+  /// This rank's EMAs (profile p = sigmaRels[p]); c10::Error before
+  /// onFitStart. Empty shard list on ranks > 0 of kRankZeroFullCopy.
+  const ShardedAverager& averager() const;
+  /// Where this rank's snapshots go: checkpointFolder, or its rank_NNNNN
+  /// subfolder for kSharded.
+  std::string snapshotFolder() const;
+
+  /// "{prefix}_sigma_0p05_step_000012345.safetensors" (the sigma printed
+  /// as Python's str() would, '.' replaced by 'p').
+  static std::string deployableFileName(const std::string& prefix, double sigmaRel, int64_t calls);
+
+ private:
+  void build(std::vector<LocalShard> shards, std::vector<TrackedTensor> full);
+  void resumeAt(int64_t calls);
+  void writeSnapshots();
+  bool swapInRankZero();
+  bool swapInSharded();
+  void keepRawForValidation();
+  void swapInValues(const std::unordered_map<std::string, at::Tensor>& values);
+  std::vector<at::Tensor> piecesInLayoutOrder(
+      const std::vector<std::pair<std::string, at::Tensor>>& tensors) const;
+  void checkFolderIsFresh() const;
+  std::string deployablePath() const;
+  static std::string outputFolderOf(const PostHocCallbackOptions& options);
+  std::string finishRankZero();
+  std::string finishSharded();
+
+  PostHocCallbackOptions options_;
+  PostHocRanks ranks_;
+  int64_t calls_ = 0;
+  // The global step last seen (a step that does not advance is skipped)
+  // and the newest call with snapshots on disk (0: none yet).
+  int64_t lastGlobalStep_ = 0;
+  int64_t newestSnapshot_ = 0;
+  std::optional<int64_t> queuedCalls_;
+  std::unique_ptr<ShardedAverager> averager_;
+  // What the validation swap writes: the full module tensors on every rank
+  // (kRankZeroFullCopy, and kSharded built from a module, whose every rank
+  // holds the whole replicated model), or this rank's local shards
+  // (kSharded built from LocalShards).
+  std::vector<TrackedTensor> swapTargets_;
+  bool swapWholeTensors_ = false;
+  NamedTensors rawDuringValidation_;
+};
+
+}  // namespace shardema

@@ -1,0 +1,58 @@
+#pragma once
+// Post-hoc synthesis over a folder of snapshots (DESIGN section 5): solves
+// the weights (posthoc_synthesis.h) for the snapshots' (step, gamma) and
+// writes sum_i w_i snapshot_i as one deployable safetensors file. Works on
+// both placements: a rank-0 full-copy folder ({i}.{step}.safetensors) and a
+// sharded one (rank_{r:05d}/...), which is synthesized rank by rank and
+// merged into full tensors on the way out. Streaming: at most bufferBytes
+// of accumulators and one read buffer per snapshot are held, whatever the
+// model size, so it runs offline on a machine smaller than the job.
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shardema/detail/posthoc_synthesis.h"
+
+namespace shardema {
+
+struct FolderSynthesisOptions {
+  /// Target sigma_rel, in (0, 0.2887). Required.
+  double sigmaRel = 0.0;
+  /// Target step; 0 (default) = the newest snapshot. Snapshots after it
+  /// are left out.
+  int64_t step = 0;
+  /// edm2 normalisation of the weights (default off: the raw solve).
+  bool normalize = false;
+  /// dtype of the floating tensors written (float32, bfloat16, float16).
+  c10::ScalarType dtype = c10::ScalarType::Float;
+  /// Elements accumulated per round are bounded by bufferBytes / 8 (float64
+  /// accumulators). Default 64 MiB.
+  int64_t bufferBytes = int64_t{64} << 20;
+};
+
+struct FolderSynthesisReport {
+  /// The solve, one weight per entry of `files`.
+  SynthesisWeights weights;
+  /// The snapshot each weight belongs to (rank 0's file for sharded folders:
+  /// every rank has the same (profile, step) set).
+  std::vector<std::string> files;
+  bool sharded = false;
+  int64_t worldSize = 0;
+  int64_t tensors = 0;
+};
+
+/// Synthesizes options.sigmaRel from the snapshots in `dir` and writes the
+/// deployable weights to `outPath` (crash-safe; metadata
+/// shardema.kind=deployable_weights, shardema.sigma_rel, shardema.gamma,
+/// shardema.step, shardema.synthesis=raw|normalized). Floating tensors are
+/// the weighted sum, accumulated in float64; copies (integer/bool tensors)
+/// come from the newest snapshot used, as edm2 copies buffers from its last
+/// input. Errors (c10::ValueError naming the folder or file): everything
+/// scanSnapshotFolder and solveSynthesisWeights refuse, and snapshots of
+/// one folder that disagree on tensor names, shapes or dtypes.
+FolderSynthesisReport synthesizeSnapshotFolder(const std::string& dir, const std::string& outPath,
+                                               const FolderSynthesisOptions& options);
+
+}  // namespace shardema

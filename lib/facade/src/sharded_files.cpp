@@ -1,0 +1,69 @@
+// File helpers of the per-rank checkpoints and exports. Kept apart from the
+// Averager code so the offline tools (and the CLI) link without it.
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <exception>
+#include <filesystem>
+#include <system_error>
+
+#include "sharded_internal.h"
+#include "shardema/detail/rank_manifest.h"
+
+namespace shardema {
+namespace detail {
+
+std::string joinPath(const std::string& dir, const std::string& name) {
+  return dir.empty() || dir.back() == '/' ? dir + name : dir + "/" + name;
+}
+
+void ensureDirectory(const std::string& dir, const char* api) {
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  TORCH_CHECK(std::filesystem::is_directory(dir), api, ": cannot create the folder ", dir, " (",
+              error ? error.message() : std::string("not a directory"), ")");
+}
+
+std::string currentErrorMessage() {
+  try {
+    throw;
+  } catch (const c10::Error& error) {
+    return error.what_without_backtrace();
+  } catch (const std::exception& error) {
+    return error.what();
+  } catch (...) {
+    return "unknown exception";
+  }
+}
+
+std::map<std::string, std::string> rankMetadata(std::map<std::string, std::string> metadata,
+                                                int64_t rank, const shard::ShardLayout& layout) {
+  metadata["shardema.rank"] = std::to_string(rank);
+  metadata["shardema.world_size"] = std::to_string(layout.worldSize());
+  metadata["shardema.layout_fingerprint"] = layout.fingerprint();
+  return metadata;
+}
+
+void checkExportDtype(c10::ScalarType dtype, const char* api) {
+  TORCH_CHECK_VALUE(dtype == c10::kFloat || dtype == c10::kBFloat16 || dtype == c10::kHalf, api,
+                    ": export dtype must be float32, bfloat16 or float16, got ", dtype);
+}
+
+c10::ScalarType exportedDtype(c10::ScalarType stored, c10::ScalarType dtype) {
+  return c10::isFloatingType(stored) ? dtype : stored;
+}
+
+std::map<std::string, std::string> deployableMetadata(int64_t step, const DecaySchedule& schedule,
+                                                      int64_t sourceWorldSize) {
+  return {{"shardema.kind", "deployable_weights"},
+          {"shardema.step", std::to_string(step)},
+          {"shardema.schedule", schedule.toJson()},
+          {"shardema.source_world_size", std::to_string(sourceWorldSize)}};
+}
+
+int64_t elementsPerPiece(int64_t bufferBytes, c10::ScalarType dtype) {
+  return std::max<int64_t>(1, bufferBytes / static_cast<int64_t>(c10::elementSize(dtype)));
+}
+
+}  // namespace detail
+}  // namespace shardema

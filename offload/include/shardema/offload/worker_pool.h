@@ -1,0 +1,50 @@
+#pragma once
+// WorkerPool: a fixed set of threads (Boost.Asio thread_pool) that run our
+// own kernels. No user code ever runs on it. It lives in offload/ because the
+// pipeline's asynchronous math is what needs background threads; core's
+// kernels only see it as a ParallelRunner.
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+#include "shardema/detail/parallel_runner.h"
+
+namespace shardema::offload {
+
+class WorkerPool final : public ParallelRunner {
+ public:
+  /// Starts numThreads workers (>= 0; c10::ValueError otherwise). With 0
+  /// every job runs on the caller.
+  explicit WorkerPool(int numThreads);
+  /// Joins the workers; jobs still queued are finished first.
+  ~WorkerPool() override;
+  WorkerPool(const WorkerPool&) = delete;
+  WorkerPool& operator=(const WorkerPool&) = delete;
+
+  /// Number of worker threads (not counting callers).
+  int size() const override { return numThreads_; }
+
+  /// Runs task(i) for every i in [0, numTasks) on the workers and the
+  /// calling thread, and blocks until all have finished. If tasks throw, the
+  /// first exception is rethrown here after all tasks ended (tasks not yet
+  /// started when one throws are skipped). Thread-safe: several callers may
+  /// use one pool at once, and a task may itself call parallelFor; the
+  /// caller takes tasks too, so it finishes alone when every worker is busy.
+  void parallelFor(int64_t numTasks, const std::function<void(int64_t)>& task) override;
+
+  /// Queues fn to run on a worker and returns at once (for the async
+  /// pipeline); with no workers it runs fn on the caller before returning.
+  /// fn must not throw (std::terminate if it does); wrap it to capture errors.
+  void post(std::function<void()> fn);
+
+  /// A process-wide pool with hardwareConcurrency() - 1 workers (at least
+  /// 1), created on first use. For callers that were given no pool.
+  static WorkerPool& shared();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  int numThreads_ = 0;
+};
+
+}  // namespace shardema::offload

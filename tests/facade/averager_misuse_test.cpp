@@ -1,0 +1,178 @@
+// Forgetting fence() is an error, never a silent wrong EMA: a source written
+// in place between update() and fence() fails the update (autograd version
+// check), an update() with no fence() since the previous one is refused,
+// and tensors that change in forward() (buffers) are read inside update()
+// so they need no fence. Runs under TSan.
+#include <ATen/ops/arange.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <functional>
+#include <string>
+
+#include "offload/fake_copy_engine.h"
+#include "shardema/averager.h"
+#include "shardema/offload/update_pipeline.h"
+#include "shardema/offload/worker_pool.h"
+
+namespace shardema {
+namespace {
+
+constexpr const char* kAdvice =
+    "modified before fence(): call Averager::fence() (EmaCallback::onBeforeOptimizerStep()) "
+    "before optimizer.step()";
+
+// The c10::Error message `call` throws ("" and a test failure if none).
+std::string errorOf(const std::function<void()>& call) {
+  try {
+    call();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  ADD_FAILURE() << "expected a c10::Error";
+  return std::string();
+}
+
+AveragerOptions hostOptions(offload::WorkerPool& pool) {
+  AveragerOptions options;
+  options.pool = &pool;
+  options.offload.chunkBytes = 256;  // 64 chunks for 4096 floats
+  options.offload.engine = offload::EngineChoice::kHost;
+  return options;
+}
+
+TEST(AveragerMisuseTest, TheAsynchronousUpdateIsTheDefault) {
+  EXPECT_FALSE(AveragerOffloadOptions{}.fenceInUpdate);
+  EXPECT_FALSE(TrackedTensor{}.changesInForward);
+}
+
+// Without fence() the in-place write (as optimizer.step() does) is reported
+// by wait(), by fence() + wait(), and by the next update(), naming the
+// tensor and the step; the Averager is then failed.
+TEST(AveragerMisuseTest, AWriteBeforeFenceFailsTheUpdateNamingTensorAndStep) {
+  offload::WorkerPool pool(2);
+  for (int where = 0; where < 3; ++where) {
+    at::Tensor w = at::zeros({4096});
+    at::Tensor other = at::zeros({16});
+    Averager averager({{"enc.w", w, TrackRole::kAverage}, {"other", other, TrackRole::kAverage}},
+                      hostOptions(pool));
+    averager.update(1);
+    averager.fence();
+    w.fill_(1.0f);
+    averager.update(2);
+    w.add_(1.0f);  // no fence(): the update may be reading w right now
+    std::string message;
+    if (where == 0) message = errorOf([&] { averager.wait(); });
+    if (where == 1) {
+      averager.fence();  // never throws; the write is recorded
+      message = errorOf([&] { averager.wait(); });
+    }
+    if (where == 2) message = errorOf([&] { averager.update(3); });
+    EXPECT_NE(message.find("'enc.w'"), std::string::npos) << where << ": " << message;
+    EXPECT_NE(message.find("step 2"), std::string::npos) << where << ": " << message;
+    EXPECT_NE(message.find(kAdvice), std::string::npos) << where << ": " << message;
+    EXPECT_TRUE(averager.failed()) << where;
+    EXPECT_THROW(averager.ema("enc.w"), c10::Error) << where;
+  }
+}
+
+// No write at all, but no fence() either: the second update() is refused
+// (LibTorch's C++ optimizers write through tensor.data(), which the version
+// check cannot see).
+TEST(AveragerMisuseTest, AnUpdateWithoutFenceSinceThePreviousOneIsRefused) {
+  offload::WorkerPool pool(1);
+  at::Tensor w = at::zeros({100});
+  Averager averager({{"w", w, TrackRole::kAverage}}, hostOptions(pool));
+  averager.update(1);
+  const std::string message = errorOf([&] { averager.update(2); });
+  EXPECT_NE(message.find("update(2) came without fence()"), std::string::npos) << message;
+  EXPECT_NE(message.find(kAdvice), std::string::npos) << message;
+  EXPECT_TRUE(averager.failed());
+  // fence(), wait() or a call that waits in between are all fine.
+  Averager fine({{"w", w, TrackRole::kAverage}}, hostOptions(pool));
+  fine.update(1);
+  fine.fence();
+  fine.update(2);
+  fine.wait();
+  fine.update(3);
+  fine.ema("w");
+  EXPECT_TRUE(fine.update(4));
+  fine.wait();
+  EXPECT_FALSE(fine.failed());
+}
+
+// Buffers change in forward(), right after update() returns and before any
+// fence(): they are snapshotted inside update(), so the EMA holds the value
+// they had at update() time and nothing fails. Writes after fence() (the
+// optimizer step) are fine too.
+TEST(AveragerMisuseTest, BuffersChangingInForwardAreReadInsideUpdate) {
+  offload::WorkerPool pool(2);
+  at::Tensor weight = at::zeros({2000});
+  at::Tensor runningMean = at::zeros({700}, at::kBFloat16);
+  at::Tensor counter = at::zeros({3}, at::kLong);
+  AveragerOptions options = hostOptions(pool);
+  options.schedule = DecaySchedule::constant();  // decay 0.9999 from the second update
+  Averager averager({{"weight", weight, TrackRole::kAverage},
+                     {"bn.running_mean", runningMean, TrackRole::kAverage, true},
+                     {"bn.num_batches_tracked", counter, TrackRole::kCopy, true}},
+                    options);
+  for (int64_t step = 1; step <= 200; ++step) {
+    weight.fill_(static_cast<float>(step));
+    runningMean.fill_(static_cast<float>(step % 7));
+    counter.fill_(step);
+    ASSERT_TRUE(averager.update(step));
+    // The next forward pass: buffers change while the update may still run.
+    runningMean.fill_(1e6f);
+    counter.fill_(-1);
+    averager.fence();
+    weight.fill_(-1e6f);  // the optimizer step, after the fence
+  }
+  averager.wait();
+  EXPECT_FALSE(averager.failed());
+  EXPECT_TRUE(at::equal(averager.ema("bn.num_batches_tracked"), at::full({3}, 200, at::kLong)));
+  // Lerp of values in [0, 6] and 1..200: far from the 1e6 written later.
+  EXPECT_LT(averager.ema("bn.running_mean").abs().max().item<float>(), 7.0f);
+  EXPECT_LT(averager.ema("weight").abs().max().item<float>(), 201.0f);
+  EXPECT_GT(averager.ema("weight").min().item<float>(), 0.5f);
+}
+
+// Check (b): with a host-side engine the worker checks each chunk's sources
+// after its copy landed, before its math, so a torn chunk is never folded
+// in: the EMA is left exactly as it was.
+TEST(AveragerMisuseTest, TheWorkerRefusesAChunkWhoseSourceWasWrittenBeforeItLanded) {
+  offload::WorkerPool pool(2);
+  testing::FakeCopyEngine engine;
+  engine.setDelay(std::chrono::milliseconds(30));  // the write wins the race
+  offload::UpdatePipelineOptions options;
+  options.pool = &pool;
+  options.engine = &engine;
+  options.chunkBytes = 256;
+  options.numSlots = 1;
+  offload::UpdatePipeline pipeline(options);
+  at::Tensor source = at::arange(640, at::kFloat);
+  at::Tensor ema = at::zeros({640});
+  pipeline.submit({offload::PipelineJob{ema, source, UpdateOp::kLerp, false, "enc.w", {}}}, 0.5f, 9);
+  source.add_(1.0f);  // before the first copy has even started
+  const std::string message = errorOf([&] { pipeline.wait(); });
+  EXPECT_NE(message.find("step 9"), std::string::npos) << message;
+  EXPECT_NE(message.find("'enc.w' (chunk 0 of 10)"), std::string::npos) << message;
+  EXPECT_NE(message.find(kAdvice), std::string::npos) << message;
+  EXPECT_TRUE(at::equal(ema, at::zeros({640}))) << "a refused chunk is not folded in";
+  // A fresh update after the error works, and a write after fence() is not
+  // mistaken for misuse however late the worker checks.
+  engine.setDelay(std::chrono::microseconds(0));
+  for (int64_t step = 10; step < 60; ++step) {
+    pipeline.submit({offload::PipelineJob{ema, source, UpdateOp::kLerp, false, "enc.w", {}}}, 0.5f,
+                    step);
+    pipeline.fence();
+    source.add_(1.0f);
+  }
+  pipeline.wait();
+}
+
+}  // namespace
+}  // namespace shardema

@@ -1,0 +1,2 @@
+// Must not compile: shard and offload are siblings (tests/layering).
+#include "shardema/offload/update_pipeline.h"

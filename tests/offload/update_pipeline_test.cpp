@@ -1,0 +1,341 @@
+// UpdatePipeline: ordering (bit-identical to a synchronous reference with
+// sources overwritten right after fence), errors, fence vs wait, swap-in.
+// Runs under ThreadSanitizer too.
+#include "shardema/offload/update_pipeline.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/rand.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <future>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "offload/fake_copy_engine.h"
+#include "shardema/offload/host_copy_engine.h"
+#include "shardema/offload/pinned_arena.h"
+#include "shardema/detail/update_kernels.h"
+#include "shardema/offload/worker_pool.h"
+#include "support/same_bytes.h"
+
+namespace shardema {
+namespace {
+
+using offload::PipelineJob;
+using offload::UpdatePipeline;
+using offload::UpdatePipelineOptions;
+
+// 1000 steps per configuration under ThreadSanitizer too: the tensors are
+// small, so the whole sweep takes about a second there.
+constexpr int64_t kSteps = 1000;
+
+// One tracked tensor of the ordering test and its synchronous reference.
+struct Tracked {
+  std::string name;
+  at::Tensor source;     // what the pipeline reads
+  at::Tensor ema;        // what the pipeline writes
+  at::Tensor reference;  // updated with the plain kernels on the caller
+  bool raw = false;
+};
+
+SourceType typeOf(at::ScalarType dtype) {
+  return dtype == at::kFloat      ? SourceType::kFloat32
+         : dtype == at::kBFloat16 ? SourceType::kBFloat16
+                                  : SourceType::kFloat16;
+}
+
+// Fresh values for a step: random floats (or integers for raw copies).
+void fillSource(Tracked& t, std::mt19937& rng) {
+  std::uniform_real_distribution<float> value(-2.0f, 2.0f);
+  at::Tensor fp32 = at::empty({t.source.numel()}, at::kFloat);
+  float* p = fp32.data_ptr<float>();
+  for (int64_t i = 0; i < fp32.numel(); ++i)
+    p[i] = t.raw ? std::floor(value(rng) * 1000) : value(rng);
+  t.source.copy_(fp32);
+}
+
+void applyReference(Tracked& t, UpdateOp op, float weight) {
+  if (t.raw) {
+    t.reference.copy_(t.source);
+    return;
+  }
+  float* ref = t.reference.data_ptr<float>();
+  const SourceType type = typeOf(t.source.scalar_type());
+  if (op == UpdateOp::kCopy) {
+    copyRange(ref, t.source.data_ptr(), type, t.source.numel());
+  } else {
+    lerpRange(ref, t.source.data_ptr(), type, t.source.numel(), weight);
+  }
+}
+
+bool sameBytes(const at::Tensor& a, const at::Tensor& b) {
+  return a.nbytes() == b.nbytes() && testing::sameBytes(a.data_ptr(), b.data_ptr(), a.nbytes());
+}
+
+std::vector<Tracked> randomTensors(std::mt19937& rng, int64_t maxElements) {
+  const at::ScalarType dtypes[] = {at::kFloat, at::kBFloat16, at::kHalf};
+  const int64_t sizes[] = {0, 1, 3, 17, 64, 255, 700};
+  std::vector<Tracked> out;
+  const int count = std::uniform_int_distribution<int>(1, 6)(rng);
+  for (int i = 0; i < count; ++i) {
+    Tracked t;
+    t.name = "t" + std::to_string(i);
+    t.raw = rng() % 6 == 0;
+    const int64_t n = std::min(maxElements, sizes[rng() % 7]);
+    const at::ScalarType dtype = t.raw ? at::kLong : dtypes[rng() % 3];
+    t.source = at::zeros({n}, dtype);
+    t.ema = at::zeros({n}, t.raw ? at::kLong : at::kFloat);
+    t.reference = t.ema.clone();
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+TEST(UpdatePipelineTest, MatchesSynchronousReferenceBitForBitWithSourcesOverwrittenAfterFence) {
+  std::mt19937 rng(20261202);
+  const int64_t chunkChoices[] = {64, 100, 256, 1000, 4096, int64_t{1} << 20};
+  for (int config = 0; config < 5; ++config) {
+    const int64_t chunkBytes = chunkChoices[rng() % 6];
+    const int slots = 1 + static_cast<int>(rng() % 4);
+    offload::WorkerPool pool(1 + static_cast<int>(rng() % 3));
+    std::vector<Tracked> tensors = randomTensors(rng, chunkBytes < 256 ? 64 : 700);
+    // Odd configurations run the real host engine, even ones the fake
+    // (which also counts how many copies were queued at once).
+    testing::FakeCopyEngine fake;
+    offload::HostCopyEngine host;
+    UpdatePipelineOptions options;
+    options.chunkBytes = chunkBytes;
+    options.numSlots = slots;
+    options.pool = &pool;
+    options.engine = config % 2 == 1 ? static_cast<offload::CopyEngine*>(&host) : &fake;
+    UpdatePipeline pipeline(options);
+    const std::string where = std::string(options.engine->name()) + " config " +
+                              std::to_string(config) + " chunkBytes " + std::to_string(chunkBytes) +
+                              " slots " + std::to_string(slots) + " workers " +
+                              std::to_string(pool.size());
+    for (int64_t step = 1; step <= kSteps; ++step) {
+      // A copy now and then (the first update, a frozen layer), lerps else.
+      const UpdateOp op = step == 1 || rng() % 50 == 0 ? UpdateOp::kCopy : UpdateOp::kLerp;
+      const float weight = 1.0f / (1.0f + 0.01f * static_cast<float>(step));
+      std::vector<PipelineJob> jobs;
+      for (Tracked& t : tensors) {
+        fillSource(t, rng);
+        applyReference(t, op, weight);
+        jobs.push_back(PipelineJob{t.ema, t.source, op, t.raw, t.name, {}});
+      }
+      pipeline.submit(std::move(jobs), weight, step);
+      pipeline.fence();
+      // The optimizer step: a read after the fence would fold NaN in.
+      for (Tracked& t : tensors) {
+        if (t.raw) {
+          t.source.fill_(-1);
+        } else {
+          t.source.fill_(std::numeric_limits<float>::quiet_NaN());
+        }
+      }
+      if (step % 250 == 0 || step == kSteps) {
+        pipeline.wait();
+        for (const Tracked& t : tensors) {
+          ASSERT_TRUE(sameBytes(t.ema, t.reference)) << where << " step " << step << " " << t.name;
+        }
+      }
+    }
+    EXPECT_EQ(pipeline.stats().stagingBytes, chunkBytes * slots) << where;
+    EXPECT_LE(fake.maxQueued(), slots * 8) << where << ": copies are bounded by the slots";
+  }
+}
+
+// Small sources in many tiny chunks; the only worker is held, so the math
+// cannot run, yet fence() returns as soon as everything has been copied.
+TEST(UpdatePipelineTest, FenceReturnsBeforeTheMathIsDone) {
+  offload::WorkerPool pool(1);
+  testing::FakeCopyEngine engine;
+  UpdatePipelineOptions options;
+  options.chunkBytes = 64;
+  options.numSlots = 4;
+  options.pool = &pool;
+  options.engine = &engine;
+  UpdatePipeline pipeline(options);
+  at::Tensor source = at::full({64}, 3.0f);  // 4 chunks of 16 floats: one per slot
+  at::Tensor ema = at::zeros({64});
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  pool.post([released] { released.wait(); });  // the worker is busy elsewhere
+  pipeline.submit({PipelineJob{ema, source, UpdateOp::kLerp, false, "w", {}}}, 0.5f, 1);
+  pipeline.fence();
+  EXPECT_TRUE(pipeline.busy()) << "fence waited for the math";
+  EXPECT_EQ(ema[0].item<float>(), 0.0f);
+  source.fill_(100.0f);  // allowed after the fence
+  release.set_value();
+  pipeline.wait();
+  EXPECT_FALSE(pipeline.busy());
+  EXPECT_TRUE(at::equal(ema, at::full({64}, 1.5f)));
+  EXPECT_EQ(engine.producerPoints(), 1);
+}
+
+TEST(UpdatePipelineTest, InjectedFaultIsRethrownFromWaitWithNameAndStep) {
+  offload::WorkerPool pool(2);
+  testing::FakeCopyEngine engine;
+  UpdatePipelineOptions options;
+  options.chunkBytes = 64;
+  options.pool = &pool;
+  options.engine = &engine;
+  options.fault.step = 3;
+  options.fault.chunk = 2;
+  UpdatePipeline pipeline(options);
+  at::Tensor a = at::ones({16});
+  at::Tensor b = at::ones({40});
+  at::Tensor emaA = at::zeros({16});
+  at::Tensor emaB = at::zeros({40});
+  auto jobs = [&] {
+    return std::vector<PipelineJob>{{emaA, a, UpdateOp::kCopy, false, "layer.a", {}},
+                                    {emaB, b, UpdateOp::kCopy, false, "layer.b", {}}};
+  };
+  pipeline.submit(jobs(), 1.0f, 1);
+  pipeline.submit(jobs(), 1.0f, 2);
+  pipeline.submit(jobs(), 1.0f, 3);
+  pipeline.fence();  // never throws: the sources are free either way
+  try {
+    pipeline.wait();
+    FAIL() << "expected the injected fault";
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    EXPECT_NE(message.find("step 3"), std::string::npos) << message;
+    EXPECT_NE(message.find("'layer.b'"), std::string::npos) << message;  // chunk 2 is b's
+    EXPECT_NE(message.find("injected fault"), std::string::npos) << message;
+  }
+  pipeline.wait();  // reported once
+  // The pipeline itself stays usable: the next update goes through.
+  a.fill_(5.0f);
+  b.fill_(6.0f);
+  pipeline.submit(jobs(), 1.0f, 4);
+  pipeline.wait();
+  EXPECT_TRUE(at::equal(emaA, a));
+  EXPECT_TRUE(at::equal(emaB, b));
+}
+
+TEST(UpdatePipelineTest, EngineCopyErrorIsRethrownWithTheTensorName) {
+  offload::WorkerPool pool(1);
+  testing::FakeCopyEngine engine;
+  engine.failCopy(1);
+  UpdatePipelineOptions options;
+  options.chunkBytes = 64;
+  options.pool = &pool;
+  options.engine = &engine;
+  UpdatePipeline pipeline(options);
+  at::Tensor a = at::ones({40});
+  at::Tensor ema = at::zeros({40});
+  pipeline.submit({PipelineJob{ema, a, UpdateOp::kCopy, false, "enc.w", {}}}, 1.0f, 7);
+  try {
+    pipeline.wait();
+    FAIL() << "expected the copy error";
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    EXPECT_NE(message.find("step 7"), std::string::npos) << message;
+    EXPECT_NE(message.find("'enc.w'"), std::string::npos) << message;
+    EXPECT_NE(message.find("copy failed"), std::string::npos) << message;
+  }
+}
+
+TEST(UpdatePipelineTest, CopyToDestinationsConvertsThroughStaging) {
+  offload::WorkerPool pool(1);
+  testing::FakeCopyEngine engine;
+  UpdatePipelineOptions options;
+  options.chunkBytes = 64;
+  options.numSlots = 2;
+  options.pool = &pool;
+  options.engine = &engine;
+  UpdatePipeline pipeline(options);
+  std::vector<offload::SwapJob> jobs;
+  std::vector<at::Tensor> expected;
+  int i = 0;
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf, at::kFloat}) {
+    for (int64_t n : {0, 1, 33, 100}) {
+      at::Tensor host = at::rand({n}).mul_(10);
+      at::Tensor destination = at::zeros({n}, dtype);
+      expected.push_back(host.to(dtype));
+      jobs.push_back({host, destination, "d" + std::to_string(i++)});
+    }
+  }
+  // A strided destination takes the ATen path.
+  at::Tensor wide = at::zeros({4, 6});
+  at::Tensor host = at::rand({4, 3});
+  jobs.push_back({host, wide.narrow(1, 0, 3), "strided"});
+  expected.push_back(host);
+  pipeline.copyToDestinations(jobs);
+  for (size_t k = 0; k < jobs.size(); ++k) {
+    EXPECT_TRUE(at::equal(jobs[k].destination, expected[k])) << jobs[k].name;
+  }
+}
+
+TEST(UpdatePipelineTest, RejectsBadOptionsAndJobs) {
+  testing::FakeCopyEngine engine;
+  offload::WorkerPool none(0);
+  offload::WorkerPool one(1);
+  auto make = [&](int64_t chunk, int slots, offload::WorkerPool* pool, offload::CopyEngine* e) {
+    UpdatePipelineOptions o;
+    o.chunkBytes = chunk;
+    o.numSlots = slots;
+    o.pool = pool;
+    o.engine = e;
+    UpdatePipeline p(o);
+  };
+  EXPECT_THROW(make(63, 2, &one, &engine), c10::ValueError);
+  EXPECT_THROW(make(64, 0, &one, &engine), c10::ValueError);
+  EXPECT_THROW(make(64, 2, &one, nullptr), c10::ValueError);
+  EXPECT_THROW(make(64, 2, &none, &engine), c10::ValueError);
+  UpdatePipelineOptions o;
+  o.pool = &one;
+  o.engine = &engine;
+  o.chunkBytes = 1024;
+  UpdatePipeline pipeline(o);
+  at::Tensor ema = at::zeros({4});
+  EXPECT_THROW(pipeline.submit({{ema, at::zeros({5}), UpdateOp::kLerp, false, "n", {}}}, 0.5f, 1),
+               c10::ValueError);
+  EXPECT_THROW(
+      pipeline.submit({{ema, at::zeros({4}, at::kDouble), UpdateOp::kLerp, false, "d", {}}}, 0.5f, 1),
+      c10::TypeError);
+  EXPECT_THROW(
+      pipeline.submit({{ema, at::zeros({2, 2}).t(), UpdateOp::kLerp, false, "s", {}}}, 0.5f, 1),
+      c10::ValueError);
+  EXPECT_THROW(pipeline.submit({{ema, at::zeros({4}), UpdateOp::kLerp, false, "w", {}}}, 1.5f, 1),
+               c10::ValueError);
+  EXPECT_FALSE(pipeline.busy());
+}
+
+// Staging comes from the arena once, numSlots x chunkBytes, whatever the
+// model size; updates allocate nothing more there.
+TEST(UpdatePipelineTest, StagingIsAllocatedOnceAndBoundedByTheOptions) {
+  offload::WorkerPool pool(1);
+  testing::FakeCopyEngine engine;
+  offload::PinnedArena arena;
+  UpdatePipelineOptions options;
+  options.chunkBytes = 4096;
+  options.numSlots = 3;
+  options.pool = &pool;
+  options.engine = &engine;
+  options.arena = &arena;
+  UpdatePipeline pipeline(options);
+  EXPECT_EQ(arena.usage().bytesInUse, 3 * 4096);
+  at::Tensor source = at::ones({100000});  // 400 KB: ~100 chunks
+  at::Tensor ema = at::zeros({100000});
+  for (int64_t step = 1; step <= 3; ++step) {
+    pipeline.submit({PipelineJob{ema, source, UpdateOp::kLerp, false, "w", {}}}, 0.5f, step);
+    pipeline.wait();
+  }
+  EXPECT_EQ(arena.usage().peakBytes, 3 * 4096);
+  EXPECT_EQ(pipeline.stats().chunks, 3 * ((100000 * 4 + 4095) / 4096));
+  EXPECT_EQ(pipeline.stats().sourceBytes, 3 * 400000);
+  EXPECT_FLOAT_EQ(ema[0].item<float>(), 0.875f);
+}
+
+}  // namespace
+}  // namespace shardema
