@@ -11,6 +11,8 @@
 #include <system_error>
 #include <vector>
 
+#include "shardema/detail/regular_file.h"
+
 namespace shardema {
 namespace {
 
@@ -84,15 +86,8 @@ uint64_t parseChecksumHex(const std::string& text) {
 }
 
 uint64_t fileChecksum(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  TORCH_CHECK_VALUE(fd >= 0, path, ": cannot open to checksum: ", osError(errno));
-  struct FdCloser {
-    int fd;
-    ~FdCloser() { ::close(fd); }
-  } closer{fd};
-  struct stat info {};
-  TORCH_CHECK_VALUE(::fstat(fd, &info) == 0, path, ": cannot stat: ", osError(errno));
-  TORCH_CHECK_VALUE(S_ISREG(info.st_mode), path, ": not a regular file");
+  const detail::RegularFile file(path, "file to checksum");
+  const int fd = file.fd();
   std::vector<char> buffer(kFileChunk);
   Xxh64 hash;
   uint64_t offset = 0;

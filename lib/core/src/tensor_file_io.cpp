@@ -97,23 +97,13 @@ void checkBoolBytes(const uint8_t* bytes, size_t count, int64_t firstElement,
                     static_cast<int>(bad == end ? 0 : *bad), ", not 0 or 1");
 }
 
-InputFile::InputFile(const std::string& path) : path_(path) {
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  TORCH_CHECK_VALUE(fd_ >= 0, path, ": cannot open: ", osError(errno));
-  struct stat info {};
-  if (::fstat(fd_, &info) != 0) {
-    const int error = errno;
-    ::close(fd_);
-    TORCH_CHECK_VALUE(false, path, ": cannot stat: ", osError(error));
-  }
-  if (!S_ISREG(info.st_mode)) {
-    ::close(fd_);
-    TORCH_CHECK_VALUE(false, path, ": not a regular file");
-  }
-  size_ = static_cast<uint64_t>(info.st_size);
-}
+InputFile::InputFile(const std::string& path)
+    : file_(std::make_unique<RegularFile>(path, "safetensors file")),
+      path_(path),
+      fd_(file_->fd()),
+      size_(file_->size()) {}
 
-InputFile::~InputFile() { ::close(fd_); }
+InputFile::~InputFile() = default;
 
 // A short read means the file shrank after we sized it: reported as
 // truncation.

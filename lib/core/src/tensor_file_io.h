@@ -7,8 +7,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 
+#include "shardema/detail/regular_file.h"
 #include "shardema/detail/safetensors_header.h"
 
 namespace shardema {
@@ -35,7 +37,7 @@ void checkBoolBytes(const uint8_t* bytes, size_t count, int64_t firstElement,
 class InputFile {
  public:
   /// c10::ValueError naming the path when it cannot be opened or stat'ed or
-  /// is not a regular file.
+  /// is not a regular file (a FIFO is refused without blocking: RegularFile).
   explicit InputFile(const std::string& path);
   ~InputFile();
   InputFile(const InputFile&) = delete;
@@ -50,6 +52,7 @@ class InputFile {
   SafetensorsHeader readHeader() const;
 
  private:
+  std::unique_ptr<RegularFile> file_;
   std::string path_;
   int fd_ = -1;
   uint64_t size_ = 0;
