@@ -97,11 +97,7 @@ void checkBoolBytes(const uint8_t* bytes, size_t count, int64_t firstElement,
                     static_cast<int>(bad == end ? 0 : *bad), ", not 0 or 1");
 }
 
-InputFile::InputFile(const std::string& path)
-    : file_(std::make_unique<RegularFile>(path, "safetensors file")),
-      path_(path),
-      fd_(file_->fd()),
-      size_(file_->size()) {}
+InputFile::InputFile(const std::string& path) : file_(path, "safetensors file") {}
 
 InputFile::~InputFile() = default;
 
@@ -111,11 +107,11 @@ void InputFile::readAt(void* data, size_t size, uint64_t offset, const std::stri
   char* bytes = static_cast<char*>(data);
   while (size > 0) {
     const ssize_t n =
-        ::pread(fd_, bytes, std::min(size, kMaxReadChunk), static_cast<off_t>(offset));
+        ::pread(file_.fd(), bytes, std::min(size, kMaxReadChunk), static_cast<off_t>(offset));
     if (n < 0 && errno == EINTR) continue;
-    TORCH_CHECK_VALUE(n >= 0, path_, ": read of ", what, " at byte ", offset,
+    TORCH_CHECK_VALUE(n >= 0, path(), ": read of ", what, " at byte ", offset,
                       " failed: ", osError(errno));
-    TORCH_CHECK_VALUE(n > 0, path_, ": file ends at byte ", offset, " while reading ", what,
+    TORCH_CHECK_VALUE(n > 0, path(), ": file ends at byte ", offset, " while reading ", what,
                       " (truncated?)");
     bytes += n;
     size -= static_cast<size_t>(n);
@@ -125,14 +121,14 @@ void InputFile::readAt(void* data, size_t size, uint64_t offset, const std::stri
 
 SafetensorsHeader InputFile::readHeader() const {
   std::vector<uint8_t> prefix(8);
-  if (size_ >= prefix.size()) readAt(prefix.data(), prefix.size(), 0, "the header length");
+  if (size() >= prefix.size()) readAt(prefix.data(), prefix.size(), 0, "the header length");
   // Checked before the buffer is sized from it: a corrupt length must not
   // become a huge allocation.
   const uint64_t length =
-      checkedSafetensorsHeaderLength(prefix.data(), prefix.size(), size_, path_);
+      checkedSafetensorsHeaderLength(prefix.data(), prefix.size(), size(), path());
   prefix.resize(prefix.size() + length);
   readAt(prefix.data() + 8, length, 8, "the header");
-  return parseSafetensorsHeader(prefix.data(), prefix.size(), size_, path_);
+  return parseSafetensorsHeader(prefix.data(), prefix.size(), size(), path());
 }
 
 }  // namespace detail

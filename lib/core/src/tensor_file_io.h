@@ -7,7 +7,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
-#include <memory>
 #include <string>
 
 #include "shardema/detail/regular_file.h"
@@ -43,8 +42,8 @@ class InputFile {
   InputFile(const InputFile&) = delete;
   InputFile& operator=(const InputFile&) = delete;
 
-  const std::string& path() const { return path_; }
-  uint64_t size() const { return size_; }
+  const std::string& path() const { return file_.path(); }
+  uint64_t size() const { return file_.size(); }
   /// Reads exactly `size` bytes at `offset`; c10::ValueError naming the
   /// file and `what` on an OS error or a short file (truncated).
   void readAt(void* data, size_t size, uint64_t offset, const std::string& what) const;
@@ -52,10 +51,7 @@ class InputFile {
   SafetensorsHeader readHeader() const;
 
  private:
-  std::unique_ptr<RegularFile> file_;
-  std::string path_;
-  int fd_ = -1;
-  uint64_t size_ = 0;
+  RegularFile file_;
 };
 
 }  // namespace detail
