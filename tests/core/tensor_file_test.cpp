@@ -12,7 +12,9 @@
 #include <sstream>
 #include <string>
 
+#include "shardema/detail/checksum.h"
 #include "support/file_bytes.h"
+#include "support/foreign_tensor_file.h"
 #include "support/temp_dir.h"
 
 namespace shardema {
@@ -141,8 +143,19 @@ TEST(TensorFileTest, WritesTheSafetensorsLayoutExactly) {
   ASSERT_EQ(bytes.size(), 8 + n + 6 + 32);
   EXPECT_EQ((8 + n) % 8, 0u);
   const auto json = nlohmann::json::parse(bytes.substr(8, n));
-  EXPECT_EQ(json["__metadata__"],
-            (nlohmann::json{{"shardema.format", "1"}, {"shardema.step", "7"}}));
+  // Every file carries its per-tensor checksums: XXH64 of "<dtype>[<shape>]"
+  // then the tensor's bytes, in file order (tensor_checksums.h).
+  const auto digest = [&](const std::string& prefix, const at::Tensor& t) {
+    const std::string text =
+        prefix + std::string(static_cast<const char*>(t.data_ptr()), t.nbytes());
+    return checksumHex(xxh64(text.data(), text.size()));
+  };
+  const std::string checksums = "{\"b\":\"" + digest("I16[3]", file.tensors[0].second) +
+                                "\",\"a\":\"" + digest("F64[2,2]", file.tensors[1].second) +
+                                "\"}";
+  EXPECT_EQ(json["__metadata__"], (nlohmann::json{{"shardema.format", "1"},
+                                                  {"shardema.step", "7"},
+                                                  {"shardema.xxh64", checksums}}));
   EXPECT_EQ(json["b"],
             (nlohmann::json{{"dtype", "I16"}, {"shape", {3}}, {"data_offsets", {0, 6}}}));
   EXPECT_EQ(json["a"],
@@ -159,9 +172,10 @@ TEST(TensorFileTest, KeepsMetadataAndAddsFormatKey) {
   writeTensorFile(dir.file("m.safetensors"), file);
   const TensorFile read = readTensorFile(dir.file("m.safetensors"));
   EXPECT_TRUE(read.tensors.empty());
-  EXPECT_EQ(read.metadata,
-            (std::map<std::string, std::string>{
-                {"shardema.format", "1"}, {"shardema.kind", "posthoc_snapshot"}, {"user", "x"}}));
+  EXPECT_EQ(read.metadata, (std::map<std::string, std::string>{{"shardema.format", "1"},
+                                                                {"shardema.kind", "posthoc_snapshot"},
+                                                                {"shardema.xxh64", "{}"},
+                                                                {"user", "x"}}));
   file.metadata[kFormatKey] = "2";
   expectErrorNamingFile<c10::ValueError>([&] { writeTensorFile(dir.file("f2"), file); },
                                          dir.file("f2"), "reserved");
@@ -285,9 +299,8 @@ TEST(TensorFileTest, CorruptedLengthOrHeaderErrorsNameFile) {
 TEST(TensorFileTest, RejectsBoolBytesOtherThanZeroOrOne) {
   testing::TempDir dir;
   const std::string path = dir.file("b.safetensors");
-  TensorFile file;
-  file.tensors.emplace_back("mask", at::zeros({6}, at::kBool));
-  writeTensorFile(path, file);
+  // A file without checksums (ours would fail its checksum first).
+  testing::writeForeignTensorFile(path, {{"mask", at::zeros({6}, at::kBool)}});
   std::string bytes = testing::readFileBytes(path);
   bytes[bytes.size() - 2] = 2;
   testing::writeFileBytes(path, bytes);

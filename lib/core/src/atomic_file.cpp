@@ -85,6 +85,22 @@ void AtomicFileWriter::write(const void* data, size_t size) {
   }
 }
 
+void AtomicFileWriter::overwrite(uint64_t offset, const void* data, size_t size) {
+  TORCH_CHECK(fd_ >= 0, path_, ": overwrite after commit or move");
+  TORCH_CHECK(offset <= written_ && size <= written_ - offset, path_, ": overwrite of ", size,
+              " bytes at ", offset, " goes past the ", written_, " bytes written");
+  const char* bytes = static_cast<const char*>(data);
+  while (size > 0) {
+    const ssize_t n = ::pwrite(fd_, bytes, std::min(size, kMaxWriteChunk), static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    TORCH_CHECK(n > 0, path_, ": overwrite in ", tmpPath_, " at byte ", offset,
+                " failed: ", n < 0 ? osError(errno) : std::string("wrote nothing"));
+    bytes += n;
+    size -= static_cast<size_t>(n);
+    offset += static_cast<uint64_t>(n);
+  }
+}
+
 void AtomicFileWriter::commit() {
   TORCH_CHECK(fd_ >= 0 && !committed_, path_, ": commit called twice or after a move");
   TORCH_CHECK(::fsync(fd_) == 0, path_, ": fsync of ", tmpPath_, " failed: ", osError(errno));

@@ -6,7 +6,8 @@
 
 #include <algorithm>
 
-#include "shardema/detail/atomic_file.h"
+#include "shardema/detail/tensor_checksums.h"
+#include "shardema/detail/tensor_file_writer.h"
 #include "tensor_file_io.h"
 
 // Tensor bytes go between memory and the file as they are: the format is
@@ -21,13 +22,19 @@ namespace {
 using detail::InputFile;
 
 at::Tensor readEntry(const InputFile& file, const SafetensorsHeader& header,
-                     const TensorEntry& entry, const std::string& path) {
+                     const TensorEntry& entry, const std::string& path,
+                     const detail::TensorChecksums& checksums) {
   at::Tensor tensor =
       at::empty(entry.shape, at::TensorOptions().dtype(detail::toScalarType(entry.dtype)));
   TORCH_INTERNAL_ASSERT(tensor.nbytes() == entry.byteSize(), "size mismatch for ", entry.name);
   if (entry.byteSize() > 0) {
     file.readAt(tensor.data_ptr(), entry.byteSize(), header.dataOffset + entry.begin,
                 "tensor '" + entry.name + "'");
+  }
+  if (checksums.present()) {
+    detail::TensorDigest digest(entry.dtype, entry.shape);
+    digest.update(tensor.data_ptr(), tensor.nbytes());
+    checksums.check(entry.name, digest.digest());
   }
   if (entry.dtype == FileDType::kBool) {
     detail::checkBoolBytes(static_cast<const uint8_t*>(tensor.data_ptr()),
@@ -36,18 +43,24 @@ at::Tensor readEntry(const InputFile& file, const SafetensorsHeader& header,
   return tensor;
 }
 
-// Everything that can be refused is refused here, before the temp file
-// exists.
-std::vector<TensorEntry> entriesToWrite(const std::string& path, const TensorFile& file) {
-  std::vector<TensorEntry> entries;
+std::vector<std::string> tensorNames(const SafetensorsHeader& header) {
+  std::vector<std::string> names;
+  for (const TensorEntry& entry : header.tensors) names.push_back(entry.name);
+  return names;
+}
+
+// Undefined and non-strided tensors are refused here; TensorFileWriter
+// refuses the rest (dtypes, names), all before the temp file exists.
+std::vector<TensorFileEntry> entriesToWrite(const std::string& path, const TensorFile& file) {
+  std::vector<TensorFileEntry> entries;
   entries.reserve(file.tensors.size());
   for (const auto& [name, tensor] : file.tensors) {
     TORCH_CHECK_VALUE(tensor.defined(), path, ": tensor '", name, "' is undefined");
     TORCH_CHECK_TYPE(tensor.layout() == at::kStrided, path, ": tensor '", name, "' has layout ",
                      tensor.layout(), "; only dense (strided) tensors can be written");
-    TensorEntry entry;
+    TensorFileEntry entry;
     entry.name = name;
-    entry.dtype = detail::toFileDType(tensor.scalar_type(), path, name);
+    entry.dtype = tensor.scalar_type();
     entry.shape = tensor.sizes().vec();
     entries.push_back(std::move(entry));
   }
@@ -82,32 +95,22 @@ bool TensorFile::contains(const std::string& name) const {
 }
 
 void writeTensorFile(const std::string& path, const TensorFile& file) {
-  std::vector<TensorEntry> entries = entriesToWrite(path, file);
-  const std::string header =
-      buildSafetensorsHeader(entries, detail::metadataWithFormat(path, file.metadata), path);
-
-  AtomicFileWriter writer(path);
-  writer.write(header.data(), header.size());
+  std::vector<TensorFileEntry> entries = entriesToWrite(path, file);
+  TensorFileWriter writer(path, std::move(entries), file.metadata);
   // One host copy alive at a time: memory stays at one tensor's size.
-  for (size_t i = 0; i < entries.size(); ++i) {
-    const at::Tensor host = hostBytes(file.tensors[i].second, path, entries[i].name);
-    TORCH_INTERNAL_ASSERT(host.nbytes() == entries[i].byteSize(), "size mismatch for ",
-                          entries[i].name);
-    if (host.nbytes() > 0) writer.write(host.data_ptr(), host.nbytes());
-  }
-  TORCH_INTERNAL_ASSERT(writer.size() ==
-                        header.size() + (entries.empty() ? 0 : entries.back().end));
+  for (const auto& [name, tensor] : file.tensors) writer.append(hostBytes(tensor, path, name));
   writer.commit();
 }
 
 TensorFile readTensorFile(const std::string& path) {
   InputFile input(path);
   const SafetensorsHeader header = input.readHeader();
+  const detail::TensorChecksums checksums(header.metadata, tensorNames(header), path);
   TensorFile file;
   file.metadata = header.metadata;
   file.tensors.reserve(header.tensors.size());
   for (const TensorEntry& entry : header.tensors) {
-    file.tensors.emplace_back(entry.name, readEntry(input, header, entry, path));
+    file.tensors.emplace_back(entry.name, readEntry(input, header, entry, path, checksums));
   }
   return file;
 }

@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <utility>
+#include <vector>
 
+#include "shardema/detail/tensor_checksums.h"
 #include "tensor_file_io.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
@@ -29,6 +31,9 @@ void checkRange(const std::string& path, const TensorEntry& entry, int64_t begin
 TensorFileReader::TensorFileReader(const std::string& path)
     : path_(path), file_(std::make_unique<detail::InputFile>(path)) {
   header_ = file_->readHeader();
+  // A malformed checksum key, or one listing other tensors, is refused at
+  // open like any other header problem.
+  checksums_ = std::make_shared<const detail::TensorChecksums>(header_.metadata, names(), path_);
 }
 
 TensorFileReader::~TensorFileReader() = default;
@@ -95,7 +100,33 @@ at::Tensor TensorFileReader::read(const std::string& name) const {
   at::Tensor out =
       at::empty(found.shape, at::TensorOptions().dtype(detail::toScalarType(found.dtype)));
   readRangeInto(name, 0, out);
+  if (checksums_->present()) {
+    detail::TensorDigest digest(found.dtype, found.shape);
+    digest.update(out.data_ptr(), out.nbytes());
+    checksums_->check(name, digest.digest());
+  }
   return out;
+}
+
+bool TensorFileReader::hasChecksums() const { return checksums_->present(); }
+
+void TensorFileReader::verifyChecksums(int64_t bufferBytes) const {
+  TORCH_CHECK(file_ != nullptr, "TensorFileReader: used after a move");
+  if (!checksums_->present()) return;
+  TORCH_CHECK_VALUE(bufferBytes > 0, path_, ": verifyChecksums: bufferBytes must be > 0");
+  std::vector<char> buffer(static_cast<size_t>(
+      std::min<uint64_t>(static_cast<uint64_t>(bufferBytes), std::max<uint64_t>(header_.dataSize, 1))));
+  for (const TensorEntry& entry : header_.tensors) {
+    detail::TensorDigest digest(entry.dtype, entry.shape);
+    for (uint64_t done = 0; done < entry.byteSize();) {
+      const uint64_t size = std::min<uint64_t>(buffer.size(), entry.byteSize() - done);
+      file_->readAt(buffer.data(), size, header_.dataOffset + entry.begin + done,
+                    "tensor '" + entry.name + "'");
+      digest.update(buffer.data(), size);
+      done += size;
+    }
+    checksums_->check(entry.name, digest.digest());
+  }
 }
 
 }  // namespace shardema

@@ -7,6 +7,7 @@
 #include "shardema/detail/atomic_file.h"
 #include "shardema/detail/checksum.h"
 #include "shardema/detail/safetensors_header.h"
+#include "shardema/detail/tensor_checksums.h"
 #include "tensor_file_io.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
@@ -36,15 +37,22 @@ std::vector<TensorEntry> headerEntries(const std::string& path,
 TensorFileWriter::TensorFileWriter(const std::string& path, std::vector<TensorFileEntry> entries,
                                    const std::map<std::string, std::string>& metadata)
     : path_(path), entries_(std::move(entries)) {
-  std::vector<TensorEntry> header = headerEntries(path_, entries_);
-  const std::string bytes =
-      buildSafetensorsHeader(header, detail::metadataWithFormat(path_, metadata), path_);
-  for (const TensorEntry& entry : header) numels_.push_back(entry.numel());
-  fileSize_ = bytes.size() + (header.empty() ? 0 : header.back().end);
-  hash_ = std::make_unique<Xxh64>();
+  header_ = headerEntries(path_, entries_);
+  // The checksums are ours to compute: one a caller passes on (metadata of
+  // a file read back) is replaced, never trusted.
+  metadata_ = detail::metadataWithFormat(path_, metadata);
+  std::vector<std::string> names;
+  for (const TensorFileEntry& entry : entries_) names.push_back(entry.name);
+  metadata_[detail::kTensorChecksumsKey] = detail::placeholderTensorChecksums(names);
+  const std::string bytes = buildSafetensorsHeader(header_, metadata_, path_);
+  headerSize_ = bytes.size();
+  for (const TensorEntry& entry : header_) {
+    numels_.push_back(entry.numel());
+    digests_.emplace_back(entry.dtype, entry.shape);
+  }
+  fileSize_ = bytes.size() + (header_.empty() ? 0 : header_.back().end);
   file_ = std::make_unique<AtomicFileWriter>(path_);
   file_->write(bytes.data(), bytes.size());
-  hash_->update(bytes.data(), bytes.size());
   skipCompleteEntries();
 }
 
@@ -78,7 +86,7 @@ void TensorFileWriter::append(const at::Tensor& piece) {
                     remaining, " of its ", numels_[current_], " elements, got a piece of ",
                     piece.numel(), " (pieces never span two tensors)");
   file_->write(piece.data_ptr(), piece.nbytes());
-  hash_->update(piece.data_ptr(), piece.nbytes());
+  digests_[current_].update(piece.data_ptr(), piece.nbytes());
   writtenInCurrent_ += piece.numel();
   skipCompleteEntries();
 }
@@ -99,14 +107,27 @@ void TensorFileWriter::commit() {
                     " elements");
   TORCH_INTERNAL_ASSERT(file_->size() == fileSize_, path_, ": wrote ", file_->size(),
                         " bytes, expected ", fileSize_);
+  std::vector<std::pair<std::string, uint64_t>> digests;
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    digests.emplace_back(entries_[i].name, digests_[i].digest());
+  }
+  metadata_[detail::kTensorChecksumsKey] = detail::formatTensorChecksums(digests);
+  // Same names, same fixed-width digests: the final header has the
+  // placeholder's length, so it overwrites it in place.
+  const std::string bytes = buildSafetensorsHeader(header_, metadata_, path_);
+  TORCH_INTERNAL_ASSERT(bytes.size() == headerSize_, path_, ": the completed header is ",
+                        bytes.size(), " bytes, its placeholder ", headerSize_);
+  file_->overwrite(0, bytes.data(), bytes.size());
   file_->commit();
-  checksum_ = hash_->digest();
   committed_ = true;
 }
 
 uint64_t TensorFileWriter::checksum() const {
   TORCH_CHECK(committed_, path_, ": TensorFileWriter::checksum before commit");
-  return checksum_;
+  // The header was completed after the data, so the whole-file digest
+  // needs the file read back once (from the page cache, just written).
+  if (!checksum_) checksum_ = fileChecksum(path_);
+  return *checksum_;
 }
 
 }  // namespace shardema

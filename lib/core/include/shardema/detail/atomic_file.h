@@ -23,6 +23,10 @@ class AtomicFileWriter {
   /// Appends bytes (blocking, handles short writes and EINTR). c10::Error
   /// naming the path and the OS error (disk full, ...) on failure.
   void write(const void* data, size_t size);
+  /// Replaces bytes already written (a header completed once the data
+  /// behind it is known); the size does not change. c10::Error naming the
+  /// path for a range past what was written or an OS error.
+  void overwrite(uint64_t offset, const void* data, size_t size);
   /// Bytes written so far.
   uint64_t size() const { return written_; }
   /// fsync, rename over the final path, fsync the folder. Once only. On

@@ -15,6 +15,7 @@
 namespace shardema {
 namespace detail {
 class InputFile;
+class TensorChecksums;
 }  // namespace detail
 
 class TensorFileReader {
@@ -50,13 +51,27 @@ class TensorFileReader {
   /// Same, into caller-owned memory: `out` must be a contiguous CPU tensor
   /// of the stored dtype with exactly `count` elements (any shape).
   void readRangeInto(const std::string& name, int64_t beginElement, const at::Tensor& out) const;
-  /// The whole tensor in its stored shape and dtype.
+  /// The whole tensor in its stored shape and dtype, checked against the
+  /// file's checksum of it when the file has them (c10::ValueError naming
+  /// the file and the tensor on a mismatch). readRange() cannot check a
+  /// part: call verifyChecksums() once for a file read in ranges.
   at::Tensor read(const std::string& name) const;
+
+  /// Whether the file carries per-tensor checksums ("shardema.xxh64";
+  /// files from other tools or Python writers may not).
+  bool hasChecksums() const;
+  /// Reads every tensor once, in bufferBytes pieces (memory stays at that),
+  /// and checks each against its checksum: c10::ValueError naming the file
+  /// and the first tensor that fails. Nothing to do for a file without
+  /// checksums. Blocks.
+  void verifyChecksums(int64_t bufferBytes = int64_t{4} << 20) const;
 
  private:
   std::string path_;
   std::unique_ptr<detail::InputFile> file_;
   SafetensorsHeader header_;
+  // Shared (immutable) so the reader stays movable with a forward declaration.
+  std::shared_ptr<const detail::TensorChecksums> checksums_;
 };
 
 }  // namespace shardema

@@ -2,21 +2,27 @@
 // TensorFileWriter: writes a safetensors file tensor by tensor and piece by
 // piece, so a file far larger than free memory can be produced (a streaming
 // export of gathered shards). The bytes are exactly those writeTensorFile
-// would write for the same tensors and metadata. Crash-safe: data goes to
-// "<path>.tmp" (AtomicFileWriter) and replaces <path> only on commit().
+// would write for the same tensors and metadata (which is written through
+// it). Every file carries its per-tensor checksums ("shardema.xxh64",
+// tensor_checksums.h): the header goes out with zero digests and is
+// completed in place by commit(). Crash-safe: data goes to "<path>.tmp"
+// (AtomicFileWriter) and replaces <path> only on commit().
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include "shardema/detail/safetensors_header.h"
+#include "shardema/detail/tensor_checksums.h"
 
 namespace shardema {
 
 class AtomicFileWriter;
-class Xxh64;
 
 /// One tensor of the file to be written, in file (data) order.
 struct TensorFileEntry {
@@ -63,7 +69,8 @@ class TensorFileWriter {
   /// fsyncs the folder. Once only.
   void commit();
   /// XXH64 of the whole file as written (header included); only after
-  /// commit() (c10::Error otherwise). Equals fileChecksum(path).
+  /// commit() (c10::Error otherwise). Equals fileChecksum(path): the first
+  /// call reads the file back once, since its header was completed last.
   uint64_t checksum() const;
   /// Total bytes of the file (known from the constructor on).
   uint64_t fileSize() const { return fileSize_; }
@@ -74,13 +81,16 @@ class TensorFileWriter {
 
   std::string path_;
   std::vector<TensorFileEntry> entries_;
+  std::vector<TensorEntry> header_;
+  std::map<std::string, std::string> metadata_;
   std::vector<int64_t> numels_;
+  std::vector<detail::TensorDigest> digests_;
   std::unique_ptr<AtomicFileWriter> file_;
-  std::unique_ptr<Xxh64> hash_;
   size_t current_ = 0;
   int64_t writtenInCurrent_ = 0;
+  uint64_t headerSize_ = 0;
   uint64_t fileSize_ = 0;
-  uint64_t checksum_ = 0;
+  mutable std::optional<uint64_t> checksum_;
   bool committed_ = false;
 };
 
