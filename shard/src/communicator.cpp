@@ -54,12 +54,39 @@ c10::intrusive_ptr<detail::Group> makeGloo(const c10::intrusive_ptr<c10d::Store>
                                                      static_cast<int>(worldSize), glooOptions);
 }
 
+void waitForEveryRank(c10d::Store& store, int64_t rank, int64_t worldSize,
+                      std::chrono::steady_clock::time_point deadline) {
+  const auto key = [](int64_t r) { return "shardema/joined/" + std::to_string(r); };
+  store.set(key(rank), std::vector<uint8_t>{1});
+  std::vector<std::string> keys;
+  for (int64_t r = 0; r < worldSize; ++r) keys.push_back(key(r));
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+      deadline - std::chrono::steady_clock::now());
+  try {
+    TORCH_CHECK(left.count() > 0, "the time ran out while joining the store");
+    store.wait(keys, left);
+  } catch (const c10::Error&) {
+    std::string missing;
+    for (int64_t r = 0; r < worldSize; ++r) {
+      if (!store.check({key(r)})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    }
+    TORCH_CHECK(false, "rank(s) ", missing.empty() ? std::string("?") : missing,
+                " did not join in time");
+  }
+}
+
 }  // namespace
 
 Communicator::Communicator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Communicator::Communicator(const c10::intrusive_ptr<c10d::Store>& store, int64_t rank,
-                           int64_t worldSize, const CommunicatorOptions& options) {
+                           int64_t worldSize, const CommunicatorOptions& options)
+    : Communicator(store, rank, worldSize, options,
+                   std::chrono::steady_clock::now() + resolved(options)) {}
+
+Communicator::Communicator(const c10::intrusive_ptr<c10d::Store>& store, int64_t rank,
+                           int64_t worldSize, const CommunicatorOptions& options,
+                           std::chrono::steady_clock::time_point deadline) {
   TORCH_CHECK_VALUE(store, "Communicator: store is null");
   TORCH_CHECK_VALUE(worldSize >= 1 && worldSize <= std::numeric_limits<int>::max(),
                     "Communicator: worldSize must be >= 1, got ", worldSize);
@@ -72,6 +99,10 @@ Communicator::Communicator(const c10::intrusive_ptr<c10d::Store>& store, int64_t
   store->setTimeout(resolved(options));
   impl->store = store;
   try {
+    // Every rank checks in and waits for all the others, for what is left
+    // of the deadline, before the backend's own rendezvous: that one waits
+    // a full timeout of its own for a missing rank.
+    waitForEveryRank(*store, rank, worldSize, deadline);
     if (options.backend == CommBackend::kNccl) {
       impl->group = detail::makeNccl(store, rank, worldSize, options);
       impl->stageOnCuda = true;
@@ -114,6 +145,7 @@ int Communicator::freeLoopbackPort() {
 }
 
 Communicator Communicator::fromEnvironment(const CommunicatorOptions& options) {
+  const auto deadline = std::chrono::steady_clock::now() + resolved(options);
   const std::string host = envText("MASTER_ADDR");
   const int64_t port = envInt("MASTER_PORT", 1, 65535);
   const int64_t worldSize = envInt("WORLD_SIZE", 1, std::numeric_limits<int>::max());
@@ -122,7 +154,12 @@ Communicator Communicator::fromEnvironment(const CommunicatorOptions& options) {
   storeOptions.port = static_cast<std::uint16_t>(port);
   storeOptions.isServer = rank == 0;
   storeOptions.numWorkers = static_cast<std::size_t>(worldSize);
-  storeOptions.waitWorkers = true;
+  // No wait for the workers in the store's constructor: it gives up quietly
+  // at its timeout, and the backend's rendezvous then waited a second full
+  // timeout for the same missing rank (2x on rank 0). The rendezvous below
+  // waits for every rank anyway, within the one deadline. The timeout here
+  // bounds a client's connect retries.
+  storeOptions.waitWorkers = false;
   storeOptions.timeout = resolved(options);
   c10::intrusive_ptr<c10d::Store> store;
   try {
@@ -133,7 +170,7 @@ Communicator Communicator::fromEnvironment(const CommunicatorOptions& options) {
                 worldSize, " failed (timeout ", options.timeout.count(),
                 " ms): ", c10Error ? c10Error->what_without_backtrace() : e.what());
   }
-  return Communicator(store, rank, worldSize, options);
+  return Communicator(store, rank, worldSize, options, deadline);
 }
 
 Communicator::~Communicator() = default;

@@ -95,6 +95,10 @@ std::string readLog(const Child& child) {
 // after a c10::Error; exits 1 if nothing failed. _Exit skips destructors:
 // a group with a dead peer is not worth tearing down politely.
 [[noreturn]] void childMain(const std::string& mode) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto seconds = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
   CommunicatorOptions options;
   options.timeout = kTimeout;
   options.glooHostname = "127.0.0.1";
@@ -119,7 +123,7 @@ std::string readLog(const Child& child) {
     std::fflush(stdout);
     std::_Exit(1);
   } catch (const c10::Error& e) {
-    std::printf("CHILD-ERROR: %s\n", e.what_without_backtrace());
+    std::printf("CHILD-ERROR: %s\nCHILD-SECONDS: %.3f\n", e.what_without_backtrace(), seconds());
     std::fflush(stdout);
     std::_Exit(0);
   }
@@ -171,6 +175,14 @@ TEST(ProcessFaultTest, RankThatNeverJoinsTimesOutAtRendezvous) {
     EXPECT_EQ(status[rank], 0) << log;
     EXPECT_NE(log.find("CHILD-ERROR: Communicator rendezvous"), std::string::npos) << log;
     EXPECT_NE(log.find("rank " + std::to_string(rank) + " of 3"), std::string::npos) << log;
+    // "At most this long" holds on every rank, the store's host included
+    // (it used to wait the store's timeout and then the rendezvous's).
+    const size_t at = log.find("CHILD-SECONDS: ");
+    ASSERT_NE(at, std::string::npos) << log;
+    const double waited = std::stod(log.substr(at + 15));
+    const double timeout = std::chrono::duration<double>(kTimeout).count();
+    EXPECT_GE(waited, 0.9 * timeout) << "rank " << rank << " gave up early\n" << log;
+    EXPECT_LE(waited, timeout + 1.0) << "rank " << rank << " waited past its timeout\n" << log;
   }
   EXPECT_LT(seconds, 20.0);
 }

@@ -60,6 +60,9 @@ class Communicator {
   /// hosts a c10d::TCPStore, every rank joins it and creates the backend.
   /// c10::ValueError naming the variable when one is missing or invalid;
   /// c10::Error naming "rendezvous" when a rank does not join in time.
+  /// Every rank, rank 0 (the store's host) included, gives up within
+  /// options.timeout of the call: joining the store and the backend's
+  /// rendezvous share that one deadline.
   static Communicator fromEnvironment(const CommunicatorOptions& options = {});
   /// A loopback TCP port that is free now, for MASTER_PORT of a job on one
   /// host (tests, the demo): a TCPStore on port 0 lets the kernel pick one
@@ -122,6 +125,12 @@ class Communicator {
 
  private:
   explicit Communicator(std::unique_ptr<Impl> impl);
+  // The store constructor with the rendezvous bounded by `deadline` (the
+  // store's waits during it), so fromEnvironment's store connect and the
+  // backend's rendezvous share one deadline.
+  Communicator(const c10::intrusive_ptr<c10d::Store>& store, int64_t rank, int64_t worldSize,
+               const CommunicatorOptions& options,
+               std::chrono::steady_clock::time_point deadline);
   std::unique_ptr<Impl> impl_;
 };
 
