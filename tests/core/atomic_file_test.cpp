@@ -2,12 +2,14 @@
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "support/file_bytes.h"
@@ -103,22 +105,77 @@ TEST(AtomicFileWriterTest, CommitTwiceAndWriteAfterCommitThrow) {
 
 TEST(AtomicFileWriterTest, RenameFailureKeepsTargetAndRemovesTmp) {
   testing::TempDir dir;
-  // A non-empty folder cannot be replaced by rename(): commit must fail.
+  // The temp file vanishes before commit (someone cleaned the folder):
+  // the rename fails and the old target stays as it was.
   const std::string path = dir.file("target");
-  fs::create_directories(path + "/child");
+  std::ofstream(path) << "old";
   {
     AtomicFileWriter writer(path);
     writer.write("x", 1);
+    ASSERT_EQ(::unlink((path + ".tmp").c_str()), 0);
     try {
       writer.commit();
-      ADD_FAILURE() << "rename over a non-empty folder succeeded";
+      ADD_FAILURE() << "rename of a missing temp file succeeded";
     } catch (const c10::Error& error) {
       EXPECT_NE(error.msg().find(path), std::string::npos) << error.msg();
       EXPECT_NE(error.msg().find("rename"), std::string::npos) << error.msg();
     }
   }
-  EXPECT_TRUE(fs::is_directory(path + "/child"));
+  EXPECT_EQ(testing::readFileBytes(path), "old");
   EXPECT_FALSE(fs::exists(path + ".tmp"));
+}
+
+// What rename() would replace without a word: a folder, a FIFO, a device
+// node, a symbolic link. Each is refused before anything is written, and
+// stays as it was.
+TEST(AtomicFileWriterTest, RefusesToReplaceAnythingButARegularFile) {
+  testing::TempDir dir;
+  const std::string folder = dir.file("folder");
+  fs::create_directories(folder + "/child");
+  const std::string fifo = dir.file("fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const std::string link = dir.file("link");
+  std::ofstream(dir.file("real")) << "real";
+  fs::create_symlink(dir.file("real"), link);
+  const std::pair<std::string, std::string> cases[] = {
+      {folder, "a folder"}, {fifo, "a FIFO"}, {link, "a symbolic link"}, {"/dev/null", "a device"}};
+  for (const auto& [path, kind] : cases) {
+    try {
+      AtomicFileWriter writer(path);
+      ADD_FAILURE() << path << " was accepted as an output";
+    } catch (const c10::ValueError& error) {
+      EXPECT_NE(error.msg().find(path + ": the output exists and is " + kind), std::string::npos)
+          << error.msg();
+    }
+    EXPECT_FALSE(fs::exists(path + ".tmp")) << path;
+  }
+  EXPECT_TRUE(fs::is_directory(folder + "/child"));
+  EXPECT_TRUE(fs::is_fifo(fifo));
+  EXPECT_TRUE(fs::is_symlink(link));
+  EXPECT_TRUE(fs::is_character_file("/dev/null"));
+}
+
+TEST(AtomicFileWriterTest, ATargetThatBecomesAFolderBeforeCommitIsNotReplaced) {
+  testing::TempDir dir;
+  const std::string path = dir.file("target");
+  AtomicFileWriter writer(path);
+  writer.write("x", 1);
+  fs::create_directories(path + "/child");
+  EXPECT_THROW(writer.commit(), c10::ValueError);
+  EXPECT_TRUE(fs::is_directory(path + "/child"));
+}
+
+TEST(AtomicFileWriterTest, AFifoUnderTheTempNameIsRefusedWithoutBlocking) {
+  testing::TempDir dir;
+  const std::string path = dir.file("out.safetensors");
+  ASSERT_EQ(::mkfifo((path + ".tmp").c_str(), 0600), 0);
+  try {
+    AtomicFileWriter writer(path);
+    ADD_FAILURE() << "a FIFO temp file was opened";
+  } catch (const c10::ValueError& error) {
+    EXPECT_NE(error.msg().find("the temporary file exists and is a FIFO"), std::string::npos)
+        << error.msg();
+  }
 }
 
 TEST(AtomicFileWriterTest, MoveTransfersTheTempFile) {

@@ -10,6 +10,8 @@
 #include <system_error>
 #include <utility>
 
+#include "shardema/detail/regular_file.h"
+
 namespace shardema {
 namespace {
 
@@ -37,12 +39,26 @@ void fsyncFolder(const std::string& folder, const std::string& path) {
   TORCH_CHECK(rc == 0, path, ": fsync of folder ", folder, " failed: ", osError(error));
 }
 
+// The rename at commit() replaces whatever has the final name: a device
+// node, a FIFO or a folder there is refused instead (run as root against
+// /dev/full, a writer once replaced the device node).
+void refuseNonRegularTarget(const std::string& path, const std::string& what) {
+  const std::string kind = detail::nonRegularKindAt(path);
+  TORCH_CHECK_VALUE(kind.empty(), path, ": ", what, " exists and is ", kind,
+                    ", not a regular file; refusing to replace it (remove it or choose another "
+                    "name)");
+}
+
 }  // namespace
 
 AtomicFileWriter::AtomicFileWriter(std::string path)
     : path_(std::move(path)), tmpPath_(path_ + ".tmp") {
   TORCH_CHECK(!path_.empty(), "AtomicFileWriter: empty path");
-  fd_ = ::open(tmpPath_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  refuseNonRegularTarget(path_, "the output");
+  // A leftover temp file of a crashed write is replaced; anything else with
+  // that name (a FIFO would block this open) is refused.
+  refuseNonRegularTarget(tmpPath_, "the temporary file");
+  fd_ = ::open(tmpPath_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
   TORCH_CHECK(fd_ >= 0, path_, ": cannot create ", tmpPath_, ": ", osError(errno));
 }
 
@@ -104,6 +120,7 @@ void AtomicFileWriter::overwrite(uint64_t offset, const void* data, size_t size)
 void AtomicFileWriter::commit() {
   TORCH_CHECK(fd_ >= 0 && !committed_, path_, ": commit called twice or after a move");
   TORCH_CHECK(::fsync(fd_) == 0, path_, ": fsync of ", tmpPath_, " failed: ", osError(errno));
+  refuseNonRegularTarget(path_, "the output");  // it may have appeared since the constructor
   const int rc = ::close(fd_);
   fd_ = -1;
   TORCH_CHECK(rc == 0, path_, ": close of ", tmpPath_, " failed: ", osError(errno));

@@ -14,6 +14,7 @@ namespace {
 std::string osError(int error) { return std::generic_category().message(error); }
 
 const char* kindOf(mode_t mode) {
+  if (S_ISLNK(mode)) return "a symbolic link";
   if (S_ISFIFO(mode)) return "a FIFO";
   if (S_ISDIR(mode)) return "a folder";
   if (S_ISCHR(mode) || S_ISBLK(mode)) return "a device";
@@ -45,6 +46,12 @@ RegularFile::RegularFile(const std::string& path, const char* what) : path_(path
 }
 
 RegularFile::~RegularFile() { ::close(fd_); }
+
+std::string nonRegularKindAt(const std::string& path) {
+  struct stat info {};
+  if (::lstat(path.c_str(), &info) != 0 || S_ISREG(info.st_mode)) return "";
+  return kindOf(info.st_mode);
+}
 
 std::string readSmallRegularFile(const std::string& path, const char* what, uint64_t maxBytes) {
   RegularFile file(path, what);

@@ -30,6 +30,12 @@ class RegularFile {
   uint64_t size_ = 0;
 };
 
+/// What occupies `path` when it is something other than a regular file ("a
+/// FIFO", "a folder", "a device", "a socket", "a symbolic link"), judged
+/// without following a link; "" when nothing is there or it is a regular
+/// file. Writers refuse to replace such a thing.
+std::string nonRegularKindAt(const std::string& path);
+
 /// The whole of a small regular file (a manifest, a JSON sidecar). A file
 /// larger than maxBytes is refused before anything is read or allocated
 /// (c10::ValueError naming the file, its size and the bound), so a hostile
