@@ -167,10 +167,11 @@ TEST(ShardedOnlineTest, RankZeroThatCannotCreateTheFolderFailsEveryRankPromptly)
   }
 }
 
-TEST(ShardedOnlineTest, ARootThatCannotCommitTheExportFailsEveryRank) {
+TEST(ShardedOnlineTest, ARootThatCannotWriteTheExportFailsEveryRank) {
   testing::TempDir dir;
   const auto model = testing::unevenModel(at::kFloat, false);
-  // A non-empty folder at the path: the root's final rename fails.
+  // A non-empty folder at the path: rank 0 refuses to replace it when it
+  // opens the output (it used to fail only at the final rename).
   fs::create_directories(dir.file("taken/inside"));
   std::mutex mutex;
   std::vector<std::string> errors(kWorld);
@@ -186,7 +187,7 @@ TEST(ShardedOnlineTest, ARootThatCannotCommitTheExportFailsEveryRank) {
   });
   EXPECT_NE(errors[0].find("taken"), std::string::npos) << errors[0];
   for (int64_t r = 1; r < kWorld; ++r) {
-    EXPECT_NE(errors[r].find("rank 0 could not write"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("rank 0 could not"), std::string::npos) << errors[r];
   }
   EXPECT_TRUE(fs::is_directory(dir.file("taken/inside")));
 }
