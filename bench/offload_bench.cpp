@@ -101,7 +101,7 @@ struct Model {
     return out;
   }
   void ema() {
-    pipeline->submit(jobs(), kWeight, ++step);
+    pipeline->submit(jobs(), {kWeight}, ++step);
     pipeline->wait();
   }
 
@@ -304,7 +304,7 @@ Round overlapRound(Model& m, int64_t iterations) {
   // Steady state: the update of step t runs while step t+1 computes; the
   // fence sits right before step t+1's optimizer step.
   start = Clock::now();
-  m.pipeline->submit(m.jobs(), kWeight, ++m.step);
+  m.pipeline->submit(m.jobs(), {kWeight}, ++m.step);
   benchmark::DoNotOptimize(trainingStep(iterations));
   r.stepOverlapped = seconds(Clock::now() - start);
   m.pipeline->fence();

@@ -16,8 +16,8 @@
 #include <utility>
 
 #include "error_text.h"
-#include "shardema/offload/pinned_arena.h"
 #include "shardema/detail/tensor_update.h"
+#include "shardema/offload/pinned_arena.h"
 #include "shardema/offload/worker_pool.h"
 
 namespace shardema::offload {
@@ -52,7 +52,9 @@ int64_t alignUp(int64_t value, int64_t alignment) {
 
 std::string describe(std::exception_ptr error) { return detail::describeError(error); }
 
-void checkJob(const PipelineJob& job, size_t profiles) {
+// The one validation of a job per update; returns its source type (unused
+// for raw copies), which plan() and the workers then trust.
+SourceType checkJob(const PipelineJob& job, size_t profiles) {
   const char* api = "UpdatePipeline::submit";
   TORCH_CHECK_VALUE(job.ema.defined() && job.source.defined(), api, ": tensor '", job.name,
                     "' has an undefined ema or source");
@@ -69,11 +71,12 @@ void checkJob(const PipelineJob& job, size_t profiles) {
     TORCH_CHECK_TYPE(job.ema.scalar_type() == job.source.scalar_type(), api, ": raw copy of '",
                      job.name, "' needs equal dtypes, got ema ", job.ema.scalar_type(),
                      " and source ", job.source.scalar_type());
-    return;
+    return SourceType::kFloat32;
   }
   TORCH_CHECK_TYPE(job.ema.scalar_type() == at::kFloat, api, ": ema of '", job.name,
                    "' must be float32, got ", job.ema.scalar_type());
-  sourceTypeOf(job.source, job.name);  // float32 / bfloat16 / float16, else TypeError
+  // float32 / bfloat16 / float16, else TypeError naming the tensor
+  const SourceType type = sourceTypeOf(job.source, job.name);
   TORCH_CHECK_VALUE(job.moreEmas.size() + 1 == profiles, api, ": tensor '", job.name, "' has ",
                     job.moreEmas.size() + 1, " EMAs but ", profiles, " weights were given");
   for (size_t p = 0; p < job.moreEmas.size(); ++p) {
@@ -87,6 +90,7 @@ void checkJob(const PipelineJob& job, size_t profiles) {
     TORCH_CHECK_VALUE(more.numel() == 0 || more.data_ptr() != job.ema.data_ptr(), api, ": EMA ",
                       p + 1, " of '", job.name, "' shares memory with its first EMA");
   }
+  return type;
 }
 
 }  // namespace
@@ -114,7 +118,7 @@ UpdatePipeline::UpdatePipeline(UpdatePipelineOptions options) : options_(std::mo
   // A CUDA copy's completion says nothing about when the host thread bumped
   // a version (it runs ahead of the device); host-side engines copy on the
   // CPU's timeline, so a version read after landing is meaningful.
-  checkOnLanding_ = std::strcmp(options_.engine->name(), "cuda") != 0;
+  checkOnLanding_ = options_.engine->copiesOnHostTimeline();
   stats_.stagingBytes = options_.chunkBytes * options_.numSlots;
 }
 
@@ -129,7 +133,8 @@ UpdatePipeline::~UpdatePipeline() {
   options_.engine->synchronize();
 }
 
-void UpdatePipeline::plan(const std::vector<PipelineJob>& jobs) {
+void UpdatePipeline::plan(const std::vector<PipelineJob>& jobs,
+                          const std::vector<SourceType>& types) {
   chunks_.clear();
   const int64_t capacity = options_.chunkBytes;
   int64_t used = capacity;  // the first piece opens a chunk
@@ -138,8 +143,7 @@ void UpdatePipeline::plan(const std::vector<PipelineJob>& jobs) {
     const int64_t emaSize = jobs[j].ema.element_size();
     const auto* src = static_cast<const char*>(jobs[j].source.data_ptr());
     auto* ema = static_cast<char*>(jobs[j].ema.data_ptr());
-    const SourceType type =
-        jobs[j].rawCopy ? SourceType::kFloat32 : sourceTypeOf(jobs[j].source, jobs[j].name);
+    const SourceType type = types[j];
     const int64_t total = jobs[j].source.numel();
     for (int64_t first = 0; first < total;) {
       int64_t offset = alignUp(used, kPieceAlign);
@@ -156,10 +160,6 @@ void UpdatePipeline::plan(const std::vector<PipelineJob>& jobs) {
   }
 }
 
-void UpdatePipeline::submit(std::vector<PipelineJob> jobs, float weight, int64_t step) {
-  submit(std::move(jobs), std::vector<float>{weight}, step);
-}
-
 void UpdatePipeline::submit(std::vector<PipelineJob> jobs, std::vector<float> weights,
                             int64_t step) {
   wait();
@@ -170,9 +170,11 @@ void UpdatePipeline::submit(std::vector<PipelineJob> jobs, std::vector<float> we
     TORCH_CHECK_VALUE(weight >= 0.0f && weight <= 1.0f,
                       "UpdatePipeline::submit: weight (1 - decay) must be in [0, 1], got ", weight);
   }
-  for (const PipelineJob& job : jobs) checkJob(job, weights.size());
+  std::vector<SourceType> types;
+  types.reserve(jobs.size());
+  for (const PipelineJob& job : jobs) types.push_back(checkJob(job, weights.size()));
   jobs_ = std::move(jobs);
-  plan(jobs_);
+  plan(jobs_, types);
   weights_ = std::move(weights);
   step_ = step;
   recordVersions();
@@ -271,27 +273,23 @@ void UpdatePipeline::runChunk(int slot) {
   std::exception_ptr error;
   if (!failure.empty()) {
     // Name every tensor the chunk touches (usually one).
-    std::ostringstream names;
+    std::ostringstream where;
     for (const Piece& piece : chunks_[chunk].pieces) {
-      names << (names.tellp() > 0 ? "', '" : "") << jobs_[piece.job].name;
+      where << (where.tellp() > 0 ? "', '" : " on tensor '") << jobs_[piece.job].name;
     }
-    try {
-      TORCH_CHECK(false, "UpdatePipeline: the EMA update of step ", step_, " failed on tensor '",
-                  names.str(), "' (chunk ", chunk, " of ", chunks_.size(), "): ", failure);
-    } catch (...) {
-      error = std::current_exception();
-    }
+    where << "' (chunk " << chunk << " of " << chunks_.size() << "): " << failure;
+    error = updateError(where.str());
   }
   finishChunk(slot, std::move(error));
 }
 
-// Worker: the math of one landed chunk.
+// Worker: the math of one landed chunk. One path for any number of
+// profiles: with one, each span has one EMA and the kernels take their
+// single-profile loops (update_kernels.h).
 void UpdatePipeline::applyChunk(int64_t chunk, int slot) {
-  if (step_ == options_.fault.step && chunk == options_.fault.chunk) {
-    TORCH_CHECK(false, "injected fault (PipelineFaultForTesting)");
-  }
-  std::vector<UpdateSpan> spans;
-  std::vector<MultiUpdateSpan> multiSpans;
+  TORCH_CHECK(step_ != faultStep_ || chunk != faultChunk_,
+              "injected fault (PipelineFaultInjection)");
+  std::vector<MultiUpdateSpan> spans;
   for (const Piece& piece : chunks_[chunk].pieces) {
     const PipelineJob& job = jobs_[piece.job];
     const char* staged = stagingData_[slot] + piece.stagingOffset;
@@ -299,20 +297,11 @@ void UpdatePipeline::applyChunk(int64_t chunk, int slot) {
       std::memcpy(piece.ema, staged, static_cast<size_t>(piece.bytes));
       continue;
     }
-    if (weights_.size() == 1) {
-      UpdateSpan span;
-      span.ema = reinterpret_cast<float*>(piece.ema);
-      span.src = staged;
-      span.type = piece.type;
-      span.count = piece.count;
-      span.op = job.op;
-      spans.push_back(span);
-      continue;
-    }
     // Every profile's piece sits at the same element offset as the first's.
     const auto first = static_cast<float*>(job.ema.data_ptr());
     const int64_t offset = reinterpret_cast<float*>(piece.ema) - first;
     MultiUpdateSpan span;
+    span.emas.reserve(job.moreEmas.size() + 1);
     span.emas.push_back(reinterpret_cast<float*>(piece.ema));
     for (const at::Tensor& more : job.moreEmas) {
       span.emas.push_back(static_cast<float*>(more.data_ptr()) + offset);
@@ -321,10 +310,9 @@ void UpdatePipeline::applyChunk(int64_t chunk, int slot) {
     span.type = piece.type;
     span.count = piece.count;
     span.op = job.op;
-    multiSpans.push_back(std::move(span));
+    spans.push_back(std::move(span));
   }
-  if (!spans.empty()) updateSpans(spans, weights_.front(), pool_);
-  if (!multiSpans.empty()) updateSpansMulti(multiSpans, weights_, pool_);
+  if (!spans.empty()) updateSpansMulti(spans, weights_, pool_);
 }
 
 void UpdatePipeline::finishChunk(int slot, std::exception_ptr&& error) {
@@ -417,14 +405,15 @@ void UpdatePipeline::releaseSources() {
     // Later chunks are dropped; the update fails as a worker error would.
     if (!failed_) {
       failed_ = true;
-      try {
-        TORCH_CHECK(false, "UpdatePipeline: the EMA update of step ", step_, " failed: ", written);
-      } catch (...) {
-        firstError_ = std::current_exception();
-      }
+      firstError_ = updateError(": " + written);
     }
     return;
   }
+}
+
+std::exception_ptr UpdatePipeline::updateError(const std::string& what) const {
+  return detail::capturedError("UpdatePipeline", c10::str("UpdatePipeline: the EMA update of step ",
+                                                          step_, " failed", what));
 }
 
 bool UpdatePipeline::sourcesReleased() const {

@@ -12,35 +12,6 @@
 namespace shardema::offload {
 namespace {
 
-std::string describe(std::exception_ptr error) { return detail::describeError(error); }
-
-// Outstanding copies of one copyToDestinations call. Callbacks run on the
-// engine's thread; engine->synchronize() is called before this goes away.
-struct SwapState {
-  std::mutex mutex;
-  std::condition_variable slotFreed;
-  std::vector<bool> slotBusy;  // guarded by mutex
-  std::string error;           // first copy error, guarded by mutex
-  const std::string* errorName = nullptr;
-
-  // The message is taken on the engine's thread: the exception object
-  // itself never crosses threads.
-  void done(int slot, const std::string* name, std::exception_ptr e);
-};
-
-void SwapState::done(int slot, const std::string* name, std::exception_ptr e) {
-  const std::string message = e ? describe(e) : std::string();
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (e && error.empty()) {
-      error = message;
-      errorName = name;
-    }
-    if (slot >= 0) slotBusy[slot] = false;
-  }
-  slotFreed.notify_all();
-}
-
 void checkSwapJob(const SwapJob& job) {
   const char* api = "UpdatePipeline::copyToDestinations";
   TORCH_CHECK_VALUE(job.host.defined() && job.destination.defined(), api, ": tensor '", job.name,
@@ -54,6 +25,33 @@ void checkSwapJob(const SwapJob& job) {
 
 }  // namespace
 
+// Outstanding copies of one copyToDestinations call. Callbacks run on the
+// engine's thread; engine->synchronize() is called before this goes away.
+struct UpdatePipeline::SwapState {
+  std::mutex mutex;
+  std::condition_variable slotFreed;
+  std::vector<bool> slotBusy;  // guarded by mutex
+  std::string error;           // first copy error, guarded by mutex
+  const std::string* errorName = nullptr;
+
+  // The message is taken on the engine's thread: the exception object
+  // itself never crosses threads.
+  void done(int slot, const std::string* name, std::exception_ptr e);
+};
+
+void UpdatePipeline::SwapState::done(int slot, const std::string* name, std::exception_ptr e) {
+  const std::string message = e ? detail::describeError(e) : std::string();
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (e && error.empty()) {
+      error = message;
+      errorName = name;
+    }
+    if (slot >= 0) slotBusy[slot] = false;
+  }
+  slotFreed.notify_all();
+}
+
 void UpdatePipeline::copyToDestinations(const std::vector<SwapJob>& jobs) {
   wait();
   for (const SwapJob& job : jobs) checkSwapJob(job);
@@ -63,7 +61,7 @@ void UpdatePipeline::copyToDestinations(const std::vector<SwapJob>& jobs) {
   // The destinations may still be read by the training side's queued work.
   engine.recordProducerPoint();
   try {
-    queueSwapCopies(jobs, &state);
+    queueSwapCopies(jobs, state);
   } catch (...) {
     engine.synchronize();  // callbacks point at `state`
     throw;
@@ -73,8 +71,7 @@ void UpdatePipeline::copyToDestinations(const std::vector<SwapJob>& jobs) {
               *state.errorName, "' to its destination failed: ", state.error);
 }
 
-void UpdatePipeline::queueSwapCopies(const std::vector<SwapJob>& jobs, void* opaqueState) {
-  SwapState& state = *static_cast<SwapState*>(opaqueState);
+void UpdatePipeline::queueSwapCopies(const std::vector<SwapJob>& jobs, SwapState& state) {
   CopyEngine& engine = *options_.engine;
   int nextSlot = 0;
   for (const SwapJob& job : jobs) {

@@ -155,7 +155,8 @@ TEST(AveragerMisuseTest, TheWorkerRefusesAChunkWhoseSourceWasWrittenBeforeItLand
   offload::UpdatePipeline pipeline(options);
   at::Tensor source = at::arange(640, at::kFloat);
   at::Tensor ema = at::zeros({640});
-  pipeline.submit({offload::PipelineJob{ema, source, UpdateOp::kLerp, false, "enc.w", {}}}, 0.5f, 9);
+  pipeline.submit({offload::PipelineJob{ema, source, UpdateOp::kLerp, false, "enc.w", {}}}, {0.5f},
+                  9);
   source.add_(1.0f);  // before the first copy has even started
   const std::string message = errorOf([&] { pipeline.wait(); });
   EXPECT_NE(message.find("step 9"), std::string::npos) << message;
@@ -166,8 +167,8 @@ TEST(AveragerMisuseTest, TheWorkerRefusesAChunkWhoseSourceWasWrittenBeforeItLand
   // mistaken for misuse however late the worker checks.
   engine.setDelay(std::chrono::microseconds(0));
   for (int64_t step = 10; step < 60; ++step) {
-    pipeline.submit({offload::PipelineJob{ema, source, UpdateOp::kLerp, false, "enc.w", {}}}, 0.5f,
-                    step);
+    pipeline.submit({offload::PipelineJob{ema, source, UpdateOp::kLerp, false, "enc.w", {}}},
+                    {0.5f}, step);
     pipeline.fence();
     source.add_(1.0f);
   }

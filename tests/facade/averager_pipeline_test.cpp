@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "shardema/averager.h"
+#include "shardema/detail/averager_fault_injection.h"
 #include "shardema/offload/worker_pool.h"
 #include "support/same_bytes.h"
 #include "support/temp_dir.h"
@@ -130,10 +131,9 @@ TEST(AveragerPipelineTest, AWorkerFailureMarksTheAveragerFailedUntilAStateIsLoad
   AveragerOptions options;
   options.pool = &pool;
   options.offload.chunkBytes = 128;
-  options.offload.faultForTesting.step = 3;
-  options.offload.faultForTesting.chunk = 2;
   Averager averager({{"enc.a", a, TrackRole::kAverage}, {"enc.b", b, TrackRole::kAverage}},
                     options);
+  detail::AveragerFaultInjection::inject(averager, {/*step=*/3, /*chunk=*/2});
   Averager reference(
       {{"enc.a", a.clone(), TrackRole::kAverage}, {"enc.b", b.clone(), TrackRole::kAverage}},
       AveragerOptions{});

@@ -183,26 +183,26 @@ TEST(PostHocProfileGoldenTest, OnePassProfilesEqualOneAveragerPerProfile) {
         resumed = std::make_unique<Averager>(tracked(), small);
         for (int p = 0; p < host.numProfiles(); ++p) {
           std::vector<std::pair<std::string, at::Tensor>> values;
-          for (const auto& [tensorName, value] : host.profileTensors(p)) {
+          for (const auto& [tensorName, value] : host.emaTensors(p)) {
             values.emplace_back(tensorName, value.clone());
           }
-          resumed->loadProfileValues(p, values, LoadStrictness::kStrict);
+          resumed->loadEmaValues(values, LoadStrictness::kStrict, p);
         }
         resumed->restoreProgress(30, true);
       }
     }
     ASSERT_EQ(host.numProfiles(), 3);
     for (int p = 0; p < 3; ++p) {
-      EXPECT_EQ(host.profileLastDecay(p), singles[p]->lastDecay()) << name << " profile " << p;
+      EXPECT_EQ(host.lastDecay(p), singles[p]->lastDecay()) << name << " profile " << p;
       for (const char* tensor : {"w", "h", "count"}) {
         const at::Tensor& expected = singles[p]->ema(tensor);
-        EXPECT_TRUE(sameBytes(host.profileEma(p, tensor), expected)) << name << " " << tensor << p;
-        EXPECT_TRUE(sameBytes(device.profileEma(p, tensor), expected)) << name << " " << tensor << p;
-        EXPECT_TRUE(sameBytes(resumed->profileEma(p, tensor), expected)) << name << " " << tensor << p;
+        EXPECT_TRUE(sameBytes(host.ema(tensor, p), expected)) << name << " " << tensor << p;
+        EXPECT_TRUE(sameBytes(device.ema(tensor, p), expected)) << name << " " << tensor << p;
+        EXPECT_TRUE(sameBytes(resumed->ema(tensor, p), expected)) << name << " " << tensor << p;
       }
     }
     // Copies are shared, and the sources were staged once per update.
-    EXPECT_EQ(host.profileEma(2, "count").data_ptr(), host.profileEma(0, "count").data_ptr());
+    EXPECT_EQ(host.ema("count", 2).data_ptr(), host.ema("count", 0).data_ptr());
     EXPECT_EQ(host.offloadStats().sourceBytes, singles[0]->offloadStats().sourceBytes);
   }
 }
@@ -211,8 +211,8 @@ TEST(PostHocProfileGoldenTest, ProfileMisuseIsRefused) {
   at::Tensor w = at::rand({4});
   AveragerOptions options = profileOptions({0.05, 0.1}, {1, true}, EmaPlacement::kPinnedHost);
   Averager averager({{"w", w, TrackRole::kAverage}}, options);
-  EXPECT_THROW(averager.profileEma(2, "w"), c10::IndexError);
-  EXPECT_THROW(averager.profileTensors(-1), c10::IndexError);
+  EXPECT_THROW(averager.ema("w", 2), c10::IndexError);
+  EXPECT_THROW(averager.emaTensors(-1), c10::IndexError);
   EXPECT_THROW(averager.state(), c10::Error);
   EXPECT_THROW(averager.restoreProgress(-1, true), c10::ValueError);
   AveragerOptions mismatched = profileOptions({0.05, 0.1}, {1, true}, EmaPlacement::kPinnedHost);

@@ -30,6 +30,7 @@ class FakeCopyEngine : public offload::CopyEngine {
   }
 
   const char* name() const override { return "fake"; }
+  bool copiesOnHostTimeline() const override { return true; }  // its thread memcpys
   void recordProducerPoint() override {
     std::lock_guard<std::mutex> lock(mutex_);
     ++producerPoints_;

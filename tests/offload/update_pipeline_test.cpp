@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "offload/fake_copy_engine.h"
+#include "shardema/detail/pipeline_fault_injection.h"
 #include "shardema/offload/host_copy_engine.h"
 #include "shardema/offload/pinned_arena.h"
 #include "shardema/detail/update_kernels.h"
@@ -131,7 +132,7 @@ TEST(UpdatePipelineTest, MatchesSynchronousReferenceBitForBitWithSourcesOverwrit
         applyReference(t, op, weight);
         jobs.push_back(PipelineJob{t.ema, t.source, op, t.raw, t.name, {}});
       }
-      pipeline.submit(std::move(jobs), weight, step);
+      pipeline.submit(std::move(jobs), {weight}, step);
       pipeline.fence();
       // The optimizer step: a read after the fence would fold NaN in.
       for (Tracked& t : tensors) {
@@ -169,7 +170,7 @@ TEST(UpdatePipelineTest, FenceReturnsBeforeTheMathIsDone) {
   std::promise<void> release;
   std::shared_future<void> released = release.get_future().share();
   pool.post([released] { released.wait(); });  // the worker is busy elsewhere
-  pipeline.submit({PipelineJob{ema, source, UpdateOp::kLerp, false, "w", {}}}, 0.5f, 1);
+  pipeline.submit({PipelineJob{ema, source, UpdateOp::kLerp, false, "w", {}}}, {0.5f}, 1);
   pipeline.fence();
   EXPECT_TRUE(pipeline.busy()) << "fence waited for the math";
   EXPECT_EQ(ema[0].item<float>(), 0.0f);
@@ -188,9 +189,8 @@ TEST(UpdatePipelineTest, InjectedFaultIsRethrownFromWaitWithNameAndStep) {
   options.chunkBytes = 64;
   options.pool = &pool;
   options.engine = &engine;
-  options.fault.step = 3;
-  options.fault.chunk = 2;
   UpdatePipeline pipeline(options);
+  detail::PipelineFaultInjection::inject(pipeline, {/*step=*/3, /*chunk=*/2});
   at::Tensor a = at::ones({16});
   at::Tensor b = at::ones({40});
   at::Tensor emaA = at::zeros({16});
@@ -199,9 +199,9 @@ TEST(UpdatePipelineTest, InjectedFaultIsRethrownFromWaitWithNameAndStep) {
     return std::vector<PipelineJob>{{emaA, a, UpdateOp::kCopy, false, "layer.a", {}},
                                     {emaB, b, UpdateOp::kCopy, false, "layer.b", {}}};
   };
-  pipeline.submit(jobs(), 1.0f, 1);
-  pipeline.submit(jobs(), 1.0f, 2);
-  pipeline.submit(jobs(), 1.0f, 3);
+  pipeline.submit(jobs(), {1.0f}, 1);
+  pipeline.submit(jobs(), {1.0f}, 2);
+  pipeline.submit(jobs(), {1.0f}, 3);
   pipeline.fence();  // never throws: the sources are free either way
   try {
     pipeline.wait();
@@ -216,7 +216,7 @@ TEST(UpdatePipelineTest, InjectedFaultIsRethrownFromWaitWithNameAndStep) {
   // The pipeline itself stays usable: the next update goes through.
   a.fill_(5.0f);
   b.fill_(6.0f);
-  pipeline.submit(jobs(), 1.0f, 4);
+  pipeline.submit(jobs(), {1.0f}, 4);
   pipeline.wait();
   EXPECT_TRUE(at::equal(emaA, a));
   EXPECT_TRUE(at::equal(emaB, b));
@@ -233,7 +233,7 @@ TEST(UpdatePipelineTest, EngineCopyErrorIsRethrownWithTheTensorName) {
   UpdatePipeline pipeline(options);
   at::Tensor a = at::ones({40});
   at::Tensor ema = at::zeros({40});
-  pipeline.submit({PipelineJob{ema, a, UpdateOp::kCopy, false, "enc.w", {}}}, 1.0f, 7);
+  pipeline.submit({PipelineJob{ema, a, UpdateOp::kCopy, false, "enc.w", {}}}, {1.0f}, 7);
   try {
     pipeline.wait();
     FAIL() << "expected the copy error";
@@ -298,15 +298,16 @@ TEST(UpdatePipelineTest, RejectsBadOptionsAndJobs) {
   o.chunkBytes = 1024;
   UpdatePipeline pipeline(o);
   at::Tensor ema = at::zeros({4});
-  EXPECT_THROW(pipeline.submit({{ema, at::zeros({5}), UpdateOp::kLerp, false, "n", {}}}, 0.5f, 1),
+  EXPECT_THROW(pipeline.submit({{ema, at::zeros({5}), UpdateOp::kLerp, false, "n", {}}}, {0.5f}, 1),
                c10::ValueError);
   EXPECT_THROW(
-      pipeline.submit({{ema, at::zeros({4}, at::kDouble), UpdateOp::kLerp, false, "d", {}}}, 0.5f, 1),
+      pipeline.submit({{ema, at::zeros({4}, at::kDouble), UpdateOp::kLerp, false, "d", {}}}, {0.5f},
+                      1),
       c10::TypeError);
   EXPECT_THROW(
-      pipeline.submit({{ema, at::zeros({2, 2}).t(), UpdateOp::kLerp, false, "s", {}}}, 0.5f, 1),
+      pipeline.submit({{ema, at::zeros({2, 2}).t(), UpdateOp::kLerp, false, "s", {}}}, {0.5f}, 1),
       c10::ValueError);
-  EXPECT_THROW(pipeline.submit({{ema, at::zeros({4}), UpdateOp::kLerp, false, "w", {}}}, 1.5f, 1),
+  EXPECT_THROW(pipeline.submit({{ema, at::zeros({4}), UpdateOp::kLerp, false, "w", {}}}, {1.5f}, 1),
                c10::ValueError);
   EXPECT_FALSE(pipeline.busy());
 }
@@ -328,7 +329,7 @@ TEST(UpdatePipelineTest, StagingIsAllocatedOnceAndBoundedByTheOptions) {
   at::Tensor source = at::ones({100000});  // 400 KB: ~100 chunks
   at::Tensor ema = at::zeros({100000});
   for (int64_t step = 1; step <= 3; ++step) {
-    pipeline.submit({PipelineJob{ema, source, UpdateOp::kLerp, false, "w", {}}}, 0.5f, step);
+    pipeline.submit({PipelineJob{ema, source, UpdateOp::kLerp, false, "w", {}}}, {0.5f}, step);
     pipeline.wait();
   }
   EXPECT_EQ(arena.usage().peakBytes, 3 * 4096);

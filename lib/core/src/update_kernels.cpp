@@ -312,6 +312,12 @@ void lerpRangeMulti(float* const* emas, const float* weights, int numEmas, const
 void copyRangeMulti(float* const* emas, int numEmas, const void* src, SourceType type,
                     int64_t count) {
   checkNumEmas("copyRangeMulti", numEmas);
+  if (numEmas == 1) {
+    // Nothing to share: one copyRange (a single memcpy for f32) instead of
+    // a call per block.
+    copyRange(emas[0], src, type, count);
+    return;
+  }
   for (int64_t begin = 0; begin < count; begin += kMultiBlock) {
     const int64_t n = std::min(kMultiBlock, count - begin);
     // Convert into the first profile, then copy that block (still in L1) to

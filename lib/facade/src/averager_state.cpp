@@ -6,6 +6,7 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "ema_store.h"
 #include "shardema/averager.h"
 
 namespace shardema {
@@ -45,28 +46,20 @@ void Averager::checkRoles(const TensorFile& file) const {
   const nlohmann::json roles =
       nlohmann::json::parse(it->second, nullptr, /*allow_exceptions=*/false);
   TORCH_CHECK_VALUE(roles.is_object(), "Averager::loadState: shardema.roles is not a JSON object");
-  for (const Slot& s : slots_) {
-    const auto role = roles.find(s.tracked.name);
+  for (const TrackedTensor& t : tracked_) {
+    const auto role = roles.find(t.name);
     if (role == roles.end() || !role->is_string()) continue;
-    TORCH_CHECK_VALUE(role->get<std::string>() == trackRoleName(s.tracked.role),
-                      "Averager::loadState: tensor '", s.tracked.name, "' was saved with role ",
+    TORCH_CHECK_VALUE(role->get<std::string>() == trackRoleName(t.role),
+                      "Averager::loadState: tensor '", t.name, "' was saved with role ",
                       role->get<std::string>(), " but is tracked here with role ",
-                      trackRoleName(s.tracked.role),
-                      "; use the same TrackingPolicy or load non-strictly");
+                      trackRoleName(t.role), "; use the same TrackingPolicy or load non-strictly");
   }
 }
 
 LoadReport Averager::loadEmaValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
-                                   LoadStrictness strictness) {
+                                   LoadStrictness strictness, int profile) {
+  checkProfile(profile, "loadEmaValues");
   settle("loadEmaValues");
-  return loadValues(values, strictness);
-}
-
-LoadReport Averager::loadProfileValues(
-    int profile, const std::vector<std::pair<std::string, at::Tensor>>& values,
-    LoadStrictness strictness) {
-  checkProfile(profile, "loadProfileValues");
-  settle("loadProfileValues");
   return loadValues(values, strictness, profile);
 }
 
@@ -81,13 +74,13 @@ LoadReport Averager::loadValues(const std::vector<std::pair<std::string, at::Ten
       report.unexpected.push_back(name);
       continue;
     }
-    const at::Tensor& ema = slots_[it->second].ema;
+    const at::Tensor& ema = store_->storage(it->second, 0);
     TORCH_CHECK_VALUE(tensor.sizes() == ema.sizes(), "Averager::loadEmaValues: tensor '", name,
                       "' has shape ", tensor.sizes(), " but the tracked tensor has shape ",
                       ema.sizes());
   }
-  for (const Slot& s : slots_) {
-    if (!given.count(s.tracked.name)) report.missing.push_back(s.tracked.name);
+  for (const TrackedTensor& t : tracked_) {
+    if (!given.count(t.name)) report.missing.push_back(t.name);
   }
   if (strictness == LoadStrictness::kStrict) {
     TORCH_CHECK_VALUE(report.missing.empty(), "Averager::loadEmaValues: missing tensors ",
@@ -101,7 +94,7 @@ LoadReport Averager::loadValues(const std::vector<std::pair<std::string, at::Ten
   // the Averager as it was.
   for (const auto& [name, tensor] : values) {
     const auto it = index_.find(name);
-    if (it != index_.end()) profileStorage(slots_[it->second], profile).copy_(tensor);
+    if (it != index_.end()) store_->storage(it->second, profile).copy_(tensor);
   }
   return report;
 }
@@ -109,11 +102,12 @@ LoadReport Averager::loadValues(const std::vector<std::pair<std::string, at::Ten
 TensorFile Averager::state() const {
   TORCH_CHECK(options_.moreSchedules.empty(), "Averager::state: this Averager tracks ",
               numProfiles(), " profiles; save each one as a post-hoc snapshot (writeSnapshot ",
-              "of profileTensors(p)) and resume with loadProfileValues + restoreProgress");
+              "of emaTensors(p)) and resume with loadEmaValues(values, strictness, p) + ",
+              "restoreProgress");
   TensorFile file;
   file.tensors = emaTensors();
   nlohmann::json roles = nlohmann::json::object();
-  for (const Slot& s : slots_) roles[s.tracked.name] = trackRoleName(s.tracked.role);
+  for (const TrackedTensor& t : tracked_) roles[t.name] = trackRoleName(t.role);
   file.metadata[kKindKey] = kAveragerKind;
   file.metadata["shardema.step"] = std::to_string(step_);
   file.metadata["shardema.initialized"] = initialized_ ? "true" : "false";
@@ -153,7 +147,7 @@ LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness
                     "Averager::loadState: shardema.initialized must be true or false, got '",
                     initialized, "'");
   if (strictness == LoadStrictness::kStrict) checkRoles(file);
-  LoadReport report = loadValues(file.tensors, strictness);
+  LoadReport report = loadValues(file.tensors, strictness, /*profile=*/0);
   step_ = step;
   lastDecay_ = lastDecay;
   initialized_ = initialized == "true";

@@ -262,9 +262,9 @@ void PostHocCallback::writeSnapshots() {
     SnapshotInfo info;
     info.profileIndex = p;
     info.step = calls_;
-    info.sigmaRel = averager.profileSchedule(p).sigmaRel();
-    info.gamma = averager.profileSchedule(p).gamma();
-    std::vector<std::pair<std::string, at::Tensor>> tensors = averager.profileTensors(p);
+    info.sigmaRel = averager.schedule(p).sigmaRel();
+    info.gamma = averager.schedule(p).gamma();
+    std::vector<std::pair<std::string, at::Tensor>> tensors = averager.emaTensors(p);
     if (sharded) {
       // A rank's file holds its range of each tensor as 1-D data.
       info.rank = ranks_.rank;
@@ -326,7 +326,7 @@ void PostHocCallback::resumeAt(int64_t calls) {
                         options_.checkpointEvery,
                         " calls, so a resume must land on one of those steps)");
       const SnapshotInfo info = readSnapshotInfo(path);
-      TORCH_CHECK_VALUE(info.gamma == averager.profileSchedule(p).gamma(), kApi, ": ", path,
+      TORCH_CHECK_VALUE(info.gamma == averager.schedule(p).gamma(), kApi, ": ", path,
                         " holds sigma_rel ", info.sigmaRel, " but profile ", p, " tracks ",
                         options_.sigmaRels[p], "; resume with the same sigmaRels");
       TORCH_CHECK_VALUE(info.sharded() == sharded, kApi, ": ", path, " is a ",
@@ -345,7 +345,7 @@ void PostHocCallback::resumeAt(int64_t calls) {
           tensor = tensor.reshape(shape->second);
         }
       }
-      averager.loadProfileValues(p, file.tensors, LoadStrictness::kStrict);
+      averager.loadEmaValues(file.tensors, LoadStrictness::kStrict, p);
     }
     // Call 1 is always due, so a run with calls > 0 has made its first copy.
     averager.restoreProgress(calls, /*initialized=*/true);

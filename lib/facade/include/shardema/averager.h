@@ -23,14 +23,22 @@
 // copyEmaToSources, loadEmaValues, loadState, load, the destructor) first
 // waits for an update in flight.
 //
-// Failures. An error found on the caller (a source of the wrong dtype, a
-// step that does not increase) changes nothing: the update can be retried.
-// An error on a worker or the copy engine (after update() returned) leaves
-// some chunks folded in and others not, so the Averager is marked failed:
-// the error (naming the tensor and step) is rethrown by the wait() or the
-// next call that waits, and from then on every call that reads or updates
-// the EMA throws c10::Error saying so, until loadState()/load() restores a
-// complete state (every tracked tensor), which clears the mark.
+// Threads. One Averager is used by one thread at a time (the training
+// loop): none of its calls may run concurrently with another call on the
+// same Averager, const ones included (ema(), state() and every call that
+// waits may mark it failed). Handing it to another thread between calls is
+// fine. Separate Averagers may be used from separate threads at once, even
+// over one WorkerPool. With kPinnedHost the copies run on the copy engine's
+// thread (the host engine's copy thread, or CUDA's callback thread) and the
+// math on options.pool's workers; neither runs user code, and the sources
+// are read on those threads between update() and fence(). With kDevice
+// everything runs on the calling thread.
+//
+// Profiles. Calls that read or load one profile's EMA take `int profile =
+// 0` (profile 0 is options.schedule, profile p options.moreSchedules[p - 1];
+// c10::IndexError naming the call for another value): ema, emaTensors,
+// lastDecay, schedule, loadEmaValues.
+//
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
@@ -41,17 +49,22 @@
 #include <vector>
 
 #include "shardema/decay_schedule.h"
-#include "shardema/offload/copy_engine.h"
-#include "shardema/offload/update_pipeline.h"
+#include "shardema/detail/update_kernels.h"  // kMaxProfiles
+#include "shardema/offload/engine_choice.h"
+#include "shardema/offload/pipeline_stats.h"
 #include "shardema/tensor_file.h"
 #include "shardema/tracking_policy.h"
 
 namespace shardema {
 
 namespace offload {
-class PinnedArena;
 class WorkerPool;
 }  // namespace offload
+
+namespace detail {
+class EmaStore;
+class AveragerFaultInjection;
+}  // namespace detail
 
 /// Where the EMA lives and how it is updated (see the file comment).
 enum class EmaPlacement {
@@ -63,9 +76,15 @@ enum class EmaPlacement {
 
 /// The pipeline of the kPinnedHost placement.
 struct AveragerOffloadOptions {
-  /// Bytes per staging slot (default 32 MiB, >= 64).
+  /// Bytes per staging slot (default 32 MiB, >= 64). Larger chunks cost
+  /// fewer copy calls and hand-offs per update but fill the pipeline later
+  /// (the first math waits for the first whole chunk) and hold more staging
+  /// memory.
   int64_t chunkBytes = int64_t{32} << 20;
-  /// Staging slots (default 2; staging = numSlots x chunkBytes).
+  /// Staging slots (default 2: one chunk copied while the previous one's
+  /// math runs). More slots let copies run further ahead of the math when
+  /// their rates vary, each for chunkBytes more staging (numSlots x
+  /// chunkBytes, held for the Averager's life).
   int numSlots = 2;
   /// false (default, DESIGN section 2): update() returns at once and the
   /// caller calls fence() before the sources change (update after the
@@ -79,8 +98,6 @@ struct AveragerOffloadOptions {
   bool fenceInUpdate = false;
   /// Copy engine: kAuto (default) takes CUDA when a device is present.
   offload::EngineChoice engine = offload::EngineChoice::kAuto;
-  /// Test seam: makes one chunk's math throw. Off by default.
-  offload::PipelineFaultForTesting faultForTesting;
 };
 
 struct AveragerOptions {
@@ -129,12 +146,19 @@ class Averager {
   /// deepcopy would). Names must be unique and non-empty; averaged sources
   /// must be float32, bfloat16 or float16 (c10::ValueError / TypeError naming
   /// the tensor). Sources may live on any device; EMA storage is host memory
-  /// (kPinnedHost) or the source's device (kDevice).
+  /// (kPinnedHost) or the source's device (kDevice). The Averager holds the
+  /// sources (tensor handles) and owns the EMA storage, its engine and
+  /// staging memory; options.pool is borrowed.
   Averager(std::vector<TrackedTensor> tensors, AveragerOptions options = {});
   Averager(const Averager&) = delete;
   Averager& operator=(const Averager&) = delete;
+  /// Moves take the EMA and the update in flight along; a moved-from
+  /// Averager may only be destroyed or assigned to. Assigning to an
+  /// Averager first retires its own update in flight (as the destructor).
   Averager(Averager&&) noexcept;
   Averager& operator=(Averager&&) noexcept;
+  /// Waits for an update in flight; its error is only warned about (a
+  /// destructor must not throw).
   ~Averager();
 
   /// Folds the sources' current values in as optimizer step `step` (1-based,
@@ -165,59 +189,51 @@ class Averager {
   /// Whether a background update failed (see the file comment).
   bool failed() const { return !failure_.empty(); }
   /// Pipeline counters (zero for kDevice): staging bytes, fence waits, ...
+  /// Does not wait.
   offload::PipelineStats offloadStats() const;
 
   /// Last step passed to update() (0 before any).
   int64_t step() const { return step_; }
   /// Whether the first due update (the initial copy) has happened.
   bool initialized() const { return initialized_; }
-  /// Decay used by the last due update (0 before any).
-  double lastDecay() const { return lastDecay_; }
-  const DecaySchedule& schedule() const { return options_.schedule; }
+  /// Profiles tracked: 1 + options.moreSchedules.size().
+  int numProfiles() const { return static_cast<int>(options_.moreSchedules.size()) + 1; }
+  /// Decay the profile used at the last due update (0 before any).
+  double lastDecay(int profile = 0) const;
+  /// The profile's schedule (0: options.schedule).
+  const DecaySchedule& schedule(int profile = 0) const;
 
   /// Tracked names in construction order.
   std::vector<std::string> names() const;
   TrackRole role(const std::string& name) const;
-  /// The EMA (averaging roles: float32) or the copy (kCopy/kCopyOnce: source dtype)
-  /// of a tracked tensor; a view of our storage, valid while the Averager
-  /// lives. c10::IndexError naming the tensor when not tracked.
-  const at::Tensor& ema(const std::string& name) const;
-  /// Every tracked tensor's EMA/copy, in construction order (views). Both
-  /// wait for the update in flight first; with kPinnedHost the next
-  /// update() writes these views in the background, so clone what you keep
-  /// across updates.
-  std::vector<std::pair<std::string, at::Tensor>> emaTensors() const;
+  /// The EMA (averaging roles: float32) or the copy (kCopy/kCopyOnce:
+  /// source dtype, one copy shared by every profile) of a tracked tensor in
+  /// `profile`; a view of our storage, valid while the Averager lives.
+  /// c10::IndexError naming the tensor when not tracked.
+  const at::Tensor& ema(const std::string& name, int profile = 0) const;
+  /// Every tracked tensor's EMA/copy in `profile`, in construction order
+  /// (views). Both wait for the update in flight first; with kPinnedHost
+  /// the next update() writes these views in the background, so clone what
+  /// you keep across updates.
+  std::vector<std::pair<std::string, at::Tensor>> emaTensors(int profile = 0) const;
   /// The live sources, in construction order (handles, not copies).
   std::vector<TrackedTensor> tracked() const;
 
-  /// Profiles tracked: 1 + options.moreSchedules.size().
-  int numProfiles() const { return static_cast<int>(options_.moreSchedules.size()) + 1; }
-  /// Schedule of profile p (0 = schedule()); c10::IndexError for a bad p.
-  const DecaySchedule& profileSchedule(int profile) const;
-  /// Decay profile p used at the last due update (0 before any).
-  double profileLastDecay(int profile) const;
-  /// ema() / emaTensors() of profile p (profile 0 is ema()); copy roles
-  /// return the shared copy. Waits for the update in flight.
-  const at::Tensor& profileEma(int profile, const std::string& name) const;
-  std::vector<std::pair<std::string, at::Tensor>> profileTensors(int profile) const;
-  /// loadEmaValues() into profile p (copy roles: the shared copy), e.g. from
-  /// a post-hoc snapshot on resume.
-  LoadReport loadProfileValues(int profile,
-                               const std::vector<std::pair<std::string, at::Tensor>>& values,
-                               LoadStrictness strictness);
   /// Sets the progress a resume from snapshots restores (loadState() does
   /// it from its metadata): the last step and whether the first copy
   /// happened. The step must be >= 0. Waits for the update in flight.
   void restoreProgress(int64_t step, bool initialized);
 
-  /// Writes the EMA into the sources (dtype and device converted), e.g. to
-  /// evaluate with EMA weights; kPinnedHost goes through the copy engine.
-  /// Blocks.
+  /// Writes the EMA (profile 0) into the sources (dtype and device
+  /// converted), e.g. to evaluate with EMA weights; kPinnedHost goes
+  /// through the copy engine. Blocks.
   void copyEmaToSources();
-  /// Overwrites EMA values from named tensors (converted to our dtype);
-  /// shapes must match (c10::ValueError naming the tensor).
+  /// Overwrites the EMA values of `profile` from named tensors (converted
+  /// to our dtype; copy roles: the shared copy), e.g. from a post-hoc
+  /// snapshot on resume; shapes must match (c10::ValueError naming the
+  /// tensor). Checks everything before the first write. Waits.
   LoadReport loadEmaValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
-                           LoadStrictness strictness);
+                           LoadStrictness strictness, int profile = 0);
 
   /// State for resume: every EMA tensor under its name, metadata with the
   /// step, initialised flag, last decay, schedule (JSON) and roles. Single
@@ -233,46 +249,32 @@ class Averager {
   LoadReport load(const std::string& path, LoadStrictness strictness = LoadStrictness::kStrict);
 
  private:
-  struct Slot {
-    TrackedTensor tracked;
-    at::Tensor ema;  // host, contiguous
-    // changesInForward only: host copy taken inside update(), read by the
-    // pipeline instead of the live source. Allocated at the first update.
-    at::Tensor snapshot;
-    // Profiles 1.. of averaging roles (empty for copies, which are shared).
-    std::vector<at::Tensor> moreEmas;
-  };
-  const at::Tensor& profileStorage(const Slot& s, int profile) const;
+  friend class detail::AveragerFaultInjection;  // the test seam
   void checkProfile(int profile, const char* api) const;
-  const Slot& slot(const std::string& name, const char* api) const;
+  size_t indexOf(const std::string& name, const char* api) const;
   void checkRoles(const TensorFile& file) const;
-  // Throws when failed; otherwise waits for the pipeline and turns its error
-  // into the failed mark.
+  // Throws when failed; otherwise waits for the update in flight and turns
+  // its error into the failed mark.
   void settle(const char* api) const;
   void checkNotFailed(const char* api) const;
   LoadReport loadValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
-                        LoadStrictness strictness, int profile = 0);
-  void updateOnDevice(bool firstCopy, const std::vector<double>& weights);
-  void submitToPipeline(bool firstCopy, const std::vector<double>& weights, int64_t step);
+                        LoadStrictness strictness, int profile);
   void rejectUnfenced(int64_t step);
-  at::Tensor pipelineSource(Slot& s, at::ScalarType dtype);
+  detail::EmaStore& store(const char* api) const;
 
   AveragerOptions options_;
-  std::vector<Slot> slots_;
-  std::unordered_map<std::string, size_t> index_;
+  std::vector<TrackedTensor> tracked_;
+  std::unordered_map<std::string, size_t> index_;  // name -> position in tracked_
   int64_t step_ = 0;
   bool initialized_ = false;
   double lastDecay_ = 0.0;
   std::vector<double> moreLastDecays_;  // profiles 1..
   // Why the Averager is failed; empty when it is not. Set by const calls
-  // that wait (ema(), state()), hence mutable. Caller's thread only.
+  // that wait (ema(), state()), hence mutable.
   mutable std::string failure_;
-  // kPinnedHost only (null for kDevice and after a move). The pipeline is
-  // declared first so a move assignment retires the old pipeline while its
-  // engine still exists; the destructor resets it first for the same reason.
-  std::unique_ptr<offload::UpdatePipeline> pipeline_;
-  std::unique_ptr<offload::PinnedArena> arena_;
-  std::unique_ptr<offload::CopyEngine> engine_;
+  // The EMA storage and the update mechanics of options_.placement. Null
+  // only in a moved-from Averager.
+  std::unique_ptr<detail::EmaStore> store_;
 };
 
 }  // namespace shardema

@@ -22,6 +22,8 @@
 #include <memory>
 #include <string>
 
+#include "shardema/offload/engine_choice.h"
+
 namespace shardema {
 namespace offload {
 
@@ -32,8 +34,16 @@ class CopyEngine {
   using DoneCallback = std::function<void(std::exception_ptr error)>;
 
   virtual ~CopyEngine() = default;
-  /// "cuda" or "host".
+  /// "cuda" or "host", for logs and messages; never compared to choose a
+  /// behaviour (the properties below say what differs).
   virtual const char* name() const = 0;
+  /// Whether a copy reads its source on the host's timeline (a host thread
+  /// copies it), so that a source's autograd version read after onDone
+  /// tells whether an in-place write came before the read. The pipeline
+  /// then checks each chunk's sources after landing (update_pipeline.h,
+  /// check (b)). false for CUDA: the host thread bumps a version when it
+  /// queues a kernel, long before (or after) the device writes the bytes.
+  virtual bool copiesOnHostTimeline() const = 0;
 
   /// Records the training side's current point (CUDA: an event on the
   /// current c10 stream / the legacy default stream; host: a no-op, the
@@ -53,14 +63,6 @@ class CopyEngine {
   virtual void fenceProducer() = 0;
   /// Blocks until every queued copy is done and its onDone has returned.
   virtual void synchronize() = 0;
-};
-
-enum class EngineChoice {
-  /// CUDA when a device is present at run time, else host (logged once).
-  kAuto,
-  kHost,
-  /// c10::Error when this build has no CUDA or no device is present.
-  kCuda,
 };
 
 /// A new engine of the chosen kind.

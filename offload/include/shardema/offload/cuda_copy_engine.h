@@ -49,6 +49,8 @@ class CudaCopyEngine : public CopyEngine {
   CudaCopyEngine& operator=(const CudaCopyEngine&) = delete;
 
   const char* name() const override { return "cuda"; }
+  /// false: the copy streams read on the device's timeline.
+  bool copiesOnHostTimeline() const override { return false; }
   void recordProducerPoint() override;
   void copyToHost(const void* src, void* dst, size_t bytes, DoneCallback onDone) override;
   void copyFromHost(const void* src, void* dst, size_t bytes, DoneCallback onDone) override;

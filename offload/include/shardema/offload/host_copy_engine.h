@@ -31,6 +31,8 @@ class HostCopyEngine : public CopyEngine {
   HostCopyEngine& operator=(const HostCopyEngine&) = delete;
 
   const char* name() const override { return "host"; }
+  /// true: the copy thread's memcpy is the read.
+  bool copiesOnHostTimeline() const override { return true; }
   /// No-op: on the host the caller's writes are done when it calls us.
   void recordProducerPoint() override {}
   void copyToHost(const void* src, void* dst, size_t bytes, DoneCallback onDone) override;

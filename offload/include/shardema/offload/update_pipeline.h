@@ -27,8 +27,9 @@
 // update, naming the tensor and step. Checked (a) by fence() for every
 // source, or by wait() when no fence() came first, and (b) on the worker
 // after each chunk's copy has landed, before its math, with engines whose
-// completion means the bytes were read on the CPU's timeline (not "cuda",
-// whose host-side version bumps run ahead of the device). Check (b) stops
+// completion means the bytes were read on the CPU's timeline
+// (CopyEngine::copiesOnHostTimeline(); not CUDA, whose host-side version
+// bumps run ahead of the device). Check (b) stops
 // once fence() has released the sources (under mutex_, so a write the
 // caller makes after fence() returns is never mistaken for misuse).
 // Writes through tensor.data() (a new version counter) are not seen.
@@ -44,24 +45,21 @@
 #include <string>
 #include <vector>
 
-#include "shardema/offload/copy_engine.h"
 #include "shardema/detail/update_kernels.h"
+#include "shardema/offload/copy_engine.h"
+#include "shardema/offload/pipeline_stats.h"
 
 namespace shardema {
+
+namespace detail {
+class PipelineFaultInjection;
+}  // namespace detail
 
 namespace offload {
 
 class WorkerPool;
 
 class PinnedArena;
-
-/// Test seam: makes the math of one chunk throw, to prove errors travel.
-struct PipelineFaultForTesting {
-  /// Step whose update fails; -1 (default): never.
-  int64_t step = -1;
-  /// 0-based chunk of that update whose math throws (default 0).
-  int64_t chunk = 0;
-};
 
 struct UpdatePipelineOptions {
   /// Bytes per staging slot, >= 64 (default 32 MiB). Larger chunks cost
@@ -79,8 +77,6 @@ struct UpdatePipelineOptions {
   /// Where the staging slots come from; not owned. nullptr (default): plain
   /// host memory (fine for the host engine; the CUDA engine wants pinned).
   PinnedArena* arena = nullptr;
-  /// Test seam; off by default.
-  PipelineFaultForTesting fault;
 };
 
 /// One tensor of an update.
@@ -116,15 +112,6 @@ struct SwapJob {
   std::string name;
 };
 
-struct PipelineStats {
-  int64_t updates = 0;            // submit() calls with at least one chunk
-  int64_t chunks = 0;             // chunks copied, all updates
-  int64_t sourceBytes = 0;        // source bytes copied, all updates
-  double fenceWaitSeconds = 0.0;  // time fence() blocked, all updates
-  double lastFenceWaitSeconds = 0.0;
-  int64_t stagingBytes = 0;  // numSlots x chunkBytes, held for life
-};
-
 class UpdatePipeline {
  public:
   /// Allocates the staging slots. c10::ValueError for bad options.
@@ -134,16 +121,15 @@ class UpdatePipeline {
   UpdatePipeline(const UpdatePipeline&) = delete;
   UpdatePipeline& operator=(const UpdatePipeline&) = delete;
 
-  /// Starts an update of every job with lerp weight `weight` as step `step`
-  /// and returns at once (after the first copies are queued). An update
-  /// still in flight is completed first (wait(), which may throw: then
-  /// nothing new starts). Jobs are validated here, before anything starts
-  /// (c10::ValueError / TypeError naming the tensor).
-  void submit(std::vector<PipelineJob> jobs, float weight, int64_t step);
-  /// Multi-profile form: weights[0] for every job's ema, weights[p] for its
-  /// moreEmas[p - 1]; every non-raw job must have weights.size() - 1
-  /// moreEmas (c10::ValueError naming the tensor otherwise). 1 to
-  /// kMaxProfiles weights, each in [0, 1].
+  /// Starts an update of every job as step `step` and returns at once
+  /// (after the first copies are queued). weights[0] is the lerp weight
+  /// (1 - decay) of every job's ema, weights[p] that of its moreEmas[p - 1]:
+  /// one profile is submit(jobs, {weight}, step). 1 to kMaxProfiles weights,
+  /// each in [0, 1]; every non-raw job has weights.size() - 1 moreEmas.
+  /// An update still in flight is completed first (wait(), which may throw:
+  /// then nothing new starts; a no-op when the caller has waited). Each job
+  /// is validated once, here, before anything starts (c10::ValueError /
+  /// TypeError naming the tensor); the copies and the math trust it.
   void submit(std::vector<PipelineJob> jobs, std::vector<float> weights, int64_t step);
   /// Blocks until every chunk of the update in flight has been copied out
   /// of its source (with the CUDA engine: until every copy is queued, then
@@ -169,19 +155,25 @@ class UpdatePipeline {
   /// an update in flight first. Blocks until the copies are done.
   void copyToDestinations(const std::vector<SwapJob>& jobs);
 
+  /// Counters so far; any thread.
   PipelineStats stats() const;
   const UpdatePipelineOptions& options() const { return options_; }
 
  private:
+  friend class ::shardema::detail::PipelineFaultInjection;  // the test seam
   struct Piece;
   struct Chunk;
-  void plan(const std::vector<PipelineJob>& jobs);
+  struct SwapState;
+  // Cuts the jobs (of the given source types) into chunks of staging size.
+  void plan(const std::vector<PipelineJob>& jobs, const std::vector<SourceType>& types);
   void issueChunk(int64_t chunk, int slot);
   void onPieceLanded(int slot, std::exception_ptr error);
   void runChunk(int slot);
   void applyChunk(int64_t chunk, int slot);
   void finishChunk(int slot, std::exception_ptr&& error);
-  void queueSwapCopies(const std::vector<SwapJob>& jobs, void* swapState);
+  void queueSwapCopies(const std::vector<SwapJob>& jobs, SwapState& state);
+  // The error a failed update reports from wait(), naming its step.
+  std::exception_ptr updateError(const std::string& what) const;
   void recordVersions();
   // The misuse message for job `job` if its source was written since
   // submit(), else "". Caller holds mutex_ (see the file comment).
@@ -222,6 +214,11 @@ class UpdatePipeline {
   bool released_ = true;         // guarded by mutex_: sources checked and free
   // Copies of the slot's chunk not yet landed; counted down by the engine.
   std::unique_ptr<std::atomic<int>[]> piecesLeft_;
+  // Test seam (detail/pipeline_fault_injection.h): the math of chunk
+  // faultChunk_ of step faultStep_ throws. Set between updates on the
+  // submitting thread; read by workers after submit()'s hand-offs.
+  int64_t faultStep_ = -1;
+  int64_t faultChunk_ = 0;
 };
 
 }  // namespace offload

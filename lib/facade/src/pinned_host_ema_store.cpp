@@ -1,0 +1,101 @@
+#include "pinned_host_ema_store.h"
+
+#include <c10/util/Exception.h>
+
+#include <utility>
+
+namespace shardema::detail {
+namespace {
+
+offload::UpdatePipelineOptions pipelineOptions(const AveragerOptions& options,
+                                               offload::CopyEngine* engine,
+                                               offload::PinnedArena* arena) {
+  offload::UpdatePipelineOptions pipeline;
+  pipeline.chunkBytes = options.offload.chunkBytes;
+  pipeline.numSlots = options.offload.numSlots;
+  pipeline.pool = options.pool;
+  pipeline.engine = engine;
+  pipeline.arena = arena;
+  return pipeline;
+}
+
+}  // namespace
+
+PinnedHostEmaStore::PinnedHostEmaStore(const std::vector<TrackedTensor>& tracked,
+                                       const AveragerOptions& options)
+    : fenceInUpdate_(options.offload.fenceInUpdate),
+      engine_(offload::makeCopyEngine(options.offload.engine)),
+      pipeline_(pipelineOptions(options, engine_.get(), &arena_)),
+      snapshots_(tracked.size()) {
+  initStorage(tracked, static_cast<int>(options.moreSchedules.size()) + 1,
+              [this](c10::IntArrayRef sizes, at::ScalarType dtype, const at::Tensor&) {
+                return arena_.allocate(sizes, dtype);
+              });
+}
+
+void PinnedHostEmaStore::update(const std::vector<TrackedTensor>& tracked,
+                                const EmaUpdate& update) {
+  // Shapes are checked before the first snapshot is written; each source's
+  // dtype and layout once, by the pipeline's submit().
+  for (size_t i = 0; i < tracked.size(); ++i) {
+    if (update.actions[i] == EmaAction::kSkip) continue;
+    const at::Tensor& ema = storage(i, 0);
+    TORCH_CHECK_VALUE(tracked[i].source.sizes() == ema.sizes(), "Averager::update: tensor '",
+                      tracked[i].name, "' has shape ", tracked[i].source.sizes(),
+                      " but the EMA has shape ", ema.sizes());
+  }
+  std::vector<offload::PipelineJob> jobs;
+  jobs.reserve(tracked.size());
+  for (size_t i = 0; i < tracked.size(); ++i) {
+    const EmaAction action = update.actions[i];
+    if (action == EmaAction::kSkip) continue;
+    const TrackedTensor& t = tracked[i];
+    const std::vector<at::Tensor>& profiles = storage_[i];
+    offload::PipelineJob job{profiles.front(), at::Tensor(), UpdateOp::kCopy, false, t.name, {}};
+    if (isAveragingRole(t.role)) {
+      job.moreEmas.assign(profiles.begin() + 1, profiles.end());
+      job.source = pipelineSource(i, t, t.source.scalar_type());
+      job.op = action == EmaAction::kLerp ? UpdateOp::kLerp : UpdateOp::kCopy;
+    } else {
+      // Copies keep their dtype; a source that changed dtype is converted
+      // (rare: a module cast after the Averager was built).
+      job.source = pipelineSource(i, t, job.ema.scalar_type());
+      job.rawCopy = true;
+    }
+    jobs.push_back(std::move(job));
+  }
+  pipeline_.submit(std::move(jobs), update.weights, update.step);
+  if (fenceInUpdate_) pipeline_.fence();
+}
+
+// The live source when the optimizer is its only writer (guarded by
+// fence()); a synchronous host snapshot when it changes in forward()
+// (buffers: small, and the forward pass may start as soon as update()
+// returns) or needs a conversion.
+at::Tensor PinnedHostEmaStore::pipelineSource(size_t index, const TrackedTensor& t,
+                                              at::ScalarType dtype) {
+  at::Tensor live = t.source.detach();
+  if (!t.changesInForward) {
+    // Strided or converted sources become a private copy here, which the
+    // caller may then overwrite freely.
+    if (!live.is_contiguous()) live = live.contiguous();
+    return live.scalar_type() == dtype ? live : live.to(dtype);
+  }
+  at::Tensor& snapshot = snapshots_[index];
+  if (!snapshot.defined() || snapshot.scalar_type() != dtype || snapshot.sizes() != live.sizes()) {
+    snapshot = arena_.allocate(live.sizes(), dtype);
+  }
+  snapshot.copy_(live);  // blocks until read, on any device
+  return snapshot;
+}
+
+void PinnedHostEmaStore::copyToSources(const std::vector<TrackedTensor>& tracked) {
+  std::vector<offload::SwapJob> jobs;
+  jobs.reserve(tracked.size());
+  for (size_t i = 0; i < tracked.size(); ++i) {
+    jobs.push_back({storage(i, 0), tracked[i].source.detach(), tracked[i].name});
+  }
+  pipeline_.copyToDestinations(jobs);
+}
+
+}  // namespace shardema::detail

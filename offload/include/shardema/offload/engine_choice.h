@@ -1,0 +1,20 @@
+#pragma once
+// EngineChoice: which CopyEngine makeCopyEngine() builds (copy_engine.h),
+// and what AveragerOptions::offload.engine selects. Its own header so that
+// choosing an engine does not pull in the engine interface.
+
+namespace shardema {
+namespace offload {
+
+enum class EngineChoice {
+  /// CUDA when a device is present at run time, else host (logged once).
+  kAuto,
+  /// HostCopyEngine: one copy thread, memcpy. For CPU training.
+  kHost,
+  /// CudaCopyEngine; c10::Error when this build has no CUDA or no device is
+  /// present.
+  kCuda,
+};
+
+}  // namespace offload
+}  // namespace shardema

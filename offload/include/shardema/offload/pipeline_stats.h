@@ -1,0 +1,27 @@
+#pragma once
+// PipelineStats: what one UpdatePipeline has done so far, for logs and
+// benchmarks (Averager::offloadStats() returns it). A plain value: a copy
+// taken under the pipeline's lock, so it may be read on any thread.
+#include <cstdint>
+
+namespace shardema {
+namespace offload {
+
+struct PipelineStats {
+  /// submit() calls that had at least one chunk to copy.
+  int64_t updates = 0;
+  /// Chunks copied into staging, all updates.
+  int64_t chunks = 0;
+  /// Source bytes copied (the bytes a user's model has), all updates.
+  int64_t sourceBytes = 0;
+  /// Seconds fence() blocked, all updates: time the training loop waited
+  /// for the EMA instead of overlapping with it.
+  double fenceWaitSeconds = 0.0;
+  /// Seconds the last fence() blocked.
+  double lastFenceWaitSeconds = 0.0;
+  /// Staging memory held for the pipeline's life: numSlots x chunkBytes.
+  int64_t stagingBytes = 0;
+};
+
+}  // namespace offload
+}  // namespace shardema
