@@ -1,4 +1,4 @@
-#include "shardema/checksum.h"
+#include "shardema/detail/checksum.h"
 
 #include <c10/util/Exception.h>
 #include <fcntl.h>
