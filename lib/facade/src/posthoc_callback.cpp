@@ -17,6 +17,7 @@
 #include "shardema/detail/posthoc_snapshot.h"
 #include "shardema/power_function.h"
 #include "shardema/shard/communicator.h"
+#include "shardema/detail/file_metadata.h"
 #include "shardema/tensor_file.h"
 #include "shardema/detail/update_kernels.h"
 
@@ -24,7 +25,7 @@ namespace shardema {
 namespace {
 
 constexpr const char* kApi = "PostHocCallback";
-constexpr const char* kCallsKey = "shardema.posthoc.calls";
+constexpr const char* kCallsKey = detail::kPostHocCallsKey;
 
 void checkSigma(double sigma, const char* what) {
   TORCH_CHECK_VALUE(std::isfinite(sigma) && sigma > 0 && sigma < kMaxSigmaRel, kApi, ": ", what,

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "shardema/detail/file_metadata.h"
 #include "shardema/detail/posthoc_snapshot.h"
 #include "shardema/posthoc_snapshot_synthesis.h"
 #include "shardema/shard/shard_layout.h"
@@ -27,12 +28,6 @@ using detail::WeightedReaders;
 
 bool isFloating(at::ScalarType type) { return at::isFloatingType(type); }
 
-std::string decimal17(double value) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.17g", value);
-  return text;
-}
-
 // Appends the synthesized range to the output file.
 void appendSynthesized(const WeightedReaders& used, const std::string& name, at::ScalarType type,
                        int64_t begin, int64_t count, int64_t roundElements, c10::ScalarType outType,
@@ -45,11 +40,11 @@ void appendSynthesized(const WeightedReaders& used, const std::string& name, at:
 
 std::map<std::string, std::string> synthesizedMetadata(const SynthesisWeights& solve,
                                                        bool normalize) {
-  return {{"shardema.kind", "deployable_weights"},
-          {"shardema.sigma_rel", decimal17(solve.targetSigmaRel)},
-          {"shardema.gamma", decimal17(solve.targetGamma)},
-          {"shardema.step", std::to_string(solve.targetStep)},
-          {"shardema.synthesis", normalize ? "normalized" : "raw"}};
+  detail::DeployableInfo info;
+  info.step = solve.targetStep;
+  info.synthesized =
+      detail::DeployableInfo::Synthesized{solve.targetSigmaRel, solve.targetGamma, normalize};
+  return detail::deployableMetadata(info);
 }
 
 namespace {

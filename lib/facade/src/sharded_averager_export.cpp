@@ -125,7 +125,7 @@ void ShardedAverager::exportFull(shard::Communicator& comm, const std::string& p
   }
   detail::exportPieces(
       comm, path, layout_, pieces, dtype,
-      detail::deployableMetadata(averager_.step(), averager_.schedule(), worldSize_), options,
+      detail::exportedMetadata(averager_.step(), averager_.schedule(), worldSize_), options,
       kExportApi);
 }
 

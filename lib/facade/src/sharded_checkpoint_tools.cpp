@@ -44,9 +44,9 @@ void checkRankFile(const TensorFileReader& reader, const RankManifest& manifest,
                       entry.numel());
   }
   const auto& metadata = reader.header().metadata;
-  const auto step = metadata.find("shardema.step");
+  const auto step = metadata.find(detail::kStepKey);
   TORCH_CHECK_VALUE(step != metadata.end() && step->second == std::to_string(manifest.step),
-                    reader.path(), ": shardema.step is '",
+                    reader.path(), ": ", detail::kStepKey, " is '",
                     step == metadata.end() ? std::string("absent") : step->second,
                     "' but the manifest records step ", manifest.step);
 }
@@ -147,8 +147,8 @@ ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFil
                        layout.specs[i].globalShape});
   }
   TensorFileWriter writer(outFile, entries,
-                          detail::deployableMetadata(source.manifest.step, source.manifest.schedule,
-                                                     source.manifest.worldSize()));
+                          detail::exportedMetadata(source.manifest.step, source.manifest.schedule,
+                                                   source.manifest.worldSize()));
   for (size_t i = 0; i < layout.specs.size(); ++i) {
     const shard::ShardSpec& spec = layout.specs[i];
     int64_t largest = 0;

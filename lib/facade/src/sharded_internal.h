@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "shardema/decay_schedule.h"
+#include "shardema/detail/file_metadata.h"
 #include "shardema/shard/gather.h"
 #include "shardema/shard/shard_layout.h"
 
@@ -34,9 +35,10 @@ void checkExportDtype(c10::ScalarType dtype, const char* api);
 /// floating tensors convert, integer/bool copies keep theirs.
 c10::ScalarType exportedDtype(c10::ScalarType stored, c10::ScalarType dtype);
 
-/// Metadata of a deployable weights file (DESIGN section 5).
-std::map<std::string, std::string> deployableMetadata(int64_t step, const DecaySchedule& schedule,
-                                                      int64_t sourceWorldSize);
+/// Metadata of an exported EMA's deployable weights file (DESIGN section
+/// 5): detail::deployableMetadata with the schedule and world size it ran.
+std::map<std::string, std::string> exportedMetadata(int64_t step, const DecaySchedule& schedule,
+                                                    int64_t sourceWorldSize);
 
 /// Elements per piece for a buffer bound of `bufferBytes` (at least 1).
 int64_t elementsPerPiece(int64_t bufferBytes, c10::ScalarType dtype);
