@@ -37,6 +37,14 @@ std::string currentErrorMessage() {
   }
 }
 
+std::string errorMessage(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (...) {
+    return currentErrorMessage();
+  }
+}
+
 std::map<std::string, std::string> rankMetadata(std::map<std::string, std::string> metadata,
                                                 int64_t rank, const shard::ShardLayout& layout) {
   metadata[kRankKey] = std::to_string(rank);

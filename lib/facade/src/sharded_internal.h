@@ -4,6 +4,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <exception>
 #include <map>
 #include <string>
 #include <vector>
@@ -23,6 +24,8 @@ void ensureDirectory(const std::string& dir, const char* api);
 /// The message of the exception in flight (call inside a catch): c10's
 /// without backtrace, std::exception's what(), or "unknown exception".
 std::string currentErrorMessage();
+/// The same for a captured exception.
+std::string errorMessage(const std::exception_ptr& error);
 /// A rank file's metadata: the Averager state's plus shardema.rank,
 /// shardema.world_size and shardema.layout_fingerprint.
 std::map<std::string, std::string> rankMetadata(std::map<std::string, std::string> metadata,
