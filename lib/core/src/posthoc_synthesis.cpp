@@ -1,7 +1,7 @@
 #include "shardema/detail/posthoc_synthesis.h"
 
 #include <c10/util/Exception.h>
-#include <c10/util/Logging.h>
+#include <sstream>
 
 #include <algorithm>
 #include <cmath>
@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "shardema/power_function.h"
+#include "shardema/detail/warning.h"
 
 namespace shardema {
 namespace {
@@ -175,10 +176,12 @@ SynthesisWeights solveSynthesisWeights(const std::vector<SnapshotProfile>& snaps
   result.conditionNumber = conditionNumber(gram, lu, n);
   result.badlyConditioned = !(result.conditionNumber <= options.warnConditionAbove);
   if (result.badlyConditioned) {
-    LOG(WARNING) << "shardema: post-hoc synthesis of sigma_rel " << targetSigmaRel << " at step "
-                 << result.targetStep << " is badly conditioned (condition number "
-                 << result.conditionNumber << " over " << n
-                 << " snapshots); the weights may be inaccurate: use fewer, more distinct snapshots";
+    std::ostringstream message;
+    message << "shardema: post-hoc synthesis of sigma_rel " << targetSigmaRel << " at step "
+            << result.targetStep << " is badly conditioned (condition number "
+            << result.conditionNumber << " over " << n
+            << " snapshots); the weights may be inaccurate: use fewer, more distinct snapshots";
+    detail::warn(message.str());
   }
   double sum = 0.0;
   for (double w : solved) sum += w;

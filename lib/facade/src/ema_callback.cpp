@@ -8,6 +8,7 @@
 #include "shardema/detail/file_metadata.h"
 #include "shardema/module_tracking.h"
 #include "shardema/tensor_file.h"
+#include "shardema/detail/warning.h"
 
 namespace shardema {
 namespace {
@@ -167,7 +168,7 @@ EmaValidationScope::~EmaValidationScope() {
   try {
     callback_.onValidationEnd();
   } catch (const std::exception& e) {
-    TORCH_WARN("EmaValidationScope: restoring the raw weights failed: ", e.what());
+    detail::warn(std::string("EmaValidationScope: restoring the raw weights failed: ") + e.what());
   }
 }
 

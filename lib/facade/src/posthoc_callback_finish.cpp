@@ -4,7 +4,6 @@
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
-#include <c10/util/Logging.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <cstring>
@@ -22,6 +21,7 @@
 #include "shardema/shard/communicator.h"
 #include "shardema/shard/gather.h"
 #include "shardema/tensor_file.h"
+#include "shardema/detail/warning.h"
 
 namespace shardema {
 namespace {
@@ -267,8 +267,8 @@ std::string PostHocCallback::onTrainEnd() {
   TORCH_CHECK(averager_ != nullptr, kApi, "::onTrainEnd: called before onFitStart");
   TORCH_CHECK(!emaSwappedIn(), kApi, "::onTrainEnd: call onValidationEnd() first");
   if (calls_ == 0) {
-    LOG(WARNING) << kApi << "::onTrainEnd: no call was counted (startIter " << options_.startIter
-                 << "); nothing to synthesize";
+    detail::warn(std::string(kApi) + "::onTrainEnd: no call was counted (startIter " +
+                 std::to_string(options_.startIter) + "); nothing to synthesize");
     return "";
   }
   if (options_.placement == PostHocPlacement::kSharded) return finishSharded();
