@@ -34,7 +34,7 @@ FolderSynthesisOptions synthesisOptions(const PostHocCallbackOptions& o, int64_t
   out.sigmaRel = o.defaultOutputSigma;
   out.step = step;
   out.normalize = o.normalize;
-  out.dtype = dtype;
+  out.outputDtype = dtype;
   out.bufferBytes = o.bufferBytes;
   return out;
 }

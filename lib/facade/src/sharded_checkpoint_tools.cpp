@@ -136,14 +136,14 @@ RankManifest validateCheckpoint(const std::string& dir) { return openCheckpoint(
 
 ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFile,
                                ExportOptions options) {
-  detail::checkExportDtype(options.dtype, "exportCheckpoint");
+  detail::checkExportDtype(options.outputDtype, "exportCheckpoint");
   TORCH_CHECK_VALUE(options.bufferBytes > 0, "exportCheckpoint: bufferBytes must be > 0, got ",
                     options.bufferBytes);
   const OpenCheckpoint source = openCheckpoint(dir);
   const shard::ShardLayout& layout = source.manifest.layout;
   std::vector<TensorFileEntry> entries;
   for (size_t i = 0; i < layout.specs.size(); ++i) {
-    entries.push_back({layout.specs[i].name, detail::exportedDtype(source.dtypes[i], options.dtype),
+    entries.push_back({layout.specs[i].name, detail::exportedDtype(source.dtypes[i], options.outputDtype),
                        layout.specs[i].globalShape});
   }
   TensorFileWriter writer(outFile, entries,

@@ -86,14 +86,15 @@ std::vector<std::pair<std::string, at::Tensor>> gatherFull(Communicator& comm,
                                                            const std::vector<at::Tensor>& locals,
                                                            GatherOptions options = {});
 
-/// The inverse: `full` (layout order, global shapes; needed on `root` only,
-/// ignored elsewhere) is cut into every rank's range; returns this rank's
-/// pieces as 1-D tensors of full's dtypes, layout order. Blocks. Bounded
-/// like gatherStreaming (bufferBytes per round). `root` is the parameter
-/// (options.root is ignored); it, options.bufferBytes and
-/// options.localError are checked and agreed on like gatherStreaming's.
+/// The inverse: `full` (layout order, global shapes; needed on
+/// options.root only, ignored elsewhere) is cut into every rank's range;
+/// returns this rank's pieces as 1-D tensors of full's dtypes, layout
+/// order. Blocks. Bounded like gatherStreaming (bufferBytes per round).
+/// options.root must name one rank (-1 is refused: one rank sends);
+/// it, options.bufferBytes and options.localError are checked and agreed
+/// on like gatherStreaming's.
 std::vector<at::Tensor> scatterFull(Communicator& comm, const ShardLayout& layout,
-                                    const std::vector<at::Tensor>& full, int64_t root = 0,
+                                    const std::vector<at::Tensor>& full,
                                     GatherOptions options = {});
 
 }  // namespace shard
