@@ -29,7 +29,9 @@ struct FolderSynthesisOptions {
   /// float16. Integer/bool tensors (copied buffers) keep theirs.
   c10::ScalarType outputDtype = c10::ScalarType::Float;
   /// Elements accumulated per round are bounded by bufferBytes / 8 (float64
-  /// accumulators). Default 64 MiB.
+  /// accumulators). Default 64 MiB. Larger: fewer rounds, so fewer and
+  /// larger reads of every snapshot (faster on slow storage); costs that
+  /// much more host memory for the accumulators and the read buffers.
   int64_t bufferBytes = int64_t{64} << 20;
 };
 

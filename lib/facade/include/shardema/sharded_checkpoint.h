@@ -90,7 +90,9 @@ struct ExportOptions {
   /// or float16. Integer/bool tensors (copied buffers) keep theirs.
   c10::ScalarType outputDtype = c10::ScalarType::Float;
   /// Bound on the elements' bytes read per piece (source dtype); memory use
-  /// is about twice this. Default 8 MiB; smaller saves memory, costs calls.
+  /// is about twice this. Default 8 MiB. Larger: fewer, larger reads and
+  /// appends (faster on storage with high per-call cost); costs about twice
+  /// that in host memory. Smaller saves memory and costs calls.
   int64_t bufferBytes = int64_t{8} << 20;
 };
 

@@ -27,7 +27,10 @@ struct GatherOptions {
   /// Upper bound on the bytes one round moves into the receiving rank (all
   /// ranks' padded pieces together). A tensor larger than this is gathered
   /// in several rounds, so the receiver's memory stays bounded whatever the
-  /// model size. Default 64 MiB; smaller saves memory, costs latency.
+  /// model size. Default 64 MiB. Larger: fewer rounds, so fewer collectives
+  /// and their per-call latency; costs that much more memory on the
+  /// receiving rank(s) (and in packing buffers on the senders). Every rank
+  /// must pass the same value: it decides the rounds.
   int64_t bufferBytes = int64_t{64} << 20;
   /// Non-empty: this rank cannot take part (e.g. its own wait for the data
   /// failed), so it joins only the first exchange, moves no data and does
