@@ -22,7 +22,7 @@ namespace {
 
 ExportOptions optionsFromFlags(const ParsedFlags& flags) {
   ExportOptions options;
-  if (flags.has("dtype")) options.dtype = parseDtype(flags.text("dtype"));
+  if (flags.has("dtype")) options.outputDtype = parseDtype(flags.text("dtype"));
   if (flags.has("buffer-mib")) {
     const int64_t mib = flags.integer("buffer-mib");
     if (mib < 1 || mib > (int64_t{1} << 20)) {

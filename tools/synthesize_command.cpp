@@ -33,7 +33,7 @@ FolderSynthesisOptions optionsFromFlags(const ParsedFlags& flags) {
     }
   }
   options.normalize = flags.boolean("normalize");
-  if (flags.has("dtype")) options.dtype = parseDtype(flags.text("dtype"));
+  if (flags.has("dtype")) options.outputDtype = parseDtype(flags.text("dtype"));
   return options;
 }
 

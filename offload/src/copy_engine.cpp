@@ -2,12 +2,12 @@
 
 #include <c10/util/Exception.h>
 
-#include <cstdio>
-#include <mutex>
+#include <string>
 
 #include "shardema/offload/cuda_copy_engine.h"
 #include "shardema/offload/device_probe.h"
 #include "shardema/offload/host_copy_engine.h"
+#include "shardema/detail/warning.h"
 
 namespace shardema::offload {
 namespace {
@@ -15,8 +15,7 @@ namespace {
 // kAuto's choice, one line per process. The no-device case is already
 // announced by probeCudaDevices(); a CUDA engine that fails to start is not.
 void logAutoChoice(const char* line) {
-  static std::once_flag once;
-  std::call_once(once, [line] { std::fprintf(stderr, "shardema: %s\n", line); });
+  detail::warnOnce("makeCopyEngine(kAuto)", std::string("shardema: ") + line);
 }
 
 std::unique_ptr<CopyEngine> makeCuda() {
@@ -39,8 +38,8 @@ std::unique_ptr<CopyEngine> makeAuto() {
     return engine;
   } catch (const c10::Error& e) {
     // A device that cannot give us streams should not stop training.
-    TORCH_WARN("makeCopyEngine(kAuto): the CUDA copy engine failed to start (",
-               e.what_without_backtrace(), "); using the host engine");
+    detail::warn(std::string("makeCopyEngine(kAuto): the CUDA copy engine failed to start (") +
+                 e.what_without_backtrace() + "); using the host engine");
     return std::make_unique<HostCopyEngine>();
   }
 }

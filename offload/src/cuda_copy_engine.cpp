@@ -6,6 +6,7 @@
 
 #ifdef SHARDEMA_HAVE_CUDA
 #include "cuda_copy_engine_impl.h"
+#include "shardema/detail/warning.h"
 #endif
 
 namespace shardema::offload {
@@ -40,7 +41,8 @@ CudaCopyEngine::~CudaCopyEngine() {
   try {
     impl_->synchronize();  // stream errors went to the callbacks
   } catch (const c10::Error& e) {
-    TORCH_WARN("CudaCopyEngine: could not drain on destruction: ", e.what_without_backtrace());
+    detail::warn(std::string("CudaCopyEngine: could not drain on destruction: ") +
+                 e.what_without_backtrace());
   }
 }
 

@@ -1,6 +1,7 @@
 // The CUDA side of CudaCopyEngine; see cuda_copy_engine.h for the protocol.
 #ifdef SHARDEMA_HAVE_CUDA
 #include "cuda_copy_engine_impl.h"
+#include "shardema/detail/warning.h"
 
 #include <c10/util/Exception.h>
 
@@ -136,9 +137,9 @@ void CudaCopyEngine::Impl::Tracker::finish(const std::shared_ptr<Pending>& entry
   try {
     if (entry->onDone) entry->onDone(error);
   } catch (const std::exception& e) {
-    TORCH_WARN("CudaCopyEngine: a copy's onDone threw (it must not): ", e.what());
+    detail::warn(std::string("CudaCopyEngine: a copy's onDone threw (it must not): ") + e.what());
   } catch (...) {
-    TORCH_WARN("CudaCopyEngine: a copy's onDone threw (it must not)");
+    detail::warn("CudaCopyEngine: a copy's onDone threw (it must not)");
   }
   error = nullptr;
   CopyEngine::DoneCallback done = std::move(entry->onDone);

@@ -1,10 +1,12 @@
 #include "shardema/offload/device_probe.h"
 
-#include <cstdio>
+#include <string>
 
 #ifdef SHARDEMA_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #endif
+
+#include "shardema/detail/warning.h"
 
 namespace shardema::offload {
 namespace {
@@ -29,8 +31,7 @@ DeviceProbe runProbe() {
   probe.reason = "shardema was built without CUDA";
 #endif
   if (probe.deviceCount == 0) {
-    std::fprintf(stderr, "shardema: no usable CUDA device (%s); using the host engine\n",
-                 probe.reason.c_str());
+    detail::warn("shardema: no usable CUDA device (" + probe.reason + "); using the host engine");
   }
   return probe;
 }

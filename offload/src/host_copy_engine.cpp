@@ -1,4 +1,5 @@
 #include "shardema/offload/host_copy_engine.h"
+#include "shardema/detail/warning.h"
 
 #include <c10/util/Exception.h>
 
@@ -95,9 +96,9 @@ void HostCopyEngine::run() {
       try {
         copy.onDone(error);
       } catch (const std::exception& e) {
-        TORCH_WARN("HostCopyEngine: a copy's onDone threw (it must not): ", e.what());
+        detail::warn(std::string("HostCopyEngine: a copy's onDone threw (it must not): ") + e.what());
       } catch (...) {
-        TORCH_WARN("HostCopyEngine: a copy's onDone threw (it must not)");
+        detail::warn("HostCopyEngine: a copy's onDone threw (it must not)");
       }
     }
     error = nullptr;

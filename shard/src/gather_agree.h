@@ -33,11 +33,10 @@ struct CallWords {
   uint64_t extra = 0;
 };
 
-/// Exchanges {layout hash, localError's length, root, bufferBytes, extra}
-/// with every rank in one 40-byte all-gather. When any rank's localError
-/// (this rank's validation message, "" when it passed) is non-empty, a
-/// second all-gather moves the messages and every rank throws one
-/// c10::ValueError naming each failed rank and its reason. Then every rank
+/// agreeAcrossRanks (shard/agreement.h) over {layout hash, root,
+/// bufferBytes, extra} and localError (this rank's validation message, ""
+/// when it passed): one 40-byte all-gather; when any rank failed, every
+/// rank throws one c10::ValueError naming each failed rank and its reason. Then every rank
 /// throws c10::ValueError when the layouts, roots or bufferBytes differ.
 /// Returns true, on every rank alike, when some rank's `extra` differs, so
 /// the caller can find out which in a further exchange that the common case

@@ -100,9 +100,9 @@ at::Tensor scatterRound(Communicator& comm, const ShardLayout& layout, const det
 }  // namespace
 
 std::vector<at::Tensor> scatterFull(Communicator& comm, const ShardLayout& layout,
-                                    const std::vector<at::Tensor>& full, int64_t root,
-                                    GatherOptions options) {
+                                    const std::vector<at::Tensor>& full, GatherOptions options) {
   const int64_t me = comm.rank();
+  const int64_t root = options.root;
   std::string localError = options.localError;
   if (localError.empty()) {
     localError = detail::checkCall(kApi, comm, layout, root, false, options.bufferBytes);

@@ -67,7 +67,8 @@ void runFsdp1(const std::vector<ModelTensor>& model, int64_t worldSize,
     shards.push_back(at::full({flat.shardNumel()}, NAN, at::TensorOptions().dtype(flat.dtype())));
     fillShard(shards.back(), r);
     ranks.push_back(
-        std::make_unique<ShardedAverager>(r, shardsFromFlatParam(flat, shards.back(), r), options));
+        std::make_unique<ShardedAverager>(r, worldSize, shardsFromFlatParam(flat, shards.back(), r),
+                                          options));
   }
   for (int64_t step = 1; step <= kSteps; ++step) {
     testing::setModel(averaged, full, step);
@@ -140,18 +141,19 @@ TEST(ShardedAveragerTest, AttachValidatesEveryShardNamingTheTensor) {
   const at::Tensor rows = at::zeros({2, 3});
   const shard::ShardSpec spec = shard::fsdp2Spec("layer.w", {5, 3}, at::kFloat, 3);
   // Rank 1 owns rows 2-3 (6 elements): a 2x3 local is right, others are not.
-  EXPECT_NO_THROW(ShardedAverager(1, {{rows, spec}}, device));
-  EXPECT_VALUE_ERROR(ShardedAverager(2, {{rows, spec}}), "'layer.w'");  // rank 2 owns 3
-  EXPECT_VALUE_ERROR(ShardedAverager(1, {{rows.to(at::kBFloat16), spec}}), "dtype");
-  EXPECT_VALUE_ERROR(ShardedAverager(3, {{rows, spec}}), "rank 3");
-  EXPECT_VALUE_ERROR(ShardedAverager(1, {{rows, spec}, {rows, spec}}), "given twice");
+  EXPECT_NO_THROW(ShardedAverager(1, 3, {{rows, spec}}, device));
+  EXPECT_VALUE_ERROR(ShardedAverager(2, 3, {{rows, spec}}), "'layer.w'");  // rank 2 owns 3
+  EXPECT_VALUE_ERROR(ShardedAverager(1, 3, {{rows.to(at::kBFloat16), spec}}), "dtype");
+  EXPECT_VALUE_ERROR(ShardedAverager(3, 3, {{rows, spec}}), "rank 3");
+  EXPECT_VALUE_ERROR(ShardedAverager(1, 3, {{rows, spec}, {rows, spec}}), "given twice");
   const shard::ShardSpec other = shard::fsdp2Spec("layer.b", {5, 3}, at::kFloat, 2);
-  EXPECT_VALUE_ERROR(ShardedAverager(1, {{rows, spec}, {at::zeros({6}), other}}), "'layer.b'");
+  EXPECT_VALUE_ERROR(ShardedAverager(1, 3, {{rows, spec}, {at::zeros({6}), other}}), "'layer.b'");
+  EXPECT_VALUE_ERROR(ShardedAverager(1, 2, {{rows, spec}}), "'layer.w'");  // spec is for 3
   shard::ShardSpec broken = spec;
   broken.ranges[1].end += 1;
-  EXPECT_VALUE_ERROR(ShardedAverager(1, {{at::zeros({7}), broken}}), "layer.w");
+  EXPECT_VALUE_ERROR(ShardedAverager(1, 3, {{at::zeros({7}), broken}}), "layer.w");
   // A rank that owns nothing at all is fine.
-  ShardedAverager none(0, {}, device);
+  ShardedAverager none(0, 3, {}, device);
   EXPECT_TRUE(none.layout().specs.empty());
   EXPECT_TRUE(none.update(1));
 }

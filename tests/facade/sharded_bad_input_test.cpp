@@ -115,7 +115,7 @@ TEST(ShardedBadInputTest, UnknownOrDuplicateTensorNamesNameTheTensor) {
   EXPECT_VALUE_ERROR(exportCheckpoint(saved.ckpt(), saved.dir.file("out")), "rank_00001");
   // A layout with a duplicate name cannot be attached either.
   const shard::ShardSpec spec = shard::fsdp2Spec("dup", {4}, at::kFloat, 1);
-  EXPECT_VALUE_ERROR(ShardedAverager(0, {{at::zeros({4}), spec}, {at::zeros({4}), spec}}), "'dup'");
+  EXPECT_VALUE_ERROR(ShardedAverager(0, 1, {{at::zeros({4}), spec}, {at::zeros({4}), spec}}), "'dup'");
 }
 
 TEST(ShardedBadInputTest, FailedExportLeavesTheOldOutputByteIdentical) {
@@ -128,7 +128,7 @@ TEST(ShardedBadInputTest, FailedExportLeavesTheOldOutputByteIdentical) {
   bytes[bytes.size() - 1] ^= 1;
   testing::writeFileBytes(saved.rankFile(3), bytes);
   ExportOptions bf16;
-  bf16.dtype = at::kBFloat16;
+  bf16.outputDtype = at::kBFloat16;
   EXPECT_VALUE_ERROR(exportCheckpoint(saved.ckpt(), out, bf16), "rank_00003");
   EXPECT_EQ(testing::readFileBytes(out), before);
   EXPECT_FALSE(fs::exists(out + ".tmp"));

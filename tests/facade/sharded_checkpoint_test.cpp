@@ -159,7 +159,7 @@ TEST(ShardedCheckpointTest, ExportMergesRankFilesIntoFullTensorsInEachDtype) {
   saveShardedCheckpoint(dir.file("ckpt"), job.averagers());
   for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
     ExportOptions options;
-    options.dtype = dtype;
+    options.outputDtype = dtype;
     options.bufferBytes = 20;
     const ExportSummary summary = exportCheckpoint(dir.file("ckpt"), dir.file("out"), options);
     EXPECT_EQ(summary.step, 6);
@@ -168,7 +168,7 @@ TEST(ShardedCheckpointTest, ExportMergesRankFilesIntoFullTensorsInEachDtype) {
     expectExportedEqualsReference(dir.file("out"), job, dtype);
   }
   ExportOptions bad;
-  bad.dtype = at::kDouble;
+  bad.outputDtype = at::kDouble;
   EXPECT_THROW(exportCheckpoint(dir.file("ckpt"), dir.file("out"), bad), c10::ValueError);
 }
 

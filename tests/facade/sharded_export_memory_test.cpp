@@ -57,7 +57,7 @@ TEST(ShardedExportMemoryTest, OfflineExportPeakRssStaysBounded) {
     }
     AveragerOptions options;
     options.placement = EmaPlacement::kDevice;  // CPU tensors: EMA on the host, no pipeline
-    ShardedAverager averager(r, std::move(shards), options);
+    ShardedAverager averager(r, kWorld, std::move(shards), options);
     averager.update(1);
     if (r == 0) manifest = manifestFor(averager);
     manifest.files.push_back(writeRankFile(dir.file("ckpt"), averager));

@@ -64,7 +64,7 @@ TEST(GatherTest, MismatchedBufferBytesFailsEveryRankPromptly) {
       [&](Communicator& comm) {
         GatherOptions options;
         options.bufferBytes = comm.rank() == 0 ? 100 : 64;
-        scatterFull(comm, layout, comm.rank() == 0 ? full : std::vector<at::Tensor>{}, 0, options);
+        scatterFull(comm, layout, comm.rank() == 0 ? full : std::vector<at::Tensor>{}, options);
       },
       {"scatterFull: options.bufferBytes is ", "100", "64", "rank 0"});
 }
@@ -83,8 +83,10 @@ TEST(GatherTest, MismatchedRootFailsEveryRankPromptly) {
       {"gatherStreaming: root is ", "-1", "0 on rank", "rank 1"});
   expectEveryRankFailsPromptly(
       [&](Communicator& comm) {
-        const int64_t root = comm.rank() == 2 ? 2 : 1;
-        scatterFull(comm, layout, comm.rank() == root ? full : std::vector<at::Tensor>{}, root);
+        GatherOptions options;
+        options.root = comm.rank() == 2 ? 2 : 1;
+        scatterFull(comm, layout, comm.rank() == options.root ? full : std::vector<at::Tensor>{},
+                    options);
       },
       {"scatterFull: root is ", "2", "1 on rank", "rank 2"});
 }
@@ -122,7 +124,7 @@ TEST(GatherTest, LocalErrorFailsEveryRankPromptly) {
       [&](Communicator& comm) {
         GatherOptions options;
         options.localError = comm.rank() == 0 ? "root lost its file" : "";
-        scatterFull(comm, layout, {}, 0, options);
+        scatterFull(comm, layout, {}, options);
       },
       {"rank 0: root lost its file"});
 }

@@ -96,9 +96,10 @@ TEST(GatherTest, ScatterAndGatherAreInverses) {
           GatherOptions options;
           options.bufferBytes = buffer;
           const int64_t root = w - 1;
+          options.root = root;
           // scatter then gather: the full tensors come back
           const auto mine = scatterFull(
-              comm, layout, comm.rank() == root ? full : std::vector<at::Tensor>{}, root, options);
+              comm, layout, comm.rank() == root ? full : std::vector<at::Tensor>{}, options);
           const auto expected = localsOf(layout, full, comm.rank());
           for (size_t i = 0; i < mine.size(); ++i) {
             EXPECT_EQ(firstMismatch(expected[i], mine[i]), "")
@@ -111,7 +112,8 @@ TEST(GatherTest, ScatterAndGatherAreInverses) {
           for (auto& entry : gatherFull(comm, layout, expected, options)) {
             again.push_back(entry.second);
           }
-          const auto back = scatterFull(comm, layout, again, 0, options);
+          options.root = 0;
+          const auto back = scatterFull(comm, layout, again, options);
           for (size_t i = 0; i < back.size(); ++i) {
             EXPECT_EQ(firstMismatch(expected[i], back[i]), "")
                 << kind << " " << layout.specs[i].name;
@@ -139,7 +141,7 @@ TEST(GatherTest, BadLocalsFailOnEveryRankBeforeDataMoves) {
       mixed[3] = mixed[3].to(at::kDouble);  // dtype differs between ranks
     }
     EXPECT_VALUE_ERROR(gatherFull(comm, layout, mixed), "local 'fsdp2.t3' is");
-    EXPECT_VALUE_ERROR(scatterFull(comm, layout, {}, 0), "rank 0: scatterFull: root passed 0");
+    EXPECT_VALUE_ERROR(scatterFull(comm, layout, {}), "rank 0: scatterFull: root passed 0");
     GatherOptions options;
     options.root = 2;
     EXPECT_VALUE_ERROR(gatherFull(comm, layout, locals, options), "root must be -1");

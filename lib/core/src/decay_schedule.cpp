@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "shardema/detail/file_metadata.h"
 #include "shardema/power_function.h"
 
 namespace shardema {
@@ -55,11 +56,7 @@ const char* conventionName(BetaConvention convention) {
 // 17 significant digits always round-trip a double through strtod, which is
 // what nlohmann's parser uses; nlohmann's own dump would pick the shortest
 // form, which is exact too, but the metadata format is fixed to %.17g.
-std::string formatDouble(double value) {
-  char buffer[32];
-  std::snprintf(buffer, sizeof(buffer), "%.17g", value);
-  return buffer;
-}
+std::string formatDouble(double value) { return detail::formatDecimal17(value); }
 
 // Appends "name":value pairs to one flat JSON object (all our fields are
 // scalars and our names need no escaping).

@@ -12,6 +12,7 @@
 #include <set>
 #include <tuple>
 
+#include "shardema/detail/file_metadata.h"
 #include "shardema/power_function.h"
 #include "shardema/tensor_file.h"
 
@@ -22,41 +23,25 @@ namespace fs = std::filesystem;
 
 constexpr const char* kSuffix = ".safetensors";
 constexpr const char* kRankPrefix = "rank_";
-constexpr const char* kKindKey = "shardema.kind";
-constexpr const char* kKind = "posthoc_snapshot";
-constexpr const char* kSigmaRelKey = "shardema.sigma_rel";
-constexpr const char* kGammaKey = "shardema.gamma";
-constexpr const char* kStepKey = "shardema.step";
-constexpr const char* kProfileIndexKey = "shardema.profile_index";
-constexpr const char* kRankKey = "shardema.rank";
-constexpr const char* kWorldSizeKey = "shardema.world_size";
-constexpr const char* kLayoutKey = "shardema.layout";
+using detail::formatDecimal17;
+using detail::kGammaKey;
+using detail::kKindKey;
+using detail::kLayoutKey;
+using detail::kProfileIndexKey;
+using detail::kRankKey;
+using detail::kSigmaRelKey;
+using detail::kStepKey;
+using detail::kWorldSizeKey;
+constexpr const char* kKind = detail::kPostHocSnapshotKind;
 
 bool endsWith(const std::string& text, const std::string& suffix) {
   return text.size() >= suffix.size() &&
          text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// Plain decimal digits only; leading zeros are refused so that every number
-// has exactly one spelling and a name maps back to one (i, step).
+// Leading zeros are refused so that a name maps back to one (i, step).
 bool parseDigits(const std::string& text, int64_t* value) {
-  if (text.empty() || (text.size() > 1 && text[0] == '0')) return false;
-  int64_t result = 0;
-  for (char c : text) {
-    if (c < '0' || c > '9') return false;
-    const int digit = c - '0';
-    if (result > (std::numeric_limits<int64_t>::max() - digit) / 10) return false;
-    result = result * 10 + digit;
-  }
-  *value = result;
-  return true;
-}
-
-// %.17g is the shortest printf form that round-trips every double.
-std::string formatDouble(double value) {
-  char buffer[40];
-  std::snprintf(buffer, sizeof(buffer), "%.17g", value);
-  return buffer;
+  return detail::parseDecimalDigits(text, value);
 }
 
 const std::string& requireKey(const std::map<std::string, std::string>& metadata,
@@ -79,14 +64,9 @@ int64_t parseIntKey(const std::map<std::string, std::string>& metadata, const st
 double parseDoubleKey(const std::map<std::string, std::string>& metadata, const std::string& path,
                       const char* key) {
   const std::string& text = requireKey(metadata, path, key);
-  // strtod accepts leading spaces, hex, "inf" and "nan": refuse what %.17g
-  // of a finite double never produces.
-  const bool plain =
-      !text.empty() && text.find_first_not_of("0123456789.eE+-") == std::string::npos;
-  char* end = nullptr;
-  const double value = plain ? std::strtod(text.c_str(), &end) : 0.0;
-  TORCH_CHECK_VALUE(plain && end == text.c_str() + text.size() && std::isfinite(value), path,
-                    ": metadata ", key, " must be a finite decimal number, got \"", text, "\"");
+  double value = 0.0;
+  TORCH_CHECK_VALUE(detail::parseFiniteDecimal(text, &value), path, ": metadata ", key,
+                    " must be a finite decimal number, got \"", text, "\"");
   return value;
 }
 
@@ -99,8 +79,8 @@ void validateInfo(const SnapshotInfo& info, const std::string& path) {
                     "): gamma must be finite and > 0, got ", info.gamma);
   const double expected = gammaToSigmaRel(info.gamma);
   TORCH_CHECK_VALUE(std::abs(expected - info.sigmaRel) <= 1e-9 * expected, "writeSnapshot(", path,
-                    "): sigmaRel ", formatDouble(info.sigmaRel), " disagrees with gamma ",
-                    formatDouble(info.gamma), " (gammaToSigmaRel gives ", formatDouble(expected),
+                    "): sigmaRel ", formatDecimal17(info.sigmaRel), " disagrees with gamma ",
+                    formatDecimal17(info.gamma), " (gammaToSigmaRel gives ", formatDecimal17(expected),
                     "); pass both from one profile");
   if (info.rank < 0) {
     TORCH_CHECK_VALUE(info.rank == -1, "writeSnapshot(", path,
@@ -157,7 +137,7 @@ void checkDistinctGammas(const std::vector<SnapshotEntry>& entries, const std::s
   for (const SnapshotEntry& entry : entries) {
     TORCH_CHECK_VALUE(seen.emplace(entry.info.step, entry.info.gamma).second, dir,
                       ": duplicate (step, gamma) = (", entry.info.step, ", ",
-                      formatDouble(entry.info.gamma), ") at ", entry.path,
+                      formatDecimal17(entry.info.gamma), ") at ", entry.path,
                       "; two profiles share one gamma");
   }
 }
@@ -257,8 +237,8 @@ std::map<std::string, std::string> snapshotMetadata(const SnapshotInfo& info) {
   std::map<std::string, std::string> metadata{
       {kFormatKey, kFormatVersion},
       {kKindKey, kKind},
-      {kSigmaRelKey, formatDouble(info.sigmaRel)},
-      {kGammaKey, formatDouble(info.gamma)},
+      {kSigmaRelKey, formatDecimal17(info.sigmaRel)},
+      {kGammaKey, formatDecimal17(info.gamma)},
       {kStepKey, std::to_string(info.step)},
       {kProfileIndexKey, std::to_string(info.profileIndex)},
   };

@@ -1,7 +1,7 @@
 #include "shardema/detail/posthoc_synthesis.h"
 
 #include <c10/util/Exception.h>
-#include <c10/util/Logging.h>
+#include <sstream>
 
 #include <algorithm>
 #include <cmath>
@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "shardema/power_function.h"
+#include "shardema/detail/warning.h"
 
 namespace shardema {
 namespace {
@@ -113,9 +114,11 @@ double profileInnerProduct(int64_t stepA, double gammaA, int64_t stepB, double g
   return numerator / ((gammaA + gammaB + 1.0) * std::max(ta, tb));
 }
 
-SynthesisWeights solveSynthesisWeights(const std::vector<SnapshotProfile>& snapshots,
-                                       double targetSigmaRel, int64_t targetStep,
-                                       const SynthesisOptions& options) {
+namespace {
+
+// The checks on the inputs; returns the newest snapshot's step.
+int64_t checkSynthesisInputs(const std::vector<SnapshotProfile>& snapshots, double targetSigmaRel,
+                             int64_t targetStep) {
   TORCH_CHECK_VALUE(targetSigmaRel > 0.0 && targetSigmaRel < kMaxSigmaRel,
                     "solveSynthesisWeights: target sigma_rel (", targetSigmaRel,
                     ") must lie in (0, 0.2887); larger values have no power profile");
@@ -138,14 +141,16 @@ SynthesisWeights solveSynthesisWeights(const std::vector<SnapshotProfile>& snaps
                         "); their profiles are identical and the system is singular");
     }
   }
-  SynthesisWeights result;
-  result.targetStep = targetStep == 0 ? newest : targetStep;
-  TORCH_CHECK_VALUE(result.targetStep <= newest, "solveSynthesisWeights: target step (",
-                    targetStep, ") is beyond the newest snapshot (step ", newest,
+  TORCH_CHECK_VALUE(targetStep <= newest, "solveSynthesisWeights: target step (", targetStep,
+                    ") is beyond the newest snapshot (step ", newest,
                     "); the profile after it was never saved");
-  result.targetSigmaRel = targetSigmaRel;
-  result.targetGamma = sigmaRelToGamma(targetSigmaRel);
+  return newest;
+}
 
+// Marks result.used and returns the indices of the snapshots at or before
+// the target step (at least two).
+std::vector<size_t> selectUsedSnapshots(const std::vector<SnapshotProfile>& snapshots,
+                                        SynthesisWeights& result) {
   std::vector<size_t> usedIndex;
   result.used.assign(snapshots.size(), false);
   for (size_t i = 0; i < snapshots.size(); ++i) {
@@ -154,10 +159,18 @@ SynthesisWeights solveSynthesisWeights(const std::vector<SnapshotProfile>& snaps
       result.used[i] = true;
     }
   }
-  const size_t n = usedIndex.size();
-  TORCH_CHECK_VALUE(n >= 2, "solveSynthesisWeights: only ", n, " snapshot(s) at or before step ",
-                    result.targetStep, "; synthesis needs at least two distinct snapshots");
+  TORCH_CHECK_VALUE(usedIndex.size() >= 2, "solveSynthesisWeights: only ", usedIndex.size(),
+                    " snapshot(s) at or before step ", result.targetStep,
+                    "; synthesis needs at least two distinct snapshots");
+  return usedIndex;
+}
 
+// Solves Gram x = rhs over the used snapshots (the least-squares fit of
+// the target profile) and records the Gram matrix's condition number.
+std::vector<double> solveGramSystem(const std::vector<SnapshotProfile>& snapshots,
+                                    const std::vector<size_t>& usedIndex,
+                                    SynthesisWeights& result) {
+  const size_t n = usedIndex.size();
   std::vector<double> gram(n * n);
   std::vector<double> rhs(n);
   for (size_t i = 0; i < n; ++i) {
@@ -171,26 +184,49 @@ SynthesisWeights solveSynthesisWeights(const std::vector<SnapshotProfile>& snaps
   const LuFactors lu(gram, n);
   TORCH_CHECK_VALUE(!lu.singular(), "solveSynthesisWeights: the Gram matrix of the ", n,
                     " snapshots is singular; snapshots too close in (step, gamma)?");
-  std::vector<double> solved = lu.solve(rhs);
   result.conditionNumber = conditionNumber(gram, lu, n);
-  result.badlyConditioned = !(result.conditionNumber <= options.warnConditionAbove);
-  if (result.badlyConditioned) {
-    LOG(WARNING) << "shardema: post-hoc synthesis of sigma_rel " << targetSigmaRel << " at step "
-                 << result.targetStep << " is badly conditioned (condition number "
-                 << result.conditionNumber << " over " << n
-                 << " snapshots); the weights may be inaccurate: use fewer, more distinct snapshots";
-  }
+  return lu.solve(rhs);
+}
+
+void warnIfBadlyConditioned(const SynthesisWeights& result, size_t numUsed) {
+  if (!result.badlyConditioned) return;
+  std::ostringstream message;
+  message << "shardema: post-hoc synthesis of sigma_rel " << result.targetSigmaRel << " at step "
+          << result.targetStep << " is badly conditioned (condition number "
+          << result.conditionNumber << " over " << numUsed
+          << " snapshots); the weights may be inaccurate: use fewer, more distinct snapshots";
+  detail::warn(message.str());
+}
+
+double sumOf(const std::vector<double>& values) {
   double sum = 0.0;
-  for (double w : solved) sum += w;
+  for (double v : values) sum += v;
+  return sum;
+}
+
+}  // namespace
+
+SynthesisWeights solveSynthesisWeights(const std::vector<SnapshotProfile>& snapshots,
+                                       double targetSigmaRel, int64_t targetStep,
+                                       const SynthesisOptions& options) {
+  const int64_t newest = checkSynthesisInputs(snapshots, targetSigmaRel, targetStep);
+  SynthesisWeights result;
+  result.targetStep = targetStep == 0 ? newest : targetStep;
+  result.targetSigmaRel = targetSigmaRel;
+  result.targetGamma = sigmaRelToGamma(targetSigmaRel);
+  const std::vector<size_t> usedIndex = selectUsedSnapshots(snapshots, result);
+  std::vector<double> solved = solveGramSystem(snapshots, usedIndex, result);
+  result.badlyConditioned = !(result.conditionNumber <= options.warnConditionAbove);
+  warnIfBadlyConditioned(result, usedIndex.size());
+  double sum = sumOf(solved);
   if (options.normalize) {
     TORCH_CHECK_VALUE(std::isfinite(sum) && sum != 0.0,
                       "solveSynthesisWeights: cannot normalize weights that sum to ", sum);
     for (double& w : solved) w /= sum;
-    sum = 0.0;
-    for (double w : solved) sum += w;
+    sum = sumOf(solved);
   }
   result.weights.assign(snapshots.size(), 0.0);
-  for (size_t i = 0; i < n; ++i) result.weights[usedIndex[i]] = solved[i];
+  for (size_t i = 0; i < usedIndex.size(); ++i) result.weights[usedIndex[i]] = solved[i];
   result.sum = sum;
   return result;
 }

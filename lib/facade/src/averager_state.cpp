@@ -8,18 +8,13 @@
 
 #include "ema_store.h"
 #include "shardema/averager.h"
+#include "shardema/detail/file_metadata.h"
 
 namespace shardema {
 namespace {
 
-constexpr const char* kKindKey = "shardema.kind";
-constexpr const char* kAveragerKind = "averager_state";
-
-std::string formatDouble(double value) {
-  char buffer[32];
-  std::snprintf(buffer, sizeof(buffer), "%.17g", value);
-  return buffer;
-}
+using detail::kKindKey;
+constexpr const char* kAveragerKind = detail::kAveragerStateKind;
 
 const std::string& requireKey(const TensorFile& file, const char* key) {
   const auto it = file.metadata.find(key);
@@ -41,7 +36,7 @@ std::string joinNames(const std::vector<std::string>& names) {
 // A tensor averaged in one run and copied in the other would silently change
 // meaning on resume, so a strict load insists the roles agree.
 void Averager::checkRoles(const TensorFile& file) const {
-  const auto it = file.metadata.find("shardema.roles");
+  const auto it = file.metadata.find(detail::kRolesKey);
   if (it == file.metadata.end()) return;
   const nlohmann::json roles =
       nlohmann::json::parse(it->second, nullptr, /*allow_exceptions=*/false);
@@ -109,11 +104,11 @@ TensorFile Averager::state() const {
   nlohmann::json roles = nlohmann::json::object();
   for (const TrackedTensor& t : tracked_) roles[t.name] = trackRoleName(t.role);
   file.metadata[kKindKey] = kAveragerKind;
-  file.metadata["shardema.step"] = std::to_string(step_);
-  file.metadata["shardema.initialized"] = initialized_ ? "true" : "false";
-  file.metadata["shardema.last_decay"] = formatDouble(lastDecay_);
-  file.metadata["shardema.schedule"] = options_.schedule.toJson();
-  file.metadata["shardema.roles"] = roles.dump();
+  file.metadata[detail::kStepKey] = std::to_string(step_);
+  file.metadata[detail::kInitializedKey] = initialized_ ? "true" : "false";
+  file.metadata[detail::kLastDecayKey] = detail::formatDecimal17(lastDecay_);
+  file.metadata[detail::kScheduleKey] = options_.schedule.toJson();
+  file.metadata[detail::kRolesKey] = roles.dump();
   return file;
 }
 
@@ -128,7 +123,7 @@ LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness
   }
   TORCH_CHECK_VALUE(requireKey(file, kKindKey) == kAveragerKind, "Averager::loadState: ", kKindKey,
                     " is '", file.metadata.at(kKindKey), "', expected '", kAveragerKind, "'");
-  const DecaySchedule saved = DecaySchedule::fromJson(requireKey(file, "shardema.schedule"));
+  const DecaySchedule saved = DecaySchedule::fromJson(requireKey(file, detail::kScheduleKey));
   TORCH_CHECK_VALUE(strictness == LoadStrictness::kNonStrict || saved == options_.schedule,
                     "Averager::loadState: the state was saved with schedule ", saved.describe(),
                     " but this Averager uses ", options_.schedule.describe(),
@@ -136,13 +131,13 @@ LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness
   int64_t step = 0;
   double lastDecay = 0.0;
   try {
-    step = std::stoll(requireKey(file, "shardema.step"));
-    lastDecay = std::stod(requireKey(file, "shardema.last_decay"));
+    step = std::stoll(requireKey(file, detail::kStepKey));
+    lastDecay = std::stod(requireKey(file, detail::kLastDecayKey));
   } catch (const std::logic_error&) {
     TORCH_CHECK_VALUE(false,
                       "Averager::loadState: shardema.step or shardema.last_decay is not a number");
   }
-  const std::string& initialized = requireKey(file, "shardema.initialized");
+  const std::string& initialized = requireKey(file, detail::kInitializedKey);
   TORCH_CHECK_VALUE(initialized == "true" || initialized == "false",
                     "Averager::loadState: shardema.initialized must be true or false, got '",
                     initialized, "'");

@@ -5,15 +5,18 @@
 
 #include <unordered_map>
 
+#include "shardema/detail/file_metadata.h"
 #include "shardema/module_tracking.h"
+#include "shardema/tensor_file.h"
+#include "shardema/detail/warning.h"
 
 namespace shardema {
 namespace {
 
 // The averager's progress travels in the checkpoint's metadata under this
 // prefix, next to (not mixed with) the trainer's own keys.
-constexpr const char* kEmaMetadataPrefix = "shardema.ema.";
-constexpr const char* kLibraryPrefix = "shardema.";
+constexpr const char* kEmaMetadataPrefix = detail::kEmaCallbackPrefix;
+constexpr const char* kLibraryPrefix = kMetadataPrefix;
 
 std::string withoutPrefix(const std::string& key, const std::string& prefix) {
   return key.compare(0, prefix.size(), prefix) == 0 ? key.substr(prefix.size()) : std::string();
@@ -39,7 +42,7 @@ void EmaCallback::onFitStart(torch::nn::Module& module) {
   averagerOptions.copyOnFirstUpdate = false;
   averager_ = std::make_unique<Averager>(trackModule(module, options_.policy), averagerOptions);
   if (!queuedState_) return;
-  if (queuedState_->metadata.count("shardema.kind")) {
+  if (queuedState_->metadata.count(detail::kKindKey)) {
     averager_->loadState(*queuedState_, LoadStrictness::kNonStrict);
   } else {
     averager_->loadEmaValues(queuedState_->tensors, LoadStrictness::kNonStrict);
@@ -165,7 +168,7 @@ EmaValidationScope::~EmaValidationScope() {
   try {
     callback_.onValidationEnd();
   } catch (const std::exception& e) {
-    TORCH_WARN("EmaValidationScope: restoring the raw weights failed: ", e.what());
+    detail::warn(std::string("EmaValidationScope: restoring the raw weights failed: ") + e.what());
   }
 }
 

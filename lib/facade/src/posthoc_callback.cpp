@@ -4,27 +4,29 @@
 #include "shardema/posthoc_callback.h"
 
 #include <c10/util/Exception.h>
-#include <c10/util/Logging.h>
 
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <set>
+#include <sstream>
 #include <unordered_map>
 
 #include "sharded_internal.h"
 #include "shardema/detail/posthoc_snapshot.h"
 #include "shardema/power_function.h"
 #include "shardema/shard/communicator.h"
+#include "shardema/detail/file_metadata.h"
 #include "shardema/tensor_file.h"
 #include "shardema/detail/update_kernels.h"
+#include "shardema/detail/warning.h"
 
 namespace shardema {
 namespace {
 
 constexpr const char* kApi = "PostHocCallback";
-constexpr const char* kCallsKey = "shardema.posthoc.calls";
+constexpr const char* kCallsKey = detail::kPostHocCallsKey;
 
 void checkSigma(double sigma, const char* what) {
   TORCH_CHECK_VALUE(std::isfinite(sigma) && sigma > 0 && sigma < kMaxSigmaRel, kApi, ": ", what,
@@ -291,9 +293,11 @@ std::string PostHocCallback::outputFolderOf(const PostHocCallbackOptions& option
 
 void PostHocCallback::onSaveCheckpoint(TrainingCheckpoint& checkpoint) const {
   if (calls_ > 0 && calls_ != newestSnapshot_) {
-    LOG(WARNING) << kApi << ": checkpoint saved at call " << calls_
-                 << ", which has no snapshot (they are written every " << options_.checkpointEvery
-                 << " calls); resuming from it will fail";
+    std::ostringstream message;
+    message << kApi << ": checkpoint saved at call " << calls_
+            << ", which has no snapshot (they are written every " << options_.checkpointEvery
+            << " calls); resuming from it will fail";
+    detail::warn(message.str());
   }
   checkpoint.metadata[kCallsKey] = std::to_string(calls_);
 }

@@ -4,7 +4,6 @@
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
-#include <c10/util/Logging.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <cstring>
@@ -18,9 +17,11 @@
 #include "shardema/posthoc_callback.h"
 #include "shardema/posthoc_folder_synthesis.h"
 #include "shardema/posthoc_snapshot_synthesis.h"
+#include "shardema/shard/agreement.h"
 #include "shardema/shard/communicator.h"
 #include "shardema/shard/gather.h"
 #include "shardema/tensor_file.h"
+#include "shardema/detail/warning.h"
 
 namespace shardema {
 namespace {
@@ -33,7 +34,7 @@ FolderSynthesisOptions synthesisOptions(const PostHocCallbackOptions& o, int64_t
   out.sigmaRel = o.defaultOutputSigma;
   out.step = step;
   out.normalize = o.normalize;
-  out.dtype = dtype;
+  out.outputDtype = dtype;
   out.bufferBytes = o.bufferBytes;
   return out;
 }
@@ -46,38 +47,32 @@ std::unordered_map<std::string, at::Tensor> byName(
 }
 
 // Fixed-size fingerprint of a solve, so ranks can check they synthesized
-// from the same snapshot set: [ok, used snapshots, target step, sum bits].
-at::Tensor solveFingerprint(const SynthesisWeights* weights) {
-  at::Tensor out = at::zeros({4}, at::kLong);
-  if (weights == nullptr) return out;
-  int64_t used = 0;
+// from the same snapshot set: [used snapshots, target step, sum bits].
+std::vector<uint64_t> solveFingerprint(const SynthesisWeights* weights) {
+  if (weights == nullptr) return {0, 0, 0};
+  uint64_t used = 0;
   for (bool u : weights->used) used += u ? 1 : 0;
-  int64_t sumBits = 0;
+  uint64_t sumBits = 0;
   std::memcpy(&sumBits, &weights->sum, sizeof sumBits);
-  int64_t* data = out.data_ptr<int64_t>();
-  data[0] = 1;
-  data[1] = used;
-  data[2] = weights->targetStep;
-  data[3] = sumBits;
-  return out;
+  return {used, static_cast<uint64_t>(weights->targetStep), sumBits};
 }
 
 // Every rank's solve must be the same system: a rank that lost a snapshot
 // (or failed, `ownError`) would otherwise mix other weights into its
-// shards. One all-gather of a fixed-size fingerprint; returns "" when all
-// agree, else what went wrong (the same text on every rank).
-std::string checkSolvesAgree(shard::Communicator& comm, const SynthesisWeights* mine,
-                             const std::string& what) {
-  at::Tensor all = at::empty({4 * comm.worldSize()}, at::kLong);
-  comm.allGather(solveFingerprint(mine), all, "PostHocCallback " + what + " check");
-  const int64_t* f = all.data_ptr<int64_t>();
-  for (int64_t r = 0; r < comm.worldSize(); ++r) {
-    if (f[4 * r] != 1) return "rank " + std::to_string(r) + " could not synthesize";
-    if (std::memcmp(f + 4 * r + 1, f + 1, 3 * sizeof(int64_t)) != 0) {
-      return "rank " + std::to_string(r) + " synthesized from another snapshot set than rank 0";
-    }
+// shards. One agreement over the fingerprints: every rank throws together
+// when one failed or solved another system than rank 0.
+void agreeOnSolves(shard::Communicator& comm, const SynthesisWeights* mine,
+                   const std::string& ownError, shard::AgreementRequest request) {
+  request.words = solveFingerprint(mine);
+  request.localError = ownError;
+  const shard::Agreement solves = shard::agreeAcrossRanks(comm, request);
+  int64_t differs = -1;
+  for (size_t i = 0; i < request.words.size(); ++i) {
+    const int64_t r = solves.firstRankDifferingFromRankZero(i);
+    if (r >= 0 && (differs < 0 || r < differs)) differs = r;
   }
-  return "";
+  TORCH_CHECK(differs < 0, request.api, ": ", request.consequence, ": rank ", differs,
+              " synthesized from another snapshot set than rank 0");
 }
 
 // `pieces` (this rank's, layout order) as full tensors when they are all
@@ -174,10 +169,10 @@ bool PostHocCallback::swapInSharded() {
     synth.reset();
   }
   if (collective) {
-    const std::string disagreement =
-        checkSolvesAgree(*ranks_.comm, synth ? &synth->weights : nullptr, "validation");
-    TORCH_CHECK(ownError.empty(), kApi, "::onValidationStart: ", ownError);
-    TORCH_CHECK(disagreement.empty(), kApi, "::onValidationStart: ", disagreement);
+    shard::AgreementRequest request;
+    request.api = std::string(kApi) + "::onValidationStart";
+    request.consequence = "the EMA was not swapped in";
+    agreeOnSolves(*ranks_.comm, synth ? &synth->weights : nullptr, ownError, request);
   }
   if (!swapWholeTensors_) {
     // Real shards (FSDP locals): each rank swaps what it holds.
@@ -205,10 +200,11 @@ bool PostHocCallback::swapInRankZero() {
                     " the rank-0 placement broadcasts the synthesized weights and needs "
                     "ranks.comm");
   // Rank 0 decides (it alone holds the EMA and its snapshot count) and
-  // says so before any tensor moves: 1 swap, 0 no snapshot yet, -1 failed.
+  // says so before any tensor moves: 1 swap, 0 no snapshot yet, or every
+  // rank fails with rank 0's error.
   std::unordered_map<std::string, at::Tensor> values;
   std::exception_ptr failure;
-  at::Tensor decision = at::zeros({1}, at::kLong);
+  uint64_t decision = 0;
   if (ranks_.rank == 0) {
     try {
       wait();
@@ -225,18 +221,28 @@ bool PostHocCallback::swapInRankZero() {
                             options_.checkpointFolder, " hold no '", target.name, "' of ",
                             target.source.numel(), " elements");
         }
-        decision.fill_(1);
+        decision = 1;
       }
     } catch (...) {
       failure = std::current_exception();
-      decision.fill_(-1);
     }
   }
-  if (collective) ranks_.comm->broadcast(decision, 0, "PostHocCallback validation decision");
-  if (failure) std::rethrow_exception(failure);
-  TORCH_CHECK(decision.item<int64_t>() != -1, kApi,
-              "::onValidationStart: rank 0 could not synthesize the EMA (see its error)");
-  if (decision.item<int64_t>() == 0) return false;
+  if (collective) {
+    shard::AgreementRequest request;
+    request.api = std::string(kApi) + "::onValidationStart";
+    request.consequence = "the EMA was not swapped in";
+    request.words = {decision};
+    request.localError = failure ? detail::errorMessage(failure) : std::string();
+    try {
+      decision = shard::agreeAcrossRanks(*ranks_.comm, request).words[0][0];
+    } catch (...) {
+      if (failure) std::rethrow_exception(failure);  // rank 0 keeps its own error
+      throw;
+    }
+  } else if (failure) {
+    std::rethrow_exception(failure);
+  }
+  if (decision == 0) return false;
   keepRawForValidation();
   try {
     torch::NoGradGuard noGrad;
@@ -261,8 +267,8 @@ std::string PostHocCallback::onTrainEnd() {
   TORCH_CHECK(averager_ != nullptr, kApi, "::onTrainEnd: called before onFitStart");
   TORCH_CHECK(!emaSwappedIn(), kApi, "::onTrainEnd: call onValidationEnd() first");
   if (calls_ == 0) {
-    LOG(WARNING) << kApi << "::onTrainEnd: no call was counted (startIter " << options_.startIter
-                 << "); nothing to synthesize";
+    detail::warn(std::string(kApi) + "::onTrainEnd: no call was counted (startIter " +
+                 std::to_string(options_.startIter) + "); nothing to synthesize");
     return "";
   }
   if (options_.placement == PostHocPlacement::kSharded) return finishSharded();
@@ -323,12 +329,15 @@ std::string PostHocCallback::finishSharded() {
     writeTensorFile(path, file);
     return path;
   }
-  const std::string disagreement =
-      checkSolvesAgree(*ranks_.comm, synth ? &synth->weights : nullptr, "synthesis");
+  shard::AgreementRequest request;
+  request.api = std::string(kApi) + "::onTrainEnd";
+  request.consequence = "no deployable weights were written";
+  // A gather's checks failed so before: keep the type callers saw.
+  request.failureIsValueError = true;
+  agreeOnSolves(*ranks_.comm, synth ? &synth->weights : nullptr, localError, request);
   shard::GatherOptions gather;
   gather.root = 0;
   gather.bufferBytes = options_.bufferBytes;
-  gather.localError = !localError.empty() ? localError : disagreement;
   detail::exportPieces(*ranks_.comm, path, layout, pieces, options_.outputDtype, metadata, gather,
                        "PostHocCallback::onTrainEnd");
   return ranks_.rank == 0 ? path : "";

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "shardema/detail/file_metadata.h"
 #include "shardema/detail/posthoc_snapshot.h"
 #include "shardema/posthoc_snapshot_synthesis.h"
 #include "shardema/shard/shard_layout.h"
@@ -27,12 +28,6 @@ using detail::WeightedReaders;
 
 bool isFloating(at::ScalarType type) { return at::isFloatingType(type); }
 
-std::string decimal17(double value) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.17g", value);
-  return text;
-}
-
 // Appends the synthesized range to the output file.
 void appendSynthesized(const WeightedReaders& used, const std::string& name, at::ScalarType type,
                        int64_t begin, int64_t count, int64_t roundElements, c10::ScalarType outType,
@@ -45,11 +40,11 @@ void appendSynthesized(const WeightedReaders& used, const std::string& name, at:
 
 std::map<std::string, std::string> synthesizedMetadata(const SynthesisWeights& solve,
                                                        bool normalize) {
-  return {{"shardema.kind", "deployable_weights"},
-          {"shardema.sigma_rel", decimal17(solve.targetSigmaRel)},
-          {"shardema.gamma", decimal17(solve.targetGamma)},
-          {"shardema.step", std::to_string(solve.targetStep)},
-          {"shardema.synthesis", normalize ? "normalized" : "raw"}};
+  detail::DeployableInfo info;
+  info.step = solve.targetStep;
+  info.synthesized =
+      detail::DeployableInfo::Synthesized{solve.targetSigmaRel, solve.targetGamma, normalize};
+  return detail::deployableMetadata(info);
 }
 
 namespace {
@@ -64,7 +59,7 @@ void synthesizeFull(const std::vector<SnapshotEntry>& entries, const SynthesisWe
   for (const TensorEntry& entry : newest.header().tensors) {
     const at::ScalarType type = checkTensor(used, entry.name, entry.numel());
     types.push_back(type);
-    outEntries.push_back({entry.name, isFloating(type) ? options.dtype : type, entry.shape});
+    outEntries.push_back({entry.name, isFloating(type) ? options.outputDtype : type, entry.shape});
   }
   for (const auto& reader : used.readers) {
     TORCH_CHECK_VALUE(reader->header().tensors.size() == outEntries.size(),
@@ -76,7 +71,7 @@ void synthesizeFull(const std::vector<SnapshotEntry>& entries, const SynthesisWe
   std::vector<double> scratch;
   for (size_t t = 0; t < outEntries.size(); ++t) {
     const int64_t numel = newest.header().tensors[t].numel();
-    appendSynthesized(used, outEntries[t].name, types[t], 0, numel, round, options.dtype, scratch,
+    appendSynthesized(used, outEntries[t].name, types[t], 0, numel, round, options.outputDtype, scratch,
                       writer);
   }
   writer.commit();
@@ -127,7 +122,7 @@ void synthesizeSharded(const SnapshotFolder& folder, const SynthesisWeights& sol
       seen = true;
     }
     types.push_back(type);
-    outEntries.push_back({spec.name, isFloating(type) ? options.dtype : type, spec.globalShape});
+    outEntries.push_back({spec.name, isFloating(type) ? options.outputDtype : type, spec.globalShape});
   }
   TensorFileWriter writer(outPath, outEntries, synthesizedMetadata(solve, options.normalize));
   const int64_t round = std::max<int64_t>(1, options.bufferBytes / 8);
@@ -137,7 +132,7 @@ void synthesizeSharded(const SnapshotFolder& folder, const SynthesisWeights& sol
     for (size_t r = 0; r < ranks.size(); ++r) {
       const int64_t size = spec.rangeOf(static_cast<int64_t>(r)).size();
       if (size == 0) continue;
-      appendSynthesized(ranks[r], spec.name, types[t], 0, size, round, options.dtype, scratch,
+      appendSynthesized(ranks[r], spec.name, types[t], 0, size, round, options.outputDtype, scratch,
                         writer);
     }
   }

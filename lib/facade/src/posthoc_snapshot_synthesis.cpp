@@ -21,7 +21,7 @@ SynthesizedTensors synthesizeSnapshots(const std::vector<SnapshotEntry>& entries
   for (const TensorEntry& entry : newest.header().tensors) {
     const int64_t numel = entry.numel();
     const at::ScalarType type = detail::checkTensor(used, entry.name, numel);
-    const at::ScalarType outType = at::isFloatingType(type) ? options.dtype : type;
+    const at::ScalarType outType = at::isFloatingType(type) ? options.outputDtype : type;
     at::Tensor result = at::empty({numel}, at::TensorOptions().dtype(outType));
     int64_t filled = 0;
     detail::synthesizeRange(used, entry.name, type, 0, numel, round, outType, scratch,

@@ -16,7 +16,7 @@ void checkShard(const LocalShard& shard, int64_t rank, int64_t worldSize) {
   const shard::ShardSpec& spec = shard.spec;
   shard::checkShardSpec(spec);
   TORCH_CHECK_VALUE(spec.worldSize() == worldSize, kApi, ": tensor '", spec.name,
-                    "' has a spec for ", spec.worldSize(), " ranks but the first tensor's is for ",
+                    "' has a spec for ", spec.worldSize(), " ranks but the world size is ",
                     worldSize, "; every spec must describe the same job");
   TORCH_CHECK_VALUE(rank >= 0 && rank < worldSize, kApi, ": rank ", rank,
                     " is outside the world size ", worldSize, " of tensor '", spec.name, "'");
@@ -37,7 +37,6 @@ void checkShard(const LocalShard& shard, int64_t rank, int64_t worldSize) {
 std::vector<LocalShard> checkedShards(int64_t rank, std::vector<LocalShard> shards,
                                       int64_t worldSize) {
   std::unordered_set<std::string> names;
-  if (worldSize < 0) worldSize = shards.empty() ? 0 : shards.front().spec.worldSize();
   for (const LocalShard& shard : shards) {
     checkShard(shard, rank, worldSize);
     TORCH_CHECK_VALUE(names.insert(shard.spec.name).second, kApi, ": tensor '", shard.spec.name,
@@ -101,16 +100,6 @@ shard::ShardSpec specFor(const TrackedTensor& tensor, shard::LayoutKind kind, in
 }
 
 }  // namespace
-
-ShardedAverager::ShardedAverager(int64_t rank, std::vector<LocalShard> shards,
-                                 AveragerOptions options)
-    : rank_(rank),
-      shards_(checkedShards(rank, std::move(shards), -1)),
-      layout_(layoutOf(shards_)),
-      averager_(trackedOf(shards_), std::move(options)) {
-  worldSize_ = layout_.worldSize();
-  TORCH_CHECK_VALUE(rank >= 0, kApi, ": rank must be >= 0, got ", rank);
-}
 
 ShardedAverager::ShardedAverager(int64_t rank, int64_t worldSize, std::vector<LocalShard> shards,
                                  AveragerOptions options)

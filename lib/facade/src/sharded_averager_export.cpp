@@ -107,9 +107,9 @@ void detail::exportPieces(shard::Communicator& comm, const std::string& path,
 }
 
 void ShardedAverager::exportFull(shard::Communicator& comm, const std::string& path,
-                                 c10::ScalarType dtype, shard::GatherOptions options) const {
+                                 c10::ScalarType outputDtype, shard::GatherOptions options) const {
   constexpr const char* kExportApi = "ShardedAverager::exportFull";
-  detail::checkExportDtype(dtype, kExportApi);
+  detail::checkExportDtype(outputDtype, kExportApi);
   TORCH_CHECK_VALUE(options.root >= 0 && options.root < comm.worldSize(), kExportApi,
                     ": options.root must name one rank in [0, ", comm.worldSize(), "), got ",
                     options.root);
@@ -124,8 +124,8 @@ void ShardedAverager::exportFull(shard::Communicator& comm, const std::string& p
     options.localError = detail::currentErrorMessage();
   }
   detail::exportPieces(
-      comm, path, layout_, pieces, dtype,
-      detail::deployableMetadata(averager_.step(), averager_.schedule(), worldSize_), options,
+      comm, path, layout_, pieces, outputDtype,
+      detail::exportedMetadata(averager_.step(), averager_.schedule(), worldSize_), options,
       kExportApi);
 }
 

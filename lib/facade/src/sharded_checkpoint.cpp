@@ -135,14 +135,14 @@ void loadRankState(const std::string& dir, ShardedAverager& averager) {
   const TensorFileReader reader(detail::joinPath(dir, record.name));
   checkNoUnknownTensors(reader, averager.layout());
   const auto& metadata = reader.header().metadata;
-  const auto rank = metadata.find("shardema.rank");
+  const auto rank = metadata.find(detail::kRankKey);
   TORCH_CHECK_VALUE(rank != metadata.end() && rank->second == std::to_string(averager.rank()),
-                    reader.path(), ": shardema.rank is '",
+                    reader.path(), ": ", detail::kRankKey, " is '",
                     rank == metadata.end() ? std::string("absent") : rank->second, "', expected ",
                     averager.rank());
-  const auto step = metadata.find("shardema.step");
+  const auto step = metadata.find(detail::kStepKey);
   TORCH_CHECK_VALUE(step != metadata.end() && step->second == std::to_string(manifest.step),
-                    reader.path(), ": shardema.step is '",
+                    reader.path(), ": ", detail::kStepKey, " is '",
                     step == metadata.end() ? std::string("absent") : step->second,
                     "' but the manifest records step ", manifest.step);
   averager.averager().loadState(readRankTensors(reader, averager), LoadStrictness::kStrict);

@@ -44,9 +44,9 @@ void checkRankFile(const TensorFileReader& reader, const RankManifest& manifest,
                       entry.numel());
   }
   const auto& metadata = reader.header().metadata;
-  const auto step = metadata.find("shardema.step");
+  const auto step = metadata.find(detail::kStepKey);
   TORCH_CHECK_VALUE(step != metadata.end() && step->second == std::to_string(manifest.step),
-                    reader.path(), ": shardema.step is '",
+                    reader.path(), ": ", detail::kStepKey, " is '",
                     step == metadata.end() ? std::string("absent") : step->second,
                     "' but the manifest records step ", manifest.step);
 }
@@ -136,19 +136,19 @@ RankManifest validateCheckpoint(const std::string& dir) { return openCheckpoint(
 
 ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFile,
                                ExportOptions options) {
-  detail::checkExportDtype(options.dtype, "exportCheckpoint");
+  detail::checkExportDtype(options.outputDtype, "exportCheckpoint");
   TORCH_CHECK_VALUE(options.bufferBytes > 0, "exportCheckpoint: bufferBytes must be > 0, got ",
                     options.bufferBytes);
   const OpenCheckpoint source = openCheckpoint(dir);
   const shard::ShardLayout& layout = source.manifest.layout;
   std::vector<TensorFileEntry> entries;
   for (size_t i = 0; i < layout.specs.size(); ++i) {
-    entries.push_back({layout.specs[i].name, detail::exportedDtype(source.dtypes[i], options.dtype),
+    entries.push_back({layout.specs[i].name, detail::exportedDtype(source.dtypes[i], options.outputDtype),
                        layout.specs[i].globalShape});
   }
   TensorFileWriter writer(outFile, entries,
-                          detail::deployableMetadata(source.manifest.step, source.manifest.schedule,
-                                                     source.manifest.worldSize()));
+                          detail::exportedMetadata(source.manifest.step, source.manifest.schedule,
+                                                   source.manifest.worldSize()));
   for (size_t i = 0; i < layout.specs.size(); ++i) {
     const shard::ShardSpec& spec = layout.specs[i];
     int64_t largest = 0;

@@ -8,6 +8,7 @@
 #include <system_error>
 
 #include "sharded_internal.h"
+#include "shardema/detail/file_metadata.h"
 #include "shardema/detail/rank_manifest.h"
 
 namespace shardema {
@@ -36,11 +37,19 @@ std::string currentErrorMessage() {
   }
 }
 
+std::string errorMessage(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (...) {
+    return currentErrorMessage();
+  }
+}
+
 std::map<std::string, std::string> rankMetadata(std::map<std::string, std::string> metadata,
                                                 int64_t rank, const shard::ShardLayout& layout) {
-  metadata["shardema.rank"] = std::to_string(rank);
-  metadata["shardema.world_size"] = std::to_string(layout.worldSize());
-  metadata["shardema.layout_fingerprint"] = layout.fingerprint();
+  metadata[kRankKey] = std::to_string(rank);
+  metadata[kWorldSizeKey] = std::to_string(layout.worldSize());
+  metadata[kLayoutFingerprintKey] = layout.fingerprint();
   return metadata;
 }
 
@@ -53,12 +62,12 @@ c10::ScalarType exportedDtype(c10::ScalarType stored, c10::ScalarType dtype) {
   return c10::isFloatingType(stored) ? dtype : stored;
 }
 
-std::map<std::string, std::string> deployableMetadata(int64_t step, const DecaySchedule& schedule,
-                                                      int64_t sourceWorldSize) {
-  return {{"shardema.kind", "deployable_weights"},
-          {"shardema.step", std::to_string(step)},
-          {"shardema.schedule", schedule.toJson()},
-          {"shardema.source_world_size", std::to_string(sourceWorldSize)}};
+std::map<std::string, std::string> exportedMetadata(int64_t step, const DecaySchedule& schedule,
+                                                    int64_t sourceWorldSize) {
+  DeployableInfo info;
+  info.step = step;
+  info.exported = DeployableInfo::Exported{schedule.toJson(), sourceWorldSize};
+  return deployableMetadata(info);
 }
 
 int64_t elementsPerPiece(int64_t bufferBytes, c10::ScalarType dtype) {

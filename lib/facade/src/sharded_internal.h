@@ -4,11 +4,13 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <exception>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "shardema/decay_schedule.h"
+#include "shardema/detail/file_metadata.h"
 #include "shardema/shard/gather.h"
 #include "shardema/shard/shard_layout.h"
 
@@ -22,6 +24,8 @@ void ensureDirectory(const std::string& dir, const char* api);
 /// The message of the exception in flight (call inside a catch): c10's
 /// without backtrace, std::exception's what(), or "unknown exception".
 std::string currentErrorMessage();
+/// The same for a captured exception.
+std::string errorMessage(const std::exception_ptr& error);
 /// A rank file's metadata: the Averager state's plus shardema.rank,
 /// shardema.world_size and shardema.layout_fingerprint.
 std::map<std::string, std::string> rankMetadata(std::map<std::string, std::string> metadata,
@@ -34,9 +38,10 @@ void checkExportDtype(c10::ScalarType dtype, const char* api);
 /// floating tensors convert, integer/bool copies keep theirs.
 c10::ScalarType exportedDtype(c10::ScalarType stored, c10::ScalarType dtype);
 
-/// Metadata of a deployable weights file (DESIGN section 5).
-std::map<std::string, std::string> deployableMetadata(int64_t step, const DecaySchedule& schedule,
-                                                      int64_t sourceWorldSize);
+/// Metadata of an exported EMA's deployable weights file (DESIGN section
+/// 5): detail::deployableMetadata with the schedule and world size it ran.
+std::map<std::string, std::string> exportedMetadata(int64_t step, const DecaySchedule& schedule,
+                                                    int64_t sourceWorldSize);
 
 /// Elements per piece for a buffer bound of `bufferBytes` (at least 1).
 int64_t elementsPerPiece(int64_t bufferBytes, c10::ScalarType dtype);

@@ -2,13 +2,14 @@
 
 #include <c10/util/Exception.h>
 
+#include "shardema/detail/file_metadata.h"
 #include "shardema/tensor_file.h"
 
 namespace shardema {
 namespace {
 
-constexpr const char* kKindKey = "shardema.kind";
-constexpr const char* kCheckpointKind = "training_checkpoint";
+using detail::kKindKey;
+constexpr const char* kCheckpointKind = detail::kTrainingCheckpointKind;
 
 bool startsWith(const std::string& text, const std::string& prefix) {
   return text.compare(0, prefix.size(), prefix) == 0;

@@ -56,8 +56,10 @@ SynthesisWeights solveFor(const std::vector<SnapshotEntry>& entries,
 
 void checkSynthesisOptions(const FolderSynthesisOptions& options) {
   TORCH_CHECK_VALUE(
-      options.dtype == at::kFloat || options.dtype == at::kBFloat16 || options.dtype == at::kHalf,
-      "synthesize: dtype must be float32, bfloat16 or float16 (got ", options.dtype, ")");
+      options.outputDtype == at::kFloat || options.outputDtype == at::kBFloat16 ||
+          options.outputDtype == at::kHalf,
+      "synthesize: outputDtype must be float32, bfloat16 or float16 (got ", options.outputDtype,
+      ")");
   TORCH_CHECK_VALUE(options.bufferBytes >= 64, "synthesize: bufferBytes (", options.bufferBytes,
                     ") must be >= 64");
 }

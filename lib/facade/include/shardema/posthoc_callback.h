@@ -58,8 +58,14 @@ struct PostHocCallbackOptions {
   /// most kMaxProfiles. Default {0.05, 0.1} (the seed's).
   std::vector<double> sigmaRels = {0.05, 0.1};
   /// Profiles update on calls n with (n - 1) % updateEvery == 0. Default 1.
+  /// Larger: less update work per step (1 / updateEvery of it), but each
+  /// update covers more steps, so the profiles follow the weights more
+  /// coarsely.
   int64_t updateEvery = 1;
-  /// Snapshot when calls % checkpointEvery == 0. Default 5000.
+  /// Snapshot when calls % checkpointEvery == 0. Default 5000. Larger:
+  /// fewer snapshot files (each one full EMA per profile, written with the
+  /// training paused for its copy) but a coarser grid of (step, gamma) for
+  /// the synthesis, and resuming is only possible from a snapshot call.
   int64_t checkpointEvery = 5000;
   /// Where the snapshots go (created if missing). Required: the seed's
   /// default is derived from its trainer's output folder, which we do not
@@ -92,11 +98,16 @@ struct PostHocCallbackOptions {
   /// output folder that is the snapshot folder is refused.
   std::string outputFolder;
   std::string outputPrefix = "shardema_ema_final";
-  /// dtype of the deployable floating tensors (float32, bfloat16, float16).
+  /// dtype of the deployable floating tensors: float32 (default), bfloat16
+  /// or float16. Smaller types halve the file and lose precision; the
+  /// synthesis itself always accumulates in float64.
   c10::ScalarType outputDtype = c10::ScalarType::Float;
   /// edm2 normalisation of the synthesis weights. Default off (raw solve).
   bool normalize = false;
-  /// Bound on the synthesis accumulators and each gather round. 64 MiB.
+  /// Bound on the synthesis accumulators (float64) and on each gather
+  /// round. Default 64 MiB. Larger: fewer rounds and fewer, larger reads
+  /// of every snapshot (faster on slow storage and networks); costs that
+  /// much more host memory, once per snapshot reader plus the round.
   int64_t bufferBytes = int64_t{64} << 20;
 };
 

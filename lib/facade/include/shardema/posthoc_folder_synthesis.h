@@ -25,10 +25,13 @@ struct FolderSynthesisOptions {
   int64_t step = 0;
   /// edm2 normalisation of the weights (default off: the raw solve).
   bool normalize = false;
-  /// dtype of the floating tensors written (float32, bfloat16, float16).
-  c10::ScalarType dtype = c10::ScalarType::Float;
+  /// dtype of the floating tensors written: float32 (default), bfloat16 or
+  /// float16. Integer/bool tensors (copied buffers) keep theirs.
+  c10::ScalarType outputDtype = c10::ScalarType::Float;
   /// Elements accumulated per round are bounded by bufferBytes / 8 (float64
-  /// accumulators). Default 64 MiB.
+  /// accumulators). Default 64 MiB. Larger: fewer rounds, so fewer and
+  /// larger reads of every snapshot (faster on slow storage); costs that
+  /// much more host memory for the accumulators and the read buffers.
   int64_t bufferBytes = int64_t{64} << 20;
 };
 

@@ -26,7 +26,7 @@ struct SynthesizedTensors {
   SynthesisWeights weights;
   /// In the newest used snapshot's order, under its names and shapes.
   /// Floating tensors: the weighted sum accumulated in float64, converted
-  /// to options.dtype; integer/bool tensors: the newest used snapshot's.
+  /// to options.outputDtype; integer/bool tensors: the newest used snapshot's.
   std::vector<std::pair<std::string, at::Tensor>> tensors;
 };
 

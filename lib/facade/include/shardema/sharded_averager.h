@@ -45,15 +45,13 @@ struct LocalShard {
 
 class ShardedAverager {
  public:
-  /// Validates every shard (spec invariants, rank inside the world size, one
-  /// world size for all, unique names, local numel == the rank's range size,
-  /// local dtype == spec dtype: c10::ValueError naming the tensor), then
-  /// builds the Averager over the local shards under their global names.
-  /// An empty shard list is allowed, but then worldSize() is 0 and the
-  /// collectives refuse every communicator: use the overload below.
-  ShardedAverager(int64_t rank, std::vector<LocalShard> shards, AveragerOptions options = {});
-  /// As above with the world size given (every spec must have it; rank in
-  /// [0, worldSize)): works with an empty shard list too.
+  /// Validates every shard (spec invariants, every spec for `worldSize`
+  /// ranks, rank in [0, worldSize), unique names, local numel == the rank's
+  /// range size, local dtype == spec dtype: c10::ValueError naming the
+  /// tensor), then builds the Averager over the local shards under their
+  /// global names. An empty shard list is allowed (a rank that owns
+  /// nothing). The world size is a parameter rather than read off the specs
+  /// so that such a rank still knows its job's size. Does not block.
   ShardedAverager(int64_t rank, int64_t worldSize, std::vector<LocalShard> shards,
                   AveragerOptions options = {});
   ShardedAverager(const ShardedAverager&) = delete;
@@ -96,7 +94,7 @@ class ShardedAverager {
   /// Collective: streams the full EMA to options.root (>= 0), which writes
   /// one deployable safetensors file at `path` tensor by tensor
   /// (TensorFileWriter), never holding more than options.bufferBytes of
-  /// gathered data. Floating tensors are written as `dtype` (float32,
+  /// gathered data. Floating tensors are written as `outputDtype` (float32,
   /// bfloat16 or float16); integer/bool copies keep their dtype. Metadata:
   /// shardema.kind=deployable_weights, shardema.step, shardema.schedule.
   /// Crash-safe: a failure leaves any old file at `path` as it was. If the
@@ -105,7 +103,7 @@ class ShardedAverager {
   /// the root's append/commit fails, every rank fails after the gather.
   /// Blocks.
   void exportFull(shard::Communicator& comm, const std::string& path,
-                  c10::ScalarType dtype = c10::ScalarType::Float,
+                  c10::ScalarType outputDtype = c10::ScalarType::Float,
                   shard::GatherOptions options = {}) const;
 
  private:

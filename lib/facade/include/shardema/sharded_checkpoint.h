@@ -88,9 +88,11 @@ RankManifest validateCheckpoint(const std::string& dir);
 struct ExportOptions {
   /// dtype of floating tensors in the output: float32 (default), bfloat16
   /// or float16. Integer/bool tensors (copied buffers) keep theirs.
-  c10::ScalarType dtype = c10::ScalarType::Float;
+  c10::ScalarType outputDtype = c10::ScalarType::Float;
   /// Bound on the elements' bytes read per piece (source dtype); memory use
-  /// is about twice this. Default 8 MiB; smaller saves memory, costs calls.
+  /// is about twice this. Default 8 MiB. Larger: fewer, larger reads and
+  /// appends (faster on storage with high per-call cost); costs about twice
+  /// that in host memory. Smaller saves memory and costs calls.
   int64_t bufferBytes = int64_t{8} << 20;
 };
 
@@ -116,7 +118,7 @@ ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFil
 /// manifest (unique names as saveShardedCheckpoint; an old checkpoint in
 /// `outDir` stays valid until the new manifest replaces it). Loading it on target.worldSize() ranks
 /// with the target layout gives what a gather of the source followed by a scatter would.
-/// options.dtype is ignored (states keep their dtypes). Blocks.
+/// options.outputDtype is ignored (states keep their dtypes). Blocks.
 ExportSummary reshardCheckpoint(const std::string& dir, const std::string& outDir,
                                 const shard::ShardLayout& target, ExportOptions options = {});
 /// reshardCheckpoint to shard::relayout(source layout, newWorldSize).

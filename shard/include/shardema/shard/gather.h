@@ -27,7 +27,10 @@ struct GatherOptions {
   /// Upper bound on the bytes one round moves into the receiving rank (all
   /// ranks' padded pieces together). A tensor larger than this is gathered
   /// in several rounds, so the receiver's memory stays bounded whatever the
-  /// model size. Default 64 MiB; smaller saves memory, costs latency.
+  /// model size. Default 64 MiB. Larger: fewer rounds, so fewer collectives
+  /// and their per-call latency; costs that much more memory on the
+  /// receiving rank(s) (and in packing buffers on the senders). Every rank
+  /// must pass the same value: it decides the rounds.
   int64_t bufferBytes = int64_t{64} << 20;
   /// Non-empty: this rank cannot take part (e.g. its own wait for the data
   /// failed), so it joins only the first exchange, moves no data and does
@@ -86,14 +89,15 @@ std::vector<std::pair<std::string, at::Tensor>> gatherFull(Communicator& comm,
                                                            const std::vector<at::Tensor>& locals,
                                                            GatherOptions options = {});
 
-/// The inverse: `full` (layout order, global shapes; needed on `root` only,
-/// ignored elsewhere) is cut into every rank's range; returns this rank's
-/// pieces as 1-D tensors of full's dtypes, layout order. Blocks. Bounded
-/// like gatherStreaming (bufferBytes per round). `root` is the parameter
-/// (options.root is ignored); it, options.bufferBytes and
-/// options.localError are checked and agreed on like gatherStreaming's.
+/// The inverse: `full` (layout order, global shapes; needed on
+/// options.root only, ignored elsewhere) is cut into every rank's range;
+/// returns this rank's pieces as 1-D tensors of full's dtypes, layout
+/// order. Blocks. Bounded like gatherStreaming (bufferBytes per round).
+/// options.root must name one rank (-1 is refused: one rank sends);
+/// it, options.bufferBytes and options.localError are checked and agreed
+/// on like gatherStreaming's.
 std::vector<at::Tensor> scatterFull(Communicator& comm, const ShardLayout& layout,
-                                    const std::vector<at::Tensor>& full, int64_t root = 0,
+                                    const std::vector<at::Tensor>& full,
                                     GatherOptions options = {});
 
 }  // namespace shard

@@ -28,8 +28,9 @@ struct SynthesisOptions {
   /// are divided by their sum so they add up to exactly 1.
   bool normalize = false;
   /// Condition numbers (1-norm) above this set SynthesisWeights::
-  /// badlyConditioned and log a warning naming the value. Default 1e12:
-  /// float64 then keeps about 4 significant digits of the weights.
+  /// badlyConditioned and emit a warning (detail::warn) naming the value.
+  /// Default 1e12: float64 then keeps about 4 significant digits of the
+  /// weights. Larger: fewer warnings, less accurate weights let through.
   double warnConditionAbove = 1e12;
 };
 
