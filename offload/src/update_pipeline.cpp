@@ -13,10 +13,12 @@
 #include <chrono>
 #include <cstring>
 #include <sstream>
+#include <string>
 #include <utility>
 
 #include "error_text.h"
 #include "shardema/detail/tensor_update.h"
+#include "shardema/detail/warning.h"
 #include "shardema/offload/pinned_arena.h"
 #include "shardema/offload/worker_pool.h"
 
@@ -126,8 +128,8 @@ UpdatePipeline::~UpdatePipeline() {
   try {
     wait();
   } catch (const c10::Error& e) {
-    TORCH_WARN("UpdatePipeline: an update failed and nobody waited for it: ",
-               e.what_without_backtrace());
+    detail::warn(std::string("UpdatePipeline: an update failed and nobody waited for it: ") +
+                 e.what_without_backtrace());
   }
   // Completion callbacks may still be returning on the engine's thread.
   options_.engine->synchronize();
