@@ -183,6 +183,15 @@ TEST(AveragerPipelineTest, AWorkerFailureMarksTheAveragerFailedUntilAStateIsLoad
   }
 }
 
+// The test seam reaches only a pipeline: kDevice has none to fault.
+TEST(AveragerPipelineTest, FaultInjectionNeedsAPinnedHostAverager) {
+  AveragerOptions options;
+  options.placement = EmaPlacement::kDevice;
+  Averager averager({{"a", at::zeros({4}), TrackRole::kAverage}}, options);
+  EXPECT_THROW(detail::AveragerFaultInjection::inject(averager, {/*step=*/1, /*chunk=*/0}),
+               c10::ValueError);
+}
+
 // The destructor waits for an update in flight (no use after free under
 // TSan/ASan), and a moved Averager keeps working.
 TEST(AveragerPipelineTest, DestructorAndMoveWaitForTheUpdateInFlight) {

@@ -199,6 +199,16 @@ TEST(MakeCopyEngineTest, AutoPicksCudaOnlyWithADevice) {
 }
 
 // kCuda where it cannot work is an error that says why and what to use.
+// The pipeline checks each chunk's sources after landing (check (b)) only
+// where a copy's completion is on the host's timeline; CUDA's is not.
+TEST(CopyEngineTest, OnlyHostSideEnginesCopyOnTheHostTimeline) {
+  EXPECT_TRUE(HostCopyEngine().copiesOnHostTimeline());
+  EXPECT_TRUE(makeCopyEngine(EngineChoice::kHost)->copiesOnHostTimeline());
+  if (CudaCopyEngine::compiledIn() && probeCudaDevices().deviceCount > 0) {
+    EXPECT_FALSE(makeCopyEngine(EngineChoice::kCuda)->copiesOnHostTimeline());
+  }
+}
+
 TEST(MakeCopyEngineTest, CudaWithoutDeviceIsAClearError) {
   if (CudaCopyEngine::compiledIn() && probeCudaDevices().deviceCount > 0) {
     EXPECT_STREQ(makeCopyEngine(EngineChoice::kCuda)->name(), "cuda");
