@@ -7,6 +7,7 @@
 
 #include "flag_parser.h"
 #include "flagged_command.h"
+#include "shardema/detail/regular_file.h"
 #include "shardema/sharded_checkpoint.h"
 
 namespace shardema::cli {
@@ -34,11 +35,13 @@ ExportOptions optionsFromFlags(const ParsedFlags& flags) {
 }
 
 std::string readLayoutFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in.good()) throw UsageError("--layout " + path + ": cannot be opened");
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
+  // A layout is JSON of a few hundred bytes per tensor; the bound keeps a
+  // hostile or wrong file (a FIFO, a huge one) from hanging or flooding us.
+  try {
+    return detail::readSmallRegularFile(path, "layout file", uint64_t{64} << 20);
+  } catch (const c10::ValueError& e) {
+    throw UsageError(std::string("--layout ") + e.what_without_backtrace());
+  }
 }
 
 // Reshards to exactly the layout the new job has (ShardLayout::toJson), so

@@ -8,8 +8,8 @@
 
 #include "flag_parser.h"
 #include "shardema/detail/checksum.h"
-#include "shardema/sharded_checkpoint.h"
 #include "shardema/detail/tensor_file_reader.h"
+#include "shardema/sharded_checkpoint.h"
 
 namespace shardema::cli {
 namespace {
@@ -26,8 +26,10 @@ void printFile(const std::string& path, std::ostream& out) {
   if (::stat(path.c_str(), &info) != 0) {
     throw UsageError(path + ": cannot stat (" + std::strerror(errno) + ")");
   }
+  reader.verifyChecksums();
   out << "file " << path << ": " << reader.header().tensors.size() << " tensors, " << info.st_size
-      << " bytes, xxh64 " << checksumHex(fileChecksum(path)) << '\n';
+      << " bytes, xxh64 " << checksumHex(fileChecksum(path)) << ", tensor checksums "
+      << (reader.hasChecksums() ? "ok" : "absent (not written by shardema)") << '\n';
   for (const auto& [key, value] : reader.header().metadata) {
     out << "  metadata " << key << " = " << value << '\n';
   }

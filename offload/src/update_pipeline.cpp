@@ -128,8 +128,9 @@ UpdatePipeline::~UpdatePipeline() {
   try {
     wait();
   } catch (const c10::Error& e) {
-    detail::warn(std::string("UpdatePipeline: an update failed and nobody waited for it: ") +
-                 e.what_without_backtrace());
+    shardema::detail::warn(
+        std::string("UpdatePipeline: an update failed and nobody waited for it: ") +
+        e.what_without_backtrace());
   }
   // Completion callbacks may still be returning on the engine's thread.
   options_.engine->synchronize();

@@ -11,8 +11,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <iterator>
 #include <future>
+#include <iterator>
 #include <string>
 
 #include "shardema/detail/checksum.h"

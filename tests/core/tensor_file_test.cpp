@@ -151,11 +151,10 @@ TEST(TensorFileTest, WritesTheSafetensorsLayoutExactly) {
     return checksumHex(xxh64(text.data(), text.size()));
   };
   const std::string checksums = "{\"b\":\"" + digest("I16[3]", file.tensors[0].second) +
-                                "\",\"a\":\"" + digest("F64[2,2]", file.tensors[1].second) +
-                                "\"}";
-  EXPECT_EQ(json["__metadata__"], (nlohmann::json{{"shardema.format", "1"},
-                                                  {"shardema.step", "7"},
-                                                  {"shardema.xxh64", checksums}}));
+                                "\",\"a\":\"" + digest("F64[2,2]", file.tensors[1].second) + "\"}";
+  EXPECT_EQ(json["__metadata__"],
+            (nlohmann::json{
+                {"shardema.format", "1"}, {"shardema.step", "7"}, {"shardema.xxh64", checksums}}));
   EXPECT_EQ(json["b"],
             (nlohmann::json{{"dtype", "I16"}, {"shape", {3}}, {"data_offsets", {0, 6}}}));
   EXPECT_EQ(json["a"],
@@ -172,10 +171,11 @@ TEST(TensorFileTest, KeepsMetadataAndAddsFormatKey) {
   writeTensorFile(dir.file("m.safetensors"), file);
   const TensorFile read = readTensorFile(dir.file("m.safetensors"));
   EXPECT_TRUE(read.tensors.empty());
-  EXPECT_EQ(read.metadata, (std::map<std::string, std::string>{{"shardema.format", "1"},
-                                                                {"shardema.kind", "posthoc_snapshot"},
-                                                                {"shardema.xxh64", "{}"},
-                                                                {"user", "x"}}));
+  EXPECT_EQ(read.metadata,
+            (std::map<std::string, std::string>{{"shardema.format", "1"},
+                                                {"shardema.kind", "posthoc_snapshot"},
+                                                {"shardema.xxh64", "{}"},
+                                                {"user", "x"}}));
   file.metadata[kFormatKey] = "2";
   expectErrorNamingFile<c10::ValueError>([&] { writeTensorFile(dir.file("f2"), file); },
                                          dir.file("f2"), "reserved");

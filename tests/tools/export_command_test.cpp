@@ -2,6 +2,7 @@
 // contract: merged values, resharding, and one-line errors with status 2.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <filesystem>
 
@@ -123,6 +124,57 @@ TEST(ExportCommandTest, ErrorsAreOneLineNamingTheFileWithStatus2) {
   expectError(base, HandCheckpoint::name(1));
   testing::writeFileBytes(dir.file("ckpt/" + HandCheckpoint::name(1)), bytes.substr(0, 100));
   expectError(base + " --dtype bf16", HandCheckpoint::name(1));
+}
+
+// An export must never write over or into what it reads: --out naming the
+// checkpoint's own manifest or rank file once "succeeded" and left the
+// checkpoint unreadable. Refused with status 2, and the checkpoint still
+// exports afterwards.
+TEST(ExportCommandTest, RefusesAnOutputInsideTheCheckpointOrOverANonRegularFile) {
+  testing::TempDir dir;
+  const std::string ckpt = dir.file("ckpt");
+  HandCheckpoint::write(ckpt);
+  const std::string manifest = testing::readFileBytes(ckpt + "/manifest.json");
+  auto expectRefused = [&](const std::string& out, const std::string& why) {
+    const auto result = runCli("export --checkpoint " + ckpt + " --out " + out);
+    EXPECT_EQ(result.status, 2) << out << ": " << result.err;
+    EXPECT_EQ(testing::countLines(result.err), 1u) << result.err;
+    EXPECT_NE(result.err.find(why), std::string::npos) << result.err;
+    EXPECT_EQ(testing::readFileBytes(ckpt + "/manifest.json"), manifest);
+  };
+  expectRefused(ckpt + "/manifest.json", "lies inside the input " + ckpt);
+  expectRefused(ckpt + "/" + HandCheckpoint::name(0), "lies inside the input");
+  expectRefused(ckpt, "is the input " + ckpt + " itself");
+  expectRefused(ckpt + "/../ckpt/manifest.json", "lies inside the input");
+  expectRefused(ckpt + " --world-size 3", "is the input " + ckpt + " itself");
+  std::filesystem::create_directories(dir.file("folder/inside"));
+  expectRefused(dir.file("folder"), "exists and is a folder");
+  ASSERT_EQ(::mkfifo(dir.file("fifo").c_str(), 0600), 0);
+  expectRefused(dir.file("fifo"), "exists and is a FIFO");
+  EXPECT_TRUE(std::filesystem::is_fifo(dir.file("fifo")));
+  ASSERT_EQ(runCli("export --checkpoint " + ckpt + " --out " + dir.file("ok")).status, 0);
+  EXPECT_TRUE(same(readTensorFile(dir.file("ok")).at("w"), HandCheckpoint::fullW()));
+}
+
+// A FIFO or an oversized file in the manifest's place is refused at once
+// (a FIFO used to hang every reader; a 300 MiB manifest was parsed).
+TEST(ExportCommandTest, AManifestThatIsAFifoOrHugeIsRefusedAtOnce) {
+  testing::TempDir dir;
+  const std::string ckpt = dir.file("ckpt");
+  HandCheckpoint::write(ckpt);
+  std::filesystem::remove(ckpt + "/manifest.json");
+  ASSERT_EQ(::mkfifo((ckpt + "/manifest.json").c_str(), 0600), 0);
+  auto result = runCli("inspect " + ckpt);
+  EXPECT_EQ(result.status, 2) << result.err;
+  EXPECT_NE(result.err.find("manifest.json is not a regular file"), std::string::npos)
+      << result.err;
+  std::filesystem::remove(ckpt + "/manifest.json");
+  testing::writeFileBytes(ckpt + "/manifest.json", std::string((64 << 20) + 1, ' '));
+  result = runCli("export --checkpoint " + ckpt + " --out " + dir.file("out"));
+  EXPECT_EQ(result.status, 2) << result.err;
+  EXPECT_NE(result.err.find("the manifest is 67108865 bytes, more than the 67108864"),
+            std::string::npos)
+      << result.err;
 }
 
 }  // namespace

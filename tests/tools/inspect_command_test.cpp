@@ -1,8 +1,10 @@
 // `shardema inspect` on a file and on a checkpoint folder (written by hand
 // from the format contract); errors are one line with status 2.
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include "shardema/detail/checksum.h"
+#include "shardema/tensor_file.h"
 #include "support/file_bytes.h"
 #include "support/temp_dir.h"
 #include "tools/checkpoint_cli_fixture.h"
@@ -28,6 +30,25 @@ TEST(InspectCommandTest, ListsAFilesTensorsMetadataAndChecksum) {
   EXPECT_TRUE(has(result.out, "tensor w F32 [4]")) << result.out;
   EXPECT_TRUE(has(result.out, "tensor b F32 [2]")) << result.out;
   EXPECT_TRUE(has(result.out, "metadata shardema.step = 42")) << result.out;
+  EXPECT_TRUE(has(result.out, "tensor checksums ok")) << result.out;
+}
+
+// A single file has no manifest: its own per-tensor checksums are what
+// catch a flipped data byte, and inspect names the file and the tensor.
+TEST(InspectCommandTest, AFlippedByteInASingleFileNamesTheTensor) {
+  testing::TempDir dir;
+  const std::string path = dir.file("ema.safetensors");
+  TensorFile file;
+  file.tensors.emplace_back("w", at::arange(8, at::kFloat));
+  file.tensors.emplace_back("b", at::arange(4, at::kFloat));
+  writeTensorFile(path, file);
+  std::string bytes = testing::readFileBytes(path);
+  bytes[bytes.size() - 3] ^= 0x01;  // inside "b", the last tensor
+  testing::writeFileBytes(path, bytes);
+  const auto result = runCli("inspect " + path);
+  EXPECT_EQ(result.status, 2) << result.out;
+  EXPECT_EQ(testing::countLines(result.err), 1u) << result.err;
+  EXPECT_TRUE(has(result.err, path + ": tensor 'b' fails its checksum")) << result.err;
 }
 
 TEST(InspectCommandTest, ValidatesACheckpointFolderAgainstItsManifest) {

@@ -107,7 +107,8 @@ void AtomicFileWriter::overwrite(uint64_t offset, const void* data, size_t size)
               " bytes at ", offset, " goes past the ", written_, " bytes written");
   const char* bytes = static_cast<const char*>(data);
   while (size > 0) {
-    const ssize_t n = ::pwrite(fd_, bytes, std::min(size, kMaxWriteChunk), static_cast<off_t>(offset));
+    const ssize_t n =
+        ::pwrite(fd_, bytes, std::min(size, kMaxWriteChunk), static_cast<off_t>(offset));
     if (n < 0 && errno == EINTR) continue;
     TORCH_CHECK(n > 0, path_, ": overwrite in ", tmpPath_, " at byte ", offset,
                 " failed: ", n < 0 ? osError(errno) : std::string("wrote nothing"));

@@ -36,9 +36,10 @@ void refuseOutputOverInput(const std::string& api, const std::string& output,
   for (const std::string& input : inputs) {
     const fs::path in = resolved(input);
     TORCH_CHECK_VALUE(out != in, api, ": the output ", output, " is the input ", input,
-                      " itself; writing it would destroy what is being read");
+                      " itself; writing it would destroy what is being read (write it elsewhere)");
     TORCH_CHECK_VALUE(!within(out, in), api, ": the output ", output, " lies inside the input ",
-                      input, "; writing there would change what is being read");
+                      input,
+                      "; writing there would change what is being read (write it elsewhere)");
   }
 }
 

@@ -37,8 +37,8 @@ RegularFile::RegularFile(const std::string& path, const char* what) : path_(path
   }
   if (!S_ISREG(info.st_mode)) {
     ::close(fd_);
-    TORCH_CHECK_VALUE(false, path, ": not a regular file (", kindOf(info.st_mode),
-                      "), so not a ", what);
+    TORCH_CHECK_VALUE(false, path, ": not a regular file (", kindOf(info.st_mode), "), so not a ",
+                      what);
   }
   const int flags = ::fcntl(fd_, F_GETFL);
   if (flags >= 0) ::fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK);

@@ -69,9 +69,9 @@ TensorChecksums::TensorChecksums(const std::map<std::string, std::string>& metad
 void TensorChecksums::check(const std::string& name, uint64_t computed) const {
   if (!present_) return;
   const uint64_t expected = expected_.at(name);
-  TORCH_CHECK_VALUE(computed == expected, path_, ": tensor '", name,
-                    "' fails its checksum (", kTensorChecksumsKey, " ", checksumHex(expected),
-                    ", computed ", checksumHex(computed),
+  TORCH_CHECK_VALUE(computed == expected, path_, ": tensor '", name, "' fails its checksum (",
+                    kTensorChecksumsKey, " ", checksumHex(expected), ", computed ",
+                    checksumHex(computed),
                     "): its bytes, dtype or shape changed since it was written");
 }
 

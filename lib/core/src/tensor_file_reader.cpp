@@ -114,8 +114,8 @@ void TensorFileReader::verifyChecksums(int64_t bufferBytes) const {
   TORCH_CHECK(file_ != nullptr, "TensorFileReader: used after a move");
   if (!checksums_->present()) return;
   TORCH_CHECK_VALUE(bufferBytes > 0, path_, ": verifyChecksums: bufferBytes must be > 0");
-  std::vector<char> buffer(static_cast<size_t>(
-      std::min<uint64_t>(static_cast<uint64_t>(bufferBytes), std::max<uint64_t>(header_.dataSize, 1))));
+  std::vector<char> buffer(static_cast<size_t>(std::min<uint64_t>(
+      static_cast<uint64_t>(bufferBytes), std::max<uint64_t>(header_.dataSize, 1))));
   for (const TensorEntry& entry : header_.tensors) {
     detail::TensorDigest digest(entry.dtype, entry.shape);
     for (uint64_t done = 0; done < entry.byteSize();) {

@@ -12,11 +12,12 @@
 #include <vector>
 
 #include "shardema/detail/file_metadata.h"
+#include "shardema/detail/output_path.h"
 #include "shardema/detail/posthoc_snapshot.h"
-#include "shardema/posthoc_snapshot_synthesis.h"
-#include "shardema/shard/shard_layout.h"
 #include "shardema/detail/tensor_file_reader.h"
 #include "shardema/detail/tensor_file_writer.h"
+#include "shardema/posthoc_snapshot_synthesis.h"
+#include "shardema/shard/shard_layout.h"
 #include "weighted_snapshots.h"
 
 namespace shardema {
@@ -71,8 +72,8 @@ void synthesizeFull(const std::vector<SnapshotEntry>& entries, const SynthesisWe
   std::vector<double> scratch;
   for (size_t t = 0; t < outEntries.size(); ++t) {
     const int64_t numel = newest.header().tensors[t].numel();
-    appendSynthesized(used, outEntries[t].name, types[t], 0, numel, round, options.outputDtype, scratch,
-                      writer);
+    appendSynthesized(used, outEntries[t].name, types[t], 0, numel, round, options.outputDtype,
+                      scratch, writer);
   }
   writer.commit();
   report.tensors = static_cast<int64_t>(outEntries.size());
@@ -122,7 +123,8 @@ void synthesizeSharded(const SnapshotFolder& folder, const SynthesisWeights& sol
       seen = true;
     }
     types.push_back(type);
-    outEntries.push_back({spec.name, isFloating(type) ? options.outputDtype : type, spec.globalShape});
+    outEntries.push_back(
+        {spec.name, isFloating(type) ? options.outputDtype : type, spec.globalShape});
   }
   TensorFileWriter writer(outPath, outEntries, synthesizedMetadata(solve, options.normalize));
   const int64_t round = std::max<int64_t>(1, options.bufferBytes / 8);
@@ -145,6 +147,7 @@ void synthesizeSharded(const SnapshotFolder& folder, const SynthesisWeights& sol
 FolderSynthesisReport synthesizeSnapshotFolder(const std::string& dir, const std::string& outPath,
                                                const FolderSynthesisOptions& options) {
   detail::checkSynthesisOptions(options);
+  detail::refuseOutputOverInput("synthesizeSnapshotFolder", outPath, {dir});
   const SnapshotFolder folder = scanSnapshotFolder(dir);
   FolderSynthesisReport report;
   report.sharded = folder.sharded;

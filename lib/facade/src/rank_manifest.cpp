@@ -17,6 +17,7 @@
 
 #include "shardema/detail/atomic_file.h"
 #include "shardema/detail/checksum.h"
+#include "shardema/detail/regular_file.h"
 
 namespace shardema {
 namespace {
@@ -68,13 +69,13 @@ RankFileRecord recordFromJson(const json& entry, int64_t rank, const std::string
   return record;
 }
 
+// A manifest lists one small record per rank file and the layout (a few
+// hundred bytes per tensor): 64 MiB is far above any real one, and bounds
+// what a hostile one makes us allocate and parse (a 300 MiB one took 1.4 GB).
+constexpr uint64_t kMaxManifestBytes = uint64_t{64} << 20;
+
 std::string readWholeFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK_VALUE(in.good(), path, ": cannot be opened (", std::strerror(errno), ")");
-  std::ostringstream text;
-  text << in.rdbuf();
-  TORCH_CHECK_VALUE(!in.bad(), path, ": read failed");
-  return text.str();
+  return detail::readSmallRegularFile(path, "manifest", kMaxManifestBytes);
 }
 
 bool endsWith(const std::string& text, const std::string& suffix) {

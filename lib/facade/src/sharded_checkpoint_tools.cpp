@@ -10,9 +10,10 @@
 #include <unordered_set>
 
 #include "sharded_internal.h"
-#include "shardema/sharded_checkpoint.h"
+#include "shardema/detail/output_path.h"
 #include "shardema/detail/tensor_file_reader.h"
 #include "shardema/detail/tensor_file_writer.h"
+#include "shardema/sharded_checkpoint.h"
 
 namespace shardema {
 namespace {
@@ -139,11 +140,13 @@ ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFil
   detail::checkExportDtype(options.outputDtype, "exportCheckpoint");
   TORCH_CHECK_VALUE(options.bufferBytes > 0, "exportCheckpoint: bufferBytes must be > 0, got ",
                     options.bufferBytes);
+  detail::refuseOutputOverInput("exportCheckpoint", outFile, {dir});
   const OpenCheckpoint source = openCheckpoint(dir);
   const shard::ShardLayout& layout = source.manifest.layout;
   std::vector<TensorFileEntry> entries;
   for (size_t i = 0; i < layout.specs.size(); ++i) {
-    entries.push_back({layout.specs[i].name, detail::exportedDtype(source.dtypes[i], options.outputDtype),
+    entries.push_back({layout.specs[i].name,
+                       detail::exportedDtype(source.dtypes[i], options.outputDtype),
                        layout.specs[i].globalShape});
   }
   TensorFileWriter writer(outFile, entries,
@@ -171,10 +174,7 @@ ExportSummary reshardCheckpoint(const std::string& dir, const std::string& outDi
                     options.bufferBytes);
   target.check();
   TORCH_CHECK_VALUE(target.worldSize() >= 1, kApi, ": the target layout has no ranks");
-  std::error_code same;
-  TORCH_CHECK_VALUE(!std::filesystem::equivalent(dir, outDir, same), kApi, ": the output folder ",
-                    outDir, " is the checkpoint folder ", dir,
-                    "; write the resharded checkpoint elsewhere");
+  detail::refuseOutputOverInput(kApi, outDir, {dir});
   const OpenCheckpoint source = openCheckpoint(dir);
   checkSameTensors(source.manifest.layout, target);
   detail::ensureDirectory(outDir, kApi);

@@ -14,6 +14,9 @@ WeightedReaders openUsed(const std::vector<SnapshotEntry>& entries, const Synthe
   for (size_t i = 0; i < entries.size(); ++i) {
     if (!solve.used[i]) continue;
     out.readers.push_back(std::make_unique<TensorFileReader>(entries[i].path));
+    // Synthesis reads in ranges, which cannot be checked piece by piece: one
+    // streaming pass first (from the page cache on the second read).
+    out.readers.back()->verifyChecksums();
     out.weights.push_back(solve.weights[i]);
     if (entries[i].info.step >= newestStep) {
       newestStep = entries[i].info.step;
@@ -55,11 +58,10 @@ SynthesisWeights solveFor(const std::vector<SnapshotEntry>& entries,
 }
 
 void checkSynthesisOptions(const FolderSynthesisOptions& options) {
-  TORCH_CHECK_VALUE(
-      options.outputDtype == at::kFloat || options.outputDtype == at::kBFloat16 ||
-          options.outputDtype == at::kHalf,
-      "synthesize: outputDtype must be float32, bfloat16 or float16 (got ", options.outputDtype,
-      ")");
+  TORCH_CHECK_VALUE(options.outputDtype == at::kFloat || options.outputDtype == at::kBFloat16 ||
+                        options.outputDtype == at::kHalf,
+                    "synthesize: outputDtype must be float32, bfloat16 or float16 (got ",
+                    options.outputDtype, ")");
   TORCH_CHECK_VALUE(options.bufferBytes >= 64, "synthesize: bufferBytes (", options.bufferBytes,
                     ") must be >= 64");
 }
