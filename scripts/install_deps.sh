@@ -11,6 +11,7 @@ packages=(
   libxxhash-dev xxhash              # checksums in manifests (xxhsum: test reference)
   libgtest-dev libbenchmark-dev     # tests and benchmarks
   python3-torch python3-numpy       # interop tests (Debian's /usr/bin/python3)
+  python3-xxhash                    # the tests' check of per-tensor checksums
   clang libclang-rt-14-dev          # libFuzzer run in CI
 )
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "shardema/tensor_file.h"
+#include "support/file_bytes.h"
 #include "support/temp_dir.h"
 
 namespace shardema {
@@ -136,6 +137,25 @@ TEST(TensorFileInteropTest, NumpyReaderCatchesOneWrongValue) {
     EXPECT_EQ(result.exitCode, 1) << result.output;
     EXPECT_NE(result.output.find(victim), std::string::npos) << result.output;
   }
+}
+
+// The control of the Python checksum check: one byte changed after the
+// write, under the checksum the file declares, is a mismatch for xxhash too.
+TEST(TensorFileInteropTest, PythonXxhashRecomputesOurTensorChecksums) {
+  if (!havePython()) GTEST_SKIP() << "no python3 found at configure time";
+  testing::TempDir dir;
+  const std::string path = dir.file("flipped.safetensors");
+  writeTensorFile(path, expectedFile());
+  const SafetensorsHeader header = readTensorFileHeader(path);
+  const TensorEntry* victim = header.find("count.i64");
+  ASSERT_NE(victim, nullptr);
+  std::string bytes = testing::readFileBytes(path);
+  bytes[header.dataOffset + victim->begin + 8] ^= 0x04;
+  testing::writeFileBytes(path, bytes);
+  const ProcessResult result = runPython("read_safetensors.py", path);
+  EXPECT_EQ(result.exitCode, 1) << result.output;
+  EXPECT_NE(result.output.find("count.i64: shardema.xxh64 says"), std::string::npos)
+      << result.output;
 }
 
 TEST(TensorFileInteropTest, WeReadNumpyWrittenFile) {

@@ -58,6 +58,28 @@ def check(path):
         if not np.array_equal(actual.astype(want.dtype), want):
             bad = np.argwhere(actual.astype(want.dtype) != want)[:3].tolist()
             problems.append("%s: values differ at %s" % (name, bad))
+    problems += check_tensor_checksums(header, metadata, data)
+    return problems
+
+
+def check_tensor_checksums(header, metadata, data):
+    """shardema.xxh64 recomputed with the xxhash package (README, Files): per
+    tensor, XXH64 of "<DTYPE>[<shape>]" followed by the tensor's bytes."""
+    import xxhash  # Debian's python3-xxhash (scripts/install_deps.sh)
+    text = metadata.get("shardema.xxh64")
+    if text is None:
+        return ["no shardema.xxh64 in the metadata"]
+    table = json.loads(text)
+    if set(table) != set(header):
+        return ["shardema.xxh64 lists %s, the file has %s" % (sorted(table), sorted(header))]
+    problems = []
+    for name, entry in header.items():
+        begin, end = entry["data_offsets"]
+        prefix = "%s[%s]" % (entry["dtype"], ",".join(str(d) for d in entry["shape"]))
+        digest = xxhash.xxh64(prefix.encode("ascii") + data[begin:end]).hexdigest()
+        if digest != table[name]:
+            problems.append("%s: shardema.xxh64 says %s, xxhash computes %s"
+                            % (name, table[name], digest))
     return problems
 
 
