@@ -20,9 +20,9 @@
 #include "demo_task.h"
 #include "flag_parser.h"
 #include "posthoc_sweep.h"
+#include "shardema/detail/posthoc_snapshot.h"
 #include "shardema/module_tracking.h"
 #include "shardema/posthoc_callback.h"
-#include "shardema/detail/posthoc_snapshot.h"
 #include "shardema/shard/communicator.h"
 #include "shardema/sharded_averager.h"
 #include "shardema/sharded_checkpoint.h"
@@ -143,7 +143,7 @@ void evaluateAndSave(const demo::DemoOptions& o, Communicator& comm, demo::Stude
   }
   report.emaWeightsPath = o.out + "/ema_weights.safetensors";
   emas.warmup.exportFull(comm, report.emaWeightsPath);
-  shardema::saveShardedCheckpoint(comm, o.out + "/checkpoint/ema", emas.warmup);
+  shardema::saveCheckpoint(comm, o.out + "/checkpoint/ema", emas.warmup);
   if (comm.rank() == 0) {
     shardema::TrainingCheckpoint checkpoint = shardema::TrainingCheckpoint::capture(*model);
     checkpoint.rawWeights = checkpoint.weights;

@@ -7,6 +7,7 @@
 
 #include "flag_parser.h"
 #include "flagged_command.h"
+#include "shardema/detail/rank_manifest.h"
 #include "shardema/detail/regular_file.h"
 #include "shardema/sharded_checkpoint.h"
 
@@ -80,6 +81,14 @@ int runParsed(const ParsedFlags& flags, std::ostream& out) {
     const int64_t worldSize = flags.integer("world-size");
     if (worldSize < 1)
       throw UsageError("--world-size must be >= 1 (got " + std::to_string(worldSize) + ")");
+    // Checked before anything is written: a typo such as 100000 would
+    // otherwise write that many rank files.
+    const int64_t most = maxReshardWorldSize(readManifest(dir).layout);
+    if (worldSize > most) {
+      throw UsageError("--world-size must be at most " + std::to_string(most) +
+                       ", the largest tensor's element count in " + dir + " (got " +
+                       std::to_string(worldSize) + ")");
+    }
     const ExportSummary summary = reshardCheckpoint(dir, target, worldSize, options);
     out << "resharded " << dir << " to " << target << ": " << worldSize << " ranks, "
         << summary.tensors << " tensors, step " << summary.step << ", " << summary.bytes

@@ -40,7 +40,7 @@ void printFile(const std::string& path, std::ostream& out) {
 }
 
 void printCheckpoint(const std::string& dir, std::ostream& out) {
-  const RankManifest manifest = validateCheckpoint(dir);
+  const RankManifest manifest = inspectCheckpoint(dir);
   out << "checkpoint " << dir << ": step " << manifest.step << ", world size "
       << manifest.worldSize() << ", " << manifest.layout.specs.size() << " tensors, layout "
       << manifest.layout.describe() << '\n';

@@ -8,9 +8,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "support/temp_dir.h"
+#include "support/value_error.h"
 
 namespace shardema {
 namespace {
@@ -236,6 +239,30 @@ TEST(AveragerTest, StrictLoadRejectsAnotherSchedule) {
   other.load(dir.file("s.safetensors"), LoadStrictness::kNonStrict);
   EXPECT_EQ(other.step(), 1);
   EXPECT_EQ(other.schedule().kind(), ScheduleKind::kConstant) << "non-strict keeps ours";
+}
+
+// A negative step or a last decay that is NaN or outside [0, 1] was once
+// loaded as it stood; the error names the file and the key.
+TEST(AveragerTest, LoadRefusesOutOfRangeProgressNamingFileAndKey) {
+  testing::TempDir dir;
+  Averager saved({{"a", at::ones({2}), TrackRole::kAverage}});
+  saved.update(1);
+  saved.fence();
+  const std::string path = dir.file("s.safetensors");
+  for (const auto& [key, value] :
+       std::vector<std::pair<std::string, std::string>>{{"shardema.step", "-3"},
+                                                        {"shardema.step", "2x"},
+                                                        {"shardema.last_decay", "nan"},
+                                                        {"shardema.last_decay", "1.5"},
+                                                        {"shardema.last_decay", "-0.25"}}) {
+    SCOPED_TRACE(key + "=" + value);
+    TensorFile file = saved.state();
+    file.metadata[key] = value;
+    writeTensorFile(path, file);
+    Averager fresh({{"a", at::zeros({2}), TrackRole::kAverage}});
+    EXPECT_VALUE_ERROR(fresh.load(path), path + ": Averager::loadState: " + key);
+    EXPECT_EQ(fresh.step(), 0) << "a refused load changed the step";
+  }
 }
 
 TEST(AveragerTest, StrictLoadRejectsAnotherRole) {

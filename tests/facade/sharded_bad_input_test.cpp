@@ -5,9 +5,13 @@
 
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "facade/sharded_fixture.h"
 #include "shardema/detail/checksum.h"
+#include "shardema/detail/rank_manifest.h"
 #include "shardema/sharded_checkpoint.h"
 #include "shardema/tensor_file.h"
 #include "support/file_bytes.h"
@@ -22,7 +26,7 @@ namespace fs = std::filesystem;
 struct SavedJob {
   SavedJob() : job(testing::unevenModel(at::kFloat, true), shard::LayoutKind::kFsdp2, 4) {
     job.run(1, 4);
-    saveShardedCheckpoint(dir.file("ckpt"), job.averagers());
+    saveCheckpoint(dir.file("ckpt"), job.averagers());
   }
   std::string ckpt() const { return dir.file("ckpt"); }
   // Saves name their files rank_XXXXX.step_S.ID.safetensors: ask the manifest.
@@ -43,7 +47,7 @@ struct SavedJob {
 
 // Every loader and tool refuses the folder with a message naming `what`.
 void expectAllRefuse(const SavedJob& saved, const std::string& what) {
-  EXPECT_VALUE_ERROR(verifyCheckpoint(saved.ckpt()), what);
+  EXPECT_VALUE_ERROR(inspectCheckpoint(saved.ckpt()), what);
   EXPECT_VALUE_ERROR(exportCheckpoint(saved.ckpt(), saved.dir.file("out")), what);
   EXPECT_VALUE_ERROR(reshardCheckpoint(saved.ckpt(), saved.dir.file("w2"), 2), what);
 }
@@ -52,7 +56,7 @@ TEST(ShardedBadInputTest, MissingManifestMeansNoCheckpoint) {
   SavedJob saved;
   fs::remove(saved.ckpt() + "/manifest.json");
   expectAllRefuse(saved, "no valid checkpoint at " + saved.ckpt() + ": manifest.json missing");
-  EXPECT_VALUE_ERROR(loadRankState(saved.ckpt(), *saved.job.ranks[0].averager),
+  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *saved.job.ranks[0].averager),
                      "manifest.json missing");
   testing::writeFileBytes(saved.ckpt() + "/manifest.json", "{\"format\": 1, \"kind\"");
   expectAllRefuse(saved, "manifest.json");
@@ -64,16 +68,16 @@ TEST(ShardedBadInputTest, MissingTruncatedOrCorruptedRankFilesNameTheFile) {
   const std::string bytes = testing::readFileBytes(path);
   fs::remove(path);
   expectAllRefuse(saved, "rank_00002.step_4.");
-  EXPECT_VALUE_ERROR(loadRankState(saved.ckpt(), *saved.job.ranks[2].averager), "missing");
+  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *saved.job.ranks[2].averager), "missing");
   testing::writeFileBytes(path, bytes.substr(0, bytes.size() - 5));
   expectAllRefuse(saved, "rank_00002.step_4.");
   std::string flipped = bytes;
   flipped[bytes.size() - 3] ^= 0x40;  // same size, one bit of EMA data
   testing::writeFileBytes(path, flipped);
   expectAllRefuse(saved, "safetensors: XXH64");
-  EXPECT_VALUE_ERROR(loadRankState(saved.ckpt(), *saved.job.ranks[2].averager), "corrupted");
+  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *saved.job.ranks[2].averager), "corrupted");
   // Rank 0 does not read rank 2's file, so its load still works.
-  EXPECT_NO_THROW(loadRankState(saved.ckpt(), *saved.job.ranks[0].averager));
+  EXPECT_NO_THROW(loadCheckpoint(saved.ckpt(), *saved.job.ranks[0].averager));
 }
 
 TEST(ShardedBadInputTest, AnotherWorldSizeNamesBothLayoutsAndPointsToResharding) {
@@ -82,15 +86,51 @@ TEST(ShardedBadInputTest, AnotherWorldSizeNamesBothLayoutsAndPointsToResharding)
       testing::makeRanks(saved.job.model, shard::LayoutKind::kFsdp2, 2);
   const std::string saved4 = saved.job.ranks[0].averager->layout().describe();
   const std::string here2 = two[0].averager->layout().describe();
-  EXPECT_VALUE_ERROR(loadRankState(saved.ckpt(), *two[0].averager), saved4);
-  EXPECT_VALUE_ERROR(loadRankState(saved.ckpt(), *two[0].averager), here2);
-  EXPECT_VALUE_ERROR(loadRankState(saved.ckpt(), *two[1].averager), "--world-size 2");
+  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *two[0].averager), saved4);
+  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *two[0].averager), here2);
+  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *two[1].averager), "--world-size 2");
   // Same world size, other layout kind: also refused.
   std::vector<testing::RankModel> replicated =
       testing::makeRanks(saved.job.model, shard::LayoutKind::kReplicated, 4);
-  EXPECT_VALUE_ERROR(loadRankState(saved.ckpt(), *replicated[1].averager), "reshard");
+  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *replicated[1].averager), "reshard");
   // A failed load changed nothing.
   EXPECT_EQ(two[0].averager->step(), 0);
+}
+
+// A rank file whose metadata claims another rank, world size or layout
+// than the manifest gives it was once accepted by inspect and export (only
+// the load checked shardema.rank). Every tool now names the file and key.
+TEST(ShardedBadInputTest, RankMetadataThatDisagreesWithTheManifestIsRefusedNamingFileAndKey) {
+  for (const auto& [key, forged] : std::vector<std::pair<std::string, std::string>>{
+           {"shardema.rank", "2"},
+           {"shardema.world_size", "5"},
+           {"shardema.layout_fingerprint", "0123456789abcdef"}}) {
+    SCOPED_TRACE(key);
+    SavedJob saved;
+    TensorFile file = readTensorFile(saved.rankFile(1));
+    ASSERT_NE(file.metadata.at(key), forged);
+    file.metadata[key] = forged;
+    writeTensorFile(saved.rankFile(1), file);
+    saved.rerecord(1);
+    const std::string named = saved.rankFile(1) + ": " + key + " is '" + forged + "'";
+    expectAllRefuse(saved, named);
+    EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *saved.job.ranks[1].averager), named);
+    EXPECT_NO_THROW(loadCheckpoint(saved.ckpt(), *saved.job.ranks[0].averager));
+  }
+}
+
+// A failed reshard removes the rank files it wrote and the folder it
+// (if it created it); before, they stayed behind as orphans.
+TEST(ShardedBadInputTest, AFailedReshardLeavesNoFilesBehind) {
+  SavedJob saved;
+  const std::string out = saved.dir.file("w2");
+  // A folder where the manifest goes: every rank file is written, then the
+  // manifest's rename is refused.
+  fs::create_directories(out + "/manifest.json");
+  EXPECT_THROW(reshardCheckpoint(saved.ckpt(), out, 2), c10::ValueError);
+  std::vector<std::string> left;
+  for (const auto& entry : fs::directory_iterator(out)) left.push_back(entry.path().filename());
+  EXPECT_EQ(left, std::vector<std::string>{"manifest.json"});
 }
 
 TEST(ShardedBadInputTest, UnknownOrDuplicateTensorNamesNameTheTensor) {
@@ -100,7 +140,7 @@ TEST(ShardedBadInputTest, UnknownOrDuplicateTensorNamesNameTheTensor) {
   writeTensorFile(saved.rankFile(1), file);
   saved.rerecord(1);
   EXPECT_VALUE_ERROR(exportCheckpoint(saved.ckpt(), saved.dir.file("out")), "'stray.weight'");
-  EXPECT_VALUE_ERROR(loadRankState(saved.ckpt(), *saved.job.ranks[1].averager), "'stray.weight'");
+  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *saved.job.ranks[1].averager), "'stray.weight'");
 
   // Rename "prime" to "empty" in the header bytes (same length): a
   // duplicate name, which the safetensors parser rejects naming the file.
@@ -115,7 +155,8 @@ TEST(ShardedBadInputTest, UnknownOrDuplicateTensorNamesNameTheTensor) {
   EXPECT_VALUE_ERROR(exportCheckpoint(saved.ckpt(), saved.dir.file("out")), "rank_00001");
   // A layout with a duplicate name cannot be attached either.
   const shard::ShardSpec spec = shard::fsdp2Spec("dup", {4}, at::kFloat, 1);
-  EXPECT_VALUE_ERROR(ShardedAverager(0, 1, {{at::zeros({4}), spec}, {at::zeros({4}), spec}}), "'dup'");
+  EXPECT_VALUE_ERROR(ShardedAverager(0, 1, {{at::zeros({4}), spec}, {at::zeros({4}), spec}}),
+                     "'dup'");
 }
 
 TEST(ShardedBadInputTest, FailedExportLeavesTheOldOutputByteIdentical) {

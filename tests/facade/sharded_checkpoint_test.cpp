@@ -14,8 +14,8 @@
 #include <sstream>
 
 #include "facade/sharded_fixture.h"
-#include "shardema/tensor_file.h"
 #include "shardema/detail/tensor_file_reader.h"
+#include "shardema/tensor_file.h"
 #include "support/file_bytes.h"
 #include "support/temp_dir.h"
 
@@ -42,7 +42,7 @@ std::vector<testing::RankModel> loadInto(const std::vector<testing::ModelTensor>
                                          shard::LayoutKind kind, int64_t worldSize,
                                          const std::string& dir) {
   std::vector<testing::RankModel> ranks = testing::makeRanks(model, kind, worldSize);
-  for (auto& rank : ranks) loadRankState(dir, *rank.averager);
+  for (auto& rank : ranks) loadCheckpoint(dir, *rank.averager);
   return ranks;
 }
 
@@ -50,7 +50,7 @@ TEST(ShardedCheckpointTest, SaveLoadRoundTripContinuesIdentically) {
   testing::TempDir dir;
   PerTensorJob job(testing::unevenModel(at::kBFloat16, true), shard::LayoutKind::kFsdp2, 3);
   job.run(1, 7);
-  saveShardedCheckpoint(dir.path(), job.averagers());
+  saveCheckpoint(dir.path(), job.averagers());
   std::vector<testing::RankModel> loaded =
       loadInto(job.model, shard::LayoutKind::kFsdp2, 3, dir.path());
   testing::expectEqualsReference(job.reference, job.ranks[0].averager->layout(),
@@ -73,7 +73,7 @@ TEST(ShardedCheckpointTest, ManifestRecordsSizesAndXxh64OfEveryRankFile) {
   testing::TempDir dir;
   PerTensorJob job(testing::unevenModel(at::kFloat, true), shard::LayoutKind::kFsdp2, 4);
   job.run(1, 3);
-  saveShardedCheckpoint(dir.path(), job.averagers());
+  saveCheckpoint(dir.path(), job.averagers());
   const nlohmann::json manifest =
       nlohmann::json::parse(testing::readFileBytes(dir.file("manifest.json")));
   EXPECT_EQ(manifest["format"], 1);
@@ -115,13 +115,13 @@ TEST(ShardedCheckpointTest, ReshardFrom4ToOtherWorldSizesLoadsTheFullEma) {
     testing::TempDir dir;
     PerTensorJob job(testing::unevenModel(at::kBFloat16, true), kind, 4);
     job.run(1, 9);
-    saveShardedCheckpoint(dir.file("w4"), job.averagers());
+    saveCheckpoint(dir.file("w4"), job.averagers());
     for (const int64_t w : {1, 2, 3, 5}) {
       const std::string out = dir.file("w" + std::to_string(w));
       ExportOptions small;
       small.bufferBytes = 12;  // many pieces per range
       reshardCheckpoint(dir.file("w4"), out, w, small);
-      const RankManifest manifest = verifyCheckpoint(out);
+      const RankManifest manifest = inspectCheckpoint(out);
       EXPECT_EQ(manifest.worldSize(), w);
       EXPECT_EQ(manifest.step, 9);
       const shard::LayoutKind targetKind = manifest.layout.specs.front().kind;
@@ -156,7 +156,7 @@ TEST(ShardedCheckpointTest, ExportMergesRankFilesIntoFullTensorsInEachDtype) {
   testing::TempDir dir;
   PerTensorJob job(testing::unevenModel(at::kBFloat16, true), shard::LayoutKind::kFsdp2, 3);
   job.run(1, 6);
-  saveShardedCheckpoint(dir.file("ckpt"), job.averagers());
+  saveCheckpoint(dir.file("ckpt"), job.averagers());
   for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
     ExportOptions options;
     options.outputDtype = dtype;
@@ -180,7 +180,7 @@ TEST(ShardedCheckpointTest, NumpyReadsTheExportedFileAsTheFullEma) {
   testing::TempDir dir;
   PerTensorJob job(testing::unevenModel(at::kFloat, false), shard::LayoutKind::kFsdp2, 4);
   job.run(1, 5);
-  saveShardedCheckpoint(dir.file("ckpt"), job.averagers());
+  saveCheckpoint(dir.file("ckpt"), job.averagers());
   exportCheckpoint(dir.file("ckpt"), dir.file("export.safetensors"));
   TensorFile reference;
   for (const auto& [name, ema] : job.reference.emaTensors())

@@ -10,6 +10,7 @@
 #include <sstream>
 #include <string>
 
+#include "shardema/detail/rank_manifest.h"
 #include "shardema/sharded_checkpoint.h"
 #include "support/temp_dir.h"
 

@@ -48,7 +48,7 @@ TEST(ShardedOnlineTest, OnlineSaveAndStreamingExportMatchTheOfflineTools) {
   testing::runThreadRanks(kWorld, [&](shard::Communicator& comm) {
     std::vector<at::Tensor> tensors;
     const auto averager = trainedRank(model, comm.rank(), tensors);
-    saveShardedCheckpoint(comm, dir.file("ckpt"), *averager);
+    saveCheckpoint(comm, dir.file("ckpt"), *averager);
     shard::GatherOptions small;
     small.bufferBytes = 40;
     averager->exportFull(comm, dir.file("online.safetensors"), at::kBFloat16, small);
@@ -60,7 +60,7 @@ TEST(ShardedOnlineTest, OnlineSaveAndStreamingExportMatchTheOfflineTools) {
   for (const auto& [name, tensor] : gathered) {
     EXPECT_TRUE(testing::sameTensor(tensor, job.reference.ema(name))) << name;
   }
-  const RankManifest manifest = verifyCheckpoint(dir.file("ckpt"));
+  const RankManifest manifest = inspectCheckpoint(dir.file("ckpt"));
   EXPECT_EQ(manifest.worldSize(), kWorld);
   EXPECT_EQ(manifest.step, kSteps);
   ExportOptions bf16;
@@ -83,7 +83,7 @@ std::vector<std::string> saveWithBadRank(const std::vector<testing::ModelTensor>
     const int64_t rank = comm.rank() == bad ? (bad + 1) % kWorld : comm.rank();
     const auto averager = trainedRank(model, rank, tensors);
     try {
-      saveShardedCheckpoint(comm, ckpt, *averager);
+      saveCheckpoint(comm, ckpt, *averager);
     } catch (const c10::Error& error) {
       std::lock_guard<std::mutex> lock(mutex);
       errors[comm.rank()] = error.what_without_backtrace();
@@ -99,9 +99,9 @@ TEST(ShardedOnlineTest, AFailedSaveFailsEveryRankAndKeepsThePreviousCheckpoint) 
   const std::string ckpt = dir.file("ckpt");
   testing::runThreadRanks(kWorld, [&](shard::Communicator& comm) {
     std::vector<at::Tensor> tensors;
-    saveShardedCheckpoint(comm, ckpt, *trainedRank(model, comm.rank(), tensors));
+    saveCheckpoint(comm, ckpt, *trainedRank(model, comm.rank(), tensors));
   });
-  const RankManifest before = verifyCheckpoint(ckpt);
+  const RankManifest before = inspectCheckpoint(ckpt);
   const std::string manifestBytes = testing::readFileBytes(ckpt + "/manifest.json");
   std::vector<std::string> rankBytes;
   for (const RankFileRecord& record : before.files) {
@@ -118,7 +118,7 @@ TEST(ShardedOnlineTest, AFailedSaveFailsEveryRankAndKeepsThePreviousCheckpoint) 
     }
     // The previous checkpoint is still there, byte for byte, and loads.
     EXPECT_EQ(testing::readFileBytes(ckpt + "/manifest.json"), manifestBytes);
-    const RankManifest after = verifyCheckpoint(ckpt);
+    const RankManifest after = inspectCheckpoint(ckpt);
     for (size_t r = 0; r < after.files.size(); ++r) {
       EXPECT_EQ(testing::readFileBytes(ckpt + "/" + after.files[r].name), rankBytes[r]);
     }
@@ -128,15 +128,15 @@ TEST(ShardedOnlineTest, AFailedSaveFailsEveryRankAndKeepsThePreviousCheckpoint) 
         shardsFromFullTensors(testing::trackedModel(model, tensors = testing::makeModel(model, 0)),
                               shard::LayoutKind::kFsdp2, 0, kWorld),
         testing::smallChunkOptions());
-    loadRankState(ckpt, *fresh);
+    loadCheckpoint(ckpt, *fresh);
     EXPECT_EQ(fresh->step(), kSteps);
   }
   // A save that succeeds afterwards removes the files the old one named.
   testing::runThreadRanks(kWorld, [&](shard::Communicator& comm) {
     std::vector<at::Tensor> tensors;
-    saveShardedCheckpoint(comm, ckpt, *trainedRank(model, comm.rank(), tensors));
+    saveCheckpoint(comm, ckpt, *trainedRank(model, comm.rank(), tensors));
   });
-  const RankManifest latest = verifyCheckpoint(ckpt);
+  const RankManifest latest = inspectCheckpoint(ckpt);
   size_t files = 0;
   for (const auto& entry : fs::directory_iterator(ckpt)) files += entry.is_regular_file();
   EXPECT_EQ(files, static_cast<size_t>(kWorld) + 1);
@@ -154,7 +154,7 @@ TEST(ShardedOnlineTest, RankZeroThatCannotCreateTheFolderFailsEveryRankPromptly)
     std::vector<at::Tensor> tensors;
     const auto averager = trainedRank(model, comm.rank(), tensors);
     try {
-      saveShardedCheckpoint(comm, dir.file("file/ckpt"), *averager);
+      saveCheckpoint(comm, dir.file("file/ckpt"), *averager);
     } catch (const c10::Error& error) {
       std::lock_guard<std::mutex> lock(mutex);
       errors[comm.rank()] = error.what_without_backtrace();

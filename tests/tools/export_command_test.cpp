@@ -114,6 +114,18 @@ TEST(ExportCommandTest, ErrorsAreOneLineNamingTheFileWithStatus2) {
   expectError("export --out " + out, "--checkpoint");
   expectError(base + " --dtype f64", "--dtype");
   expectError(base + " --world-size 0", "--world-size");
+  // At most the largest tensor's element count (6 here), checked before
+  // anything is written: 100000 once wrote rank files at about 3 a second.
+  const std::string resharded = dir.file("resharded");
+  for (const char* w : {"7", "100000"}) {
+    expectError(
+        "export --checkpoint " + dir.file("ckpt") + " --world-size " + w + " --out " + resharded,
+        "--world-size must be at most 6");
+    EXPECT_FALSE(std::filesystem::exists(resharded)) << "a refused reshard left its output";
+  }
+  ASSERT_EQ(runCli("export --checkpoint " + dir.file("ckpt") + " --world-size 6 --out " + resharded)
+                .status,
+            0);
   expectError("export --checkpoint " + dir.file("nothing") + " --out " + out,
               "no valid checkpoint at " + dir.file("nothing"));
   expectError("export --checkpoint " + dir.file("ckpt") + " --out /proc/nope/out.safetensors",

@@ -128,15 +128,19 @@ LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness
                     "Averager::loadState: the state was saved with schedule ", saved.describe(),
                     " but this Averager uses ", options_.schedule.describe(),
                     "; build it with the saved schedule or load non-strictly");
+  // Strict parses: a negative or garbled step, or a decay that is NaN or
+  // outside [0, 1], would resume an EMA that no save could have written.
   int64_t step = 0;
+  const std::string& stepText = requireKey(file, detail::kStepKey);
+  TORCH_CHECK_VALUE(detail::parseDecimalDigits(stepText, &step),
+                    "Averager::loadState: ", detail::kStepKey,
+                    " must be a non-negative integer, got '", stepText, "'");
   double lastDecay = 0.0;
-  try {
-    step = std::stoll(requireKey(file, detail::kStepKey));
-    lastDecay = std::stod(requireKey(file, detail::kLastDecayKey));
-  } catch (const std::logic_error&) {
-    TORCH_CHECK_VALUE(false,
-                      "Averager::loadState: shardema.step or shardema.last_decay is not a number");
-  }
+  const std::string& decayText = requireKey(file, detail::kLastDecayKey);
+  TORCH_CHECK_VALUE(
+      detail::parseFiniteDecimal(decayText, &lastDecay) && lastDecay >= 0.0 && lastDecay <= 1.0,
+      "Averager::loadState: ", detail::kLastDecayKey, " must be a number in [0, 1], got '",
+      decayText, "'");
   const std::string& initialized = requireKey(file, detail::kInitializedKey);
   TORCH_CHECK_VALUE(initialized == "true" || initialized == "false",
                     "Averager::loadState: shardema.initialized must be true or false, got '",
@@ -154,7 +158,14 @@ LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness
 void Averager::save(const std::string& path) const { writeTensorFile(path, state()); }
 
 LoadReport Averager::load(const std::string& path, LoadStrictness strictness) {
-  return loadState(readTensorFile(path), strictness);
+  const TensorFile file = readTensorFile(path);
+  try {
+    return loadState(file, strictness);
+  } catch (const c10::ValueError& error) {
+    // loadState sees tensors, not files: name the file its complaint is about.
+    TORCH_CHECK_VALUE(false, path, ": ", error.what_without_backtrace());
+    throw;  // not reached
+  }
 }
 
 }  // namespace shardema

@@ -215,7 +215,7 @@ void verifyRankFile(const std::string& dir, const RankFileRecord& record) {
                     ", but the manifest records ", checksumHex(record.checksum), " (corrupted)");
 }
 
-RankManifest verifyCheckpoint(const std::string& dir) {
+RankManifest verifyRankFiles(const std::string& dir) {
   RankManifest manifest = readManifest(dir);
   for (const RankFileRecord& record : manifest.files) verifyRankFile(dir, record);
   return manifest;

@@ -1,5 +1,6 @@
 // Per-rank EMA state files of a ShardedAverager: writing one rank's file,
-// saving all ranks of an in-process job, and loading one rank's state.
+// saving all ranks of an in-process job (saveCheckpoint), and loading one
+// rank's state (loadCheckpoint).
 #include "shardema/sharded_checkpoint.h"
 
 #include <c10/util/Exception.h>
@@ -8,6 +9,7 @@
 #include <system_error>
 
 #include "sharded_internal.h"
+#include "shardema/detail/rank_manifest.h"
 #include "shardema/detail/tensor_file_reader.h"
 #include "shardema/detail/tensor_file_writer.h"
 
@@ -15,7 +17,7 @@ namespace shardema {
 
 namespace {
 
-constexpr const char* kLoadApi = "loadRankState";
+constexpr const char* kLoadApi = "loadCheckpoint";
 
 void checkSameJob(const ShardedAverager& averager, const RankManifest& manifest,
                   const std::string& dir) {
@@ -95,9 +97,8 @@ RankManifest manifestFor(const ShardedAverager& averager) {
   return manifest;
 }
 
-void saveShardedCheckpoint(const std::string& dir,
-                           const std::vector<const ShardedAverager*>& averagers) {
-  constexpr const char* kApi = "saveShardedCheckpoint";
+void saveCheckpoint(const std::string& dir, const std::vector<const ShardedAverager*>& averagers) {
+  constexpr const char* kApi = "saveCheckpoint";
   TORCH_CHECK_VALUE(!averagers.empty(), kApi, ": no averagers given");
   const std::string fingerprint = averagers.front()->layout().fingerprint();
   for (size_t r = 0; r < averagers.size(); ++r) {
@@ -123,7 +124,7 @@ void saveShardedCheckpoint(const std::string& dir,
   removeUnreferencedRankFiles(dir, manifest);
 }
 
-void loadRankState(const std::string& dir, ShardedAverager& averager) {
+void loadCheckpoint(const std::string& dir, ShardedAverager& averager) {
   const RankManifest manifest = readManifest(dir);
   checkSameJob(averager, manifest, dir);
   const RankFileRecord& record = manifest.files.at(static_cast<size_t>(averager.rank()));
@@ -134,18 +135,16 @@ void loadRankState(const std::string& dir, ShardedAverager& averager) {
   verifyRankFile(dir, record);
   const TensorFileReader reader(detail::joinPath(dir, record.name));
   checkNoUnknownTensors(reader, averager.layout());
-  const auto& metadata = reader.header().metadata;
-  const auto rank = metadata.find(detail::kRankKey);
-  TORCH_CHECK_VALUE(rank != metadata.end() && rank->second == std::to_string(averager.rank()),
-                    reader.path(), ": ", detail::kRankKey, " is '",
-                    rank == metadata.end() ? std::string("absent") : rank->second, "', expected ",
-                    averager.rank());
-  const auto step = metadata.find(detail::kStepKey);
-  TORCH_CHECK_VALUE(step != metadata.end() && step->second == std::to_string(manifest.step),
-                    reader.path(), ": ", detail::kStepKey, " is '",
-                    step == metadata.end() ? std::string("absent") : step->second,
-                    "' but the manifest records step ", manifest.step);
-  averager.averager().loadState(readRankTensors(reader, averager), LoadStrictness::kStrict);
+  detail::checkRankMetadata(reader.path(), reader.header().metadata, averager.rank(),
+                            manifest.worldSize(), manifest.layout.fingerprint(), manifest.step);
+  const TensorFile state = readRankTensors(reader, averager);
+  try {
+    averager.averager().loadState(state, LoadStrictness::kStrict);
+  } catch (const c10::ValueError& error) {
+    // loadState sees tensors, not files: name the file its complaint is about.
+    TORCH_CHECK_VALUE(false, reader.path(), ": ", error.what_without_backtrace());
+    throw;  // not reached
+  }
 }
 
 }  // namespace shardema

@@ -1,4 +1,4 @@
-// saveShardedCheckpoint over a Communicator: every rank writes its file,
+// saveCheckpoint over a Communicator: every rank writes its file,
 // rank 0 writes the manifest last. Three agreements (shard/agreement.h)
 // make every rank return or fail together: before anything is written,
 // after the rank files, after the manifest.
@@ -8,6 +8,7 @@
 
 #include "sharded_internal.h"
 #include "shardema/detail/checksum.h"
+#include "shardema/detail/rank_manifest.h"
 #include "shardema/shard/agreement.h"
 #include "shardema/shard/communicator.h"
 #include "shardema/sharded_checkpoint.h"
@@ -15,7 +16,7 @@
 namespace shardema {
 namespace {
 
-constexpr const char* kApi = "saveShardedCheckpoint";
+constexpr const char* kApi = "saveCheckpoint";
 
 // What each rank reports after writing its file, in this order.
 enum RecordWord : size_t { kSize, kChecksum, kStep, kFingerprint, kRecordWords };
@@ -83,8 +84,8 @@ void checkSameStepAndLayout(const std::string& dir, const shard::Agreement& reco
 
 }  // namespace
 
-void saveShardedCheckpoint(shard::Communicator& comm, const std::string& dir,
-                           const ShardedAverager& averager) {
+void saveCheckpoint(shard::Communicator& comm, const std::string& dir,
+                    const ShardedAverager& averager) {
   const uint64_t saveId = prepareSave(comm, dir, averager);
   const shard::Agreement records = writeRankFiles(comm, dir, averager, saveId);
   checkSameStepAndLayout(dir, records);
@@ -96,9 +97,9 @@ void saveShardedCheckpoint(shard::Communicator& comm, const std::string& dir,
       manifest = manifestFor(averager);
       for (int64_t r = 0; r < comm.worldSize(); ++r) {
         const std::vector<uint64_t>& record = records.words[static_cast<size_t>(r)];
-        manifest.files.push_back(RankFileRecord{
-            r, rankFileName(r, static_cast<int64_t>(record[kStep]), saveId), record[kSize],
-            record[kChecksum]});
+        manifest.files.push_back(
+            RankFileRecord{r, rankFileName(r, static_cast<int64_t>(record[kStep]), saveId),
+                           record[kSize], record[kChecksum]});
       }
       writeManifest(dir, manifest);
     } catch (...) {

@@ -6,11 +6,14 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <system_error>
 #include <unordered_set>
 
 #include "sharded_internal.h"
 #include "shardema/detail/output_path.h"
+#include "shardema/detail/rank_manifest.h"
 #include "shardema/detail/tensor_file_reader.h"
 #include "shardema/detail/tensor_file_writer.h"
 #include "shardema/sharded_checkpoint.h"
@@ -44,16 +47,12 @@ void checkRankFile(const TensorFileReader& reader, const RankManifest& manifest,
                       spec.rangeOf(rank).size(), " elements (rank ", rank, "'s range), found ",
                       entry.numel());
   }
-  const auto& metadata = reader.header().metadata;
-  const auto step = metadata.find(detail::kStepKey);
-  TORCH_CHECK_VALUE(step != metadata.end() && step->second == std::to_string(manifest.step),
-                    reader.path(), ": ", detail::kStepKey, " is '",
-                    step == metadata.end() ? std::string("absent") : step->second,
-                    "' but the manifest records step ", manifest.step);
+  detail::checkRankMetadata(reader.path(), reader.header().metadata, rank, manifest.worldSize(),
+                            layout.fingerprint(), manifest.step);
 }
 
 OpenCheckpoint openCheckpoint(const std::string& dir) {
-  OpenCheckpoint checkpoint{verifyCheckpoint(dir), {}, {}};
+  OpenCheckpoint checkpoint{verifyRankFiles(dir), {}, {}};
   const RankManifest& manifest = checkpoint.manifest;
   for (const RankFileRecord& record : manifest.files) {
     checkpoint.readers.emplace_back(detail::joinPath(dir, record.name));
@@ -131,9 +130,28 @@ RankFileRecord writeReshardedRank(const OpenCheckpoint& source, const shard::Sha
   return RankFileRecord{rank, name, writer.fileSize(), writer.checksum()};
 }
 
+// After a failed reshard: the rank files this call committed (the one in
+// progress removed its own ".tmp"), and the folder if this call created it
+// and it is now empty. An old checkpoint there is untouched: its files have
+// other names. Best effort, like removeUnreferencedRankFiles.
+void removeWrittenFiles(const std::string& outDir, const std::vector<RankFileRecord>& written,
+                        bool createdOutDir) {
+  std::error_code ignored;
+  for (const RankFileRecord& record : written) {
+    std::filesystem::remove(detail::joinPath(outDir, record.name), ignored);
+  }
+  if (createdOutDir) std::filesystem::remove(outDir, ignored);  // only if empty
+}
+
 }  // namespace
 
-RankManifest validateCheckpoint(const std::string& dir) { return openCheckpoint(dir).manifest; }
+int64_t maxReshardWorldSize(const shard::ShardLayout& layout) {
+  int64_t largest = 1;
+  for (const shard::ShardSpec& spec : layout.specs) largest = std::max(largest, spec.numel());
+  return largest;
+}
+
+RankManifest inspectCheckpoint(const std::string& dir) { return openCheckpoint(dir).manifest; }
 
 ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFile,
                                ExportOptions options) {
@@ -177,26 +195,35 @@ ExportSummary reshardCheckpoint(const std::string& dir, const std::string& outDi
   detail::refuseOutputOverInput(kApi, outDir, {dir});
   const OpenCheckpoint source = openCheckpoint(dir);
   checkSameTensors(source.manifest.layout, target);
+  std::error_code ignored;
+  const bool createdOutDir = !std::filesystem::exists(outDir, ignored);
   detail::ensureDirectory(outDir, kApi);
   const uint64_t saveId = newSaveId();
   RankManifest manifest = source.manifest;
   manifest.layout = target;
   manifest.files.clear();
   uint64_t bytes = 0;
-  for (int64_t rank = 0; rank < target.worldSize(); ++rank) {
-    manifest.files.push_back(writeReshardedRank(source, target, rank, outDir, saveId, options));
-    bytes += manifest.files.back().size;
+  try {
+    for (int64_t rank = 0; rank < target.worldSize(); ++rank) {
+      manifest.files.push_back(writeReshardedRank(source, target, rank, outDir, saveId, options));
+      bytes += manifest.files.back().size;
+    }
+    writeManifest(outDir, manifest);
+  } catch (...) {
+    removeWrittenFiles(outDir, manifest.files, createdOutDir);
+    throw;
   }
-  writeManifest(outDir, manifest);
   removeUnreferencedRankFiles(outDir, manifest);
   return ExportSummary{manifest.step, static_cast<int64_t>(target.specs.size()), bytes};
 }
 
 ExportSummary reshardCheckpoint(const std::string& dir, const std::string& outDir,
                                 int64_t newWorldSize, ExportOptions options) {
-  TORCH_CHECK_VALUE(newWorldSize >= 1, "reshardCheckpoint: newWorldSize must be >= 1, got ",
-                    newWorldSize);
   const RankManifest manifest = readManifest(dir);
+  const int64_t largest = maxReshardWorldSize(manifest.layout);
+  TORCH_CHECK_VALUE(newWorldSize >= 1 && newWorldSize <= largest,
+                    "reshardCheckpoint: newWorldSize must be in [1, ", largest,
+                    "] (the largest tensor's element count in ", dir, "), got ", newWorldSize);
   return reshardCheckpoint(dir, outDir, shard::relayout(manifest.layout, newWorldSize), options);
 }
 

@@ -53,6 +53,27 @@ std::map<std::string, std::string> rankMetadata(std::map<std::string, std::strin
   return metadata;
 }
 
+namespace {
+
+void checkKey(const std::string& path, const std::map<std::string, std::string>& metadata,
+              const char* key, const std::string& expected) {
+  const auto it = metadata.find(key);
+  TORCH_CHECK_VALUE(it != metadata.end() && it->second == expected, path, ": ", key, " is '",
+                    it == metadata.end() ? std::string("absent") : it->second,
+                    "' but the manifest records '", expected, "'");
+}
+
+}  // namespace
+
+void checkRankMetadata(const std::string& path, const std::map<std::string, std::string>& metadata,
+                       int64_t rank, int64_t worldSize, const std::string& layoutFingerprint,
+                       int64_t step) {
+  checkKey(path, metadata, kRankKey, std::to_string(rank));
+  checkKey(path, metadata, kWorldSizeKey, std::to_string(worldSize));
+  checkKey(path, metadata, kLayoutFingerprintKey, layoutFingerprint);
+  checkKey(path, metadata, kStepKey, std::to_string(step));
+}
+
 void checkExportDtype(c10::ScalarType dtype, const char* api) {
   TORCH_CHECK_VALUE(dtype == c10::kFloat || dtype == c10::kBFloat16 || dtype == c10::kHalf, api,
                     ": export dtype must be float32, bfloat16 or float16, got ", dtype);

@@ -31,6 +31,14 @@ std::string errorMessage(const std::exception_ptr& error);
 std::map<std::string, std::string> rankMetadata(std::map<std::string, std::string> metadata,
                                                 int64_t rank, const shard::ShardLayout& layout);
 
+/// Checks that a rank file's metadata is the one `manifest` names for
+/// `rank`: shardema.rank, shardema.world_size, shardema.layout_fingerprint
+/// and shardema.step, each present and equal. c10::ValueError naming the
+/// file, the key, what it holds and what the manifest records.
+void checkRankMetadata(const std::string& path, const std::map<std::string, std::string>& metadata,
+                       int64_t rank, int64_t worldSize, const std::string& layoutFingerprint,
+                       int64_t step);
+
 /// float32, bfloat16 or float16; c10::ValueError naming `api` otherwise.
 void checkExportDtype(c10::ScalarType dtype, const char* api);
 

@@ -18,7 +18,7 @@ class Communicator;
 /// What one rank brings to agreeAcrossRanks.
 struct AgreementRequest {
   /// Names the caller in errors and in the communicator's tags, e.g.
-  /// "saveShardedCheckpoint".
+  /// "saveCheckpoint".
   std::string api;
   /// What a failure means for every rank, said in every rank's error, e.g.
   /// "no checkpoint was written".

@@ -1,19 +1,17 @@
 #pragma once
-// RankManifest: the JSON file (manifest.json) that makes a folder of per-rank
-// EMA state files a checkpoint (DESIGN section 5). It is written last, after
-// every rank's file is committed, so a folder without a valid manifest holds
-// no checkpoint. Example:
-//   {"format":1,"kind":"sharded_averager_state","step":1200,
-//    "schedule":{...DecaySchedule::toJson()...},"world_size":2,
-//    "layout":{...ShardLayout::toJson()...},"layout_fingerprint":"0123...",
-//    "files":[{"rank":0,"name":"rank_00000.step_1200.0123456789abcdef.safetensors","size":4096,
-//              "xxh64":"89abcdef01234567"}, ...]}
+// The files of a sharded checkpoint (DESIGN section 5), for the library and
+// tools: rank file names, one rank's file, manifest.json. Users call the
+// save / load / inspect / export / reshard functions of
+// sharded_checkpoint.h instead.
+//
+// manifest.json is written last, after every rank's file is committed, so a
+// folder without a valid manifest holds no checkpoint.
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "shardema/decay_schedule.h"
-#include "shardema/shard/shard_layout.h"
+#include "shardema/sharded_averager.h"
+#include "shardema/sharded_checkpoint.h"
 
 namespace shardema {
 
@@ -21,8 +19,6 @@ namespace shardema {
 constexpr const char* kManifestFileName = "manifest.json";
 /// shardema.kind of the manifest and of every rank file.
 constexpr const char* kShardedStateKind = "sharded_averager_state";
-
-struct RankManifest;
 
 /// "rank_{rank:05d}.safetensors": the name of older checkpoints (still
 /// accepted by fromJson).
@@ -46,34 +42,18 @@ bool isRankFileName(const std::string& name, int64_t rank);
 /// earlier or failed saves left. Best effort: errors are ignored.
 void removeUnreferencedRankFiles(const std::string& dir, const RankManifest& manifest);
 
-/// One rank's committed file as the manifest records it.
-struct RankFileRecord {
-  int64_t rank = 0;
-  /// File name inside the folder (isRankFileName(name, rank)).
-  std::string name;
-  /// Bytes and XXH64 (seed 0) of the whole file.
-  uint64_t size = 0;
-  uint64_t checksum = 0;
-};
+/// Writes this rank's file into `dir` (created if missing) crash-safely and
+/// returns its record for the manifest. Waits for an update in flight.
+/// Does not touch the manifest (see writeManifest / saveCheckpoint). The
+/// name is rankFileName(rank, step, newSaveId()).
+RankFileRecord writeRankFile(const std::string& dir, const ShardedAverager& averager);
+/// As above, as dir/`name` (isRankFileName(name, rank), c10::ValueError
+/// otherwise).
+RankFileRecord writeRankFile(const std::string& dir, const ShardedAverager& averager,
+                             const std::string& name);
 
-struct RankManifest {
-  int64_t step = 0;
-  /// The schedule the ranks' Averagers use (no default constructor exists).
-  DecaySchedule schedule = DecaySchedule::warmup();
-  shard::ShardLayout layout;
-  /// One per rank, in rank order (size = layout.worldSize()).
-  std::vector<RankFileRecord> files;
-
-  int64_t worldSize() const { return static_cast<int64_t>(files.size()); }
-
-  /// The JSON text above (layout fingerprint included).
-  std::string toJson() const;
-  /// Parses and validates toJson() output: format 1, kind, types, a layout
-  /// whose fingerprint matches the recorded one, integers in range (step and
-  /// sizes of at most INT64_MAX), one file per rank with
-  /// isRankFileName(name, rank). c10::ValueError "<source>: <what is wrong>".
-  static RankManifest fromJson(const std::string& text, const std::string& source = "manifest");
-};
+/// Everything rank 0 needs for the manifest except the file records.
+RankManifest manifestFor(const ShardedAverager& averager);
 
 /// Writes `manifest` to dir/manifest.json crash-safely (tmp, fsync, rename,
 /// fsync the folder). Call only after every rank file is committed.
@@ -88,8 +68,12 @@ RankManifest readManifest(const std::string& dir);
 /// file, the expected and the found value.
 void verifyRankFile(const std::string& dir, const RankFileRecord& record);
 
-/// readManifest + verifyRankFile for every rank: a complete, intact
-/// checkpoint or c10::ValueError naming what is wrong.
-RankManifest verifyCheckpoint(const std::string& dir);
+/// The largest world size reshardCheckpoint accepts for a checkpoint of
+/// `layout`: the largest tensor's element count (at least 1).
+int64_t maxReshardWorldSize(const shard::ShardLayout& layout);
+
+/// readManifest + verifyRankFile for every rank: complete, intact files
+/// (their contents are checked by inspectCheckpoint).
+RankManifest verifyRankFiles(const std::string& dir);
 
 }  // namespace shardema
