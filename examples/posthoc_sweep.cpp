@@ -7,10 +7,10 @@
 #include <map>
 #include <system_error>
 
-#include "shardema/module_tracking.h"
 #include "shardema/detail/posthoc_snapshot.h"
-#include "shardema/posthoc_snapshot_synthesis.h"
+#include "shardema/module_tracking.h"
 #include "shardema/shard/gather.h"
+#include "shardema/synthesis.h"
 
 namespace shardema::demo {
 
@@ -24,7 +24,7 @@ std::vector<at::Tensor> synthesizedShards(const std::string& snapshotFolder, int
   std::vector<at::Tensor> pieces;
   try {
     const std::vector<SnapshotEntry> entries = scanRankSnapshots(snapshotFolder, rank);
-    FolderSynthesisOptions options;
+    SnapshotSynthesisOptions options;
     options.sigmaRel = sigmaRel;
     options.step = 0;  // the newest snapshot: the end of training
     const SynthesizedTensors synthesized = synthesizeSnapshots(entries, options);

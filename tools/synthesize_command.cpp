@@ -6,7 +6,7 @@
 #include "export_command.h"
 #include "flag_parser.h"
 #include "flagged_command.h"
-#include "shardema/posthoc_folder_synthesis.h"
+#include "shardema/synthesis.h"
 
 namespace shardema::cli {
 namespace {
@@ -17,11 +17,11 @@ std::string fixed(double value, const char* format) {
   return text;
 }
 
-FolderSynthesisOptions optionsFromFlags(const ParsedFlags& flags) {
+SnapshotSynthesisOptions optionsFromFlags(const ParsedFlags& flags) {
   if (!flags.has("snapshots")) throw UsageError("--snapshots DIR is required");
   if (!flags.has("sigma-rel")) throw UsageError("--sigma-rel S is required");
   if (!flags.has("out")) throw UsageError("--out FILE is required");
-  FolderSynthesisOptions options;
+  SnapshotSynthesisOptions options;
   options.sigmaRel = flags.number("sigma-rel");
   if (!(options.sigmaRel > 0.0 && options.sigmaRel < 0.2887)) {
     throw UsageError("--sigma-rel must lie in (0, 0.2887) (got " + flags.text("sigma-rel") + ")");
@@ -38,7 +38,7 @@ FolderSynthesisOptions optionsFromFlags(const ParsedFlags& flags) {
 }
 
 int runParsed(const ParsedFlags& flags, std::ostream& out) {
-  const FolderSynthesisOptions options = optionsFromFlags(flags);
+  const SnapshotSynthesisOptions options = optionsFromFlags(flags);
   const std::string& dir = flags.text("snapshots");
   const std::string& target = flags.text("out");
   const FolderSynthesisReport report = synthesizeSnapshotFolder(dir, target, options);
@@ -51,8 +51,7 @@ int runParsed(const ParsedFlags& flags, std::ostream& out) {
   }
   out << "sum of weights " << fixed(solve.sum, "%.9f") << ", condition number "
       << fixed(solve.conditionNumber, "%.3e")
-      << (solve.badlyConditioned ? " (badly conditioned: weights may be inaccurate)" : "")
-      << '\n';
+      << (solve.badlyConditioned ? " (badly conditioned: weights may be inaccurate)" : "") << '\n';
   out << "synthesized " << dir << " to " << target << ": " << report.tensors << " tensors, "
       << (report.sharded ? "merged from " + std::to_string(report.worldSize) + " ranks"
                          : std::string("rank-0 full copy"))
@@ -72,7 +71,8 @@ void printSynthesizeUsage(std::ostream& out) {
          "sharded one (rank_NNNNN/ folders), which is synthesized per rank and merged.\n\n"
          "  --snapshots DIR    snapshot folder written by PostHocCallback\n"
          "  --sigma-rel S      target relative EMA length, in (0, 0.2887)\n"
-         "  --step T           target step (default: the newest snapshot); later ones are left out\n"
+         "  --step T           target step (default: the newest snapshot); later ones are left "
+         "out\n"
          "  --normalize        scale the weights to sum to 1 (edm2); default: the raw solve\n"
          "  --dtype D          f32 (default), bf16 or f16 for floating tensors\n"
          "  --out FILE         deployable weights, replaced only once complete\n";

@@ -1,6 +1,6 @@
 #pragma once
 // `shardema synthesize`: post-hoc EMA of any sigma_rel from a folder of
-// snapshots (posthoc_folder_synthesis.h), offline and streaming.
+// snapshots (synthesis.h), offline and streaming.
 #include <ostream>
 #include <string>
 #include <vector>

@@ -13,8 +13,8 @@
 #include <filesystem>
 
 #include "facade/posthoc_fixture.h"
-#include "shardema/posthoc_folder_synthesis.h"
 #include "shardema/detail/posthoc_snapshot.h"
+#include "shardema/synthesis.h"
 #include "support/value_error.h"
 
 namespace shardema {
@@ -160,7 +160,7 @@ TEST(PostHocCallbackTest, TrainEndWritesAFinalSnapshotAndTheRawSynthesis) {
       posthoc_test::referenceSynthesis(dir.path(), {0.05, 0.1}, {4, 8, 10}, 0.05, 10);
   posthoc_test::expectFileMatches(deployable, expected, 1e-6, "deployable");
   // The offline tool over the same folder gives the same weights.
-  FolderSynthesisOptions offline;
+  SnapshotSynthesisOptions offline;
   offline.sigmaRel = 0.05;
   synthesizeSnapshotFolder(dir.path(), out.file("offline.safetensors"), offline);
   const TensorFile merged = readTensorFile(out.file("offline.safetensors"));
@@ -207,7 +207,7 @@ TEST(PostHocCallbackTest, DeployableWeightsGoBesideTheSnapshotFolderByDefault) {
   EXPECT_TRUE(fs::is_regular_file(path));
   const Values expected = posthoc_test::referenceSynthesis(snapshots, {0.05, 0.1}, {3, 5}, 0.1, 5);
   posthoc_test::expectFileMatches(readTensorFile(path), expected, 1e-6, "deployable");
-  FolderSynthesisOptions offline;
+  SnapshotSynthesisOptions offline;
   offline.sigmaRel = 0.1;
   synthesizeSnapshotFolder(snapshots, dir.file("offline.safetensors"), offline);
   posthoc_test::expectFileMatches(readTensorFile(dir.file("offline.safetensors")), expected, 1e-6,

@@ -11,11 +11,10 @@
 #include <filesystem>
 
 #include "facade/posthoc_fixture.h"
-#include "shardema/posthoc_callback.h"
-#include "shardema/posthoc_folder_synthesis.h"
 #include "shardema/detail/posthoc_snapshot.h"
-#include "shardema/posthoc_snapshot_synthesis.h"
+#include "shardema/posthoc_callback.h"
 #include "shardema/shard/communicator.h"
+#include "shardema/synthesis.h"
 #include "support/thread_ranks.h"
 
 namespace shardema {
@@ -164,7 +163,7 @@ void expectTheSameDeployableWeights(EmaPlacement ema) {
   const Values fullValues(fromFull.tensors.begin(), fromFull.tensors.end());
   posthoc_test::expectFileMatches(fromShards, fullValues, 1e-6, "sharded vs full");
   // Offline: rank folders synthesized one by one and merged into full tensors.
-  FolderSynthesisOptions offline;
+  SnapshotSynthesisOptions offline;
   offline.sigmaRel = 0.05;
   synthesizeSnapshotFolder(folderB.path(), outputB.file("offline.safetensors"), offline);
   const TensorFile merged = readTensorFile(outputB.file("offline.safetensors"));
@@ -199,7 +198,7 @@ void expectTheSameSwapInEveryRank(EmaPlacement ema) {
   }
   // Reference: the synthesis at the newest snapshot (8) of the full folder,
   // taken before onTrainEnd added the one at 10.
-  FolderSynthesisOptions at8;
+  SnapshotSynthesisOptions at8;
   at8.sigmaRel = 0.05;
   at8.step = 8;
   const SynthesizedTensors synthesized =

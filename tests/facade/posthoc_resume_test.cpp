@@ -10,9 +10,9 @@
 #include <filesystem>
 
 #include "facade/posthoc_fixture.h"
-#include "shardema/posthoc_callback.h"
 #include "shardema/detail/posthoc_snapshot.h"
-#include "shardema/posthoc_snapshot_synthesis.h"
+#include "shardema/posthoc_callback.h"
+#include "shardema/synthesis.h"
 #include "shardema/training_checkpoint.h"
 #include "support/value_error.h"
 
@@ -173,7 +173,7 @@ TEST(PostHocResumeTest, ValidationSwapsInTheSynthesisAtTheNewestSnapshot) {
   ASSERT_TRUE(run.callback().onValidationStart());
   EXPECT_TRUE(run.callback().emaSwappedIn());
   // The newest snapshot is at 8, not at calls() = 10 (none exists there).
-  FolderSynthesisOptions at8;
+  SnapshotSynthesisOptions at8;
   at8.sigmaRel = 0.05;
   at8.step = 8;
   const SynthesizedTensors synthesized =

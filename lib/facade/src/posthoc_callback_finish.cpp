@@ -14,23 +14,23 @@
 #include <unordered_map>
 
 #include "sharded_internal.h"
+#include "shardema/detail/warning.h"
 #include "shardema/posthoc_callback.h"
-#include "shardema/posthoc_folder_synthesis.h"
-#include "shardema/posthoc_snapshot_synthesis.h"
 #include "shardema/shard/agreement.h"
 #include "shardema/shard/communicator.h"
 #include "shardema/shard/gather.h"
+#include "shardema/synthesis.h"
 #include "shardema/tensor_file.h"
-#include "shardema/detail/warning.h"
+#include "weighted_snapshots.h"
 
 namespace shardema {
 namespace {
 
 constexpr const char* kApi = "PostHocCallback";
 
-FolderSynthesisOptions synthesisOptions(const PostHocCallbackOptions& o, int64_t step,
-                                        c10::ScalarType dtype) {
-  FolderSynthesisOptions out;
+SnapshotSynthesisOptions synthesisOptions(const PostHocCallbackOptions& o, int64_t step,
+                                          c10::ScalarType dtype) {
+  SnapshotSynthesisOptions out;
   out.sigmaRel = o.defaultOutputSigma;
   out.step = step;
   out.normalize = o.normalize;
@@ -317,7 +317,7 @@ std::string PostHocCallback::finishSharded() {
   }
   const shard::ShardLayout& layout = averager_->layout();
   const std::map<std::string, std::string> metadata =
-      synth ? synthesizedMetadata(synth->weights, options_.normalize)
+      synth ? detail::synthesizedMetadata(synth->weights, options_.normalize)
             : std::map<std::string, std::string>{};
   if (ranks_.worldSize == 1) {
     TensorFile file;

@@ -1,5 +1,3 @@
-#include "shardema/posthoc_folder_synthesis.h"
-
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 
@@ -16,8 +14,8 @@
 #include "shardema/detail/posthoc_snapshot.h"
 #include "shardema/detail/tensor_file_reader.h"
 #include "shardema/detail/tensor_file_writer.h"
-#include "shardema/posthoc_snapshot_synthesis.h"
 #include "shardema/shard/shard_layout.h"
+#include "shardema/synthesis.h"
 #include "weighted_snapshots.h"
 
 namespace shardema {
@@ -37,21 +35,8 @@ void appendSynthesized(const WeightedReaders& used, const std::string& name, at:
                           [&](const at::Tensor& piece) { writer.append(piece); });
 }
 
-}  // namespace
-
-std::map<std::string, std::string> synthesizedMetadata(const SynthesisWeights& solve,
-                                                       bool normalize) {
-  detail::DeployableInfo info;
-  info.step = solve.targetStep;
-  info.synthesized =
-      detail::DeployableInfo::Synthesized{solve.targetSigmaRel, solve.targetGamma, normalize};
-  return detail::deployableMetadata(info);
-}
-
-namespace {
-
 void synthesizeFull(const std::vector<SnapshotEntry>& entries, const SynthesisWeights& solve,
-                    const std::string& outPath, const FolderSynthesisOptions& options,
+                    const std::string& outPath, const SnapshotSynthesisOptions& options,
                     FolderSynthesisReport& report) {
   const WeightedReaders used = openUsed(entries, solve);
   const TensorFileReader& newest = *used.readers[used.newest];
@@ -67,7 +52,8 @@ void synthesizeFull(const std::vector<SnapshotEntry>& entries, const SynthesisWe
                       "synthesize: ", reader->path(), " holds ", reader->header().tensors.size(),
                       " tensors but ", newest.path(), " holds ", outEntries.size());
   }
-  TensorFileWriter writer(outPath, outEntries, synthesizedMetadata(solve, options.normalize));
+  TensorFileWriter writer(outPath, outEntries,
+                          detail::synthesizedMetadata(solve, options.normalize));
   const int64_t round = std::max<int64_t>(1, options.bufferBytes / 8);
   std::vector<double> scratch;
   for (size_t t = 0; t < outEntries.size(); ++t) {
@@ -83,7 +69,7 @@ void synthesizeFull(const std::vector<SnapshotEntry>& entries, const SynthesisWe
 // name; ranges tile the tensor in rank order, so writing rank 0's piece,
 // then rank 1's, ... streams the full tensor row-major.
 void synthesizeSharded(const SnapshotFolder& folder, const SynthesisWeights& solve,
-                       const std::string& outPath, const FolderSynthesisOptions& options,
+                       const std::string& outPath, const SnapshotSynthesisOptions& options,
                        FolderSynthesisReport& report) {
   const std::string& layoutJson = folder.perRank.front().front().info.layoutJson;
   const std::vector<SnapshotEntry>& rankZero = folder.perRank.front();
@@ -126,7 +112,8 @@ void synthesizeSharded(const SnapshotFolder& folder, const SynthesisWeights& sol
     outEntries.push_back(
         {spec.name, isFloating(type) ? options.outputDtype : type, spec.globalShape});
   }
-  TensorFileWriter writer(outPath, outEntries, synthesizedMetadata(solve, options.normalize));
+  TensorFileWriter writer(outPath, outEntries,
+                          detail::synthesizedMetadata(solve, options.normalize));
   const int64_t round = std::max<int64_t>(1, options.bufferBytes / 8);
   std::vector<double> scratch;
   for (size_t t = 0; t < layout.specs.size(); ++t) {
@@ -145,7 +132,7 @@ void synthesizeSharded(const SnapshotFolder& folder, const SynthesisWeights& sol
 }  // namespace
 
 FolderSynthesisReport synthesizeSnapshotFolder(const std::string& dir, const std::string& outPath,
-                                               const FolderSynthesisOptions& options) {
+                                               const SnapshotSynthesisOptions& options) {
   detail::checkSynthesisOptions(options);
   detail::refuseOutputOverInput("synthesizeSnapshotFolder", outPath, {dir});
   const SnapshotFolder folder = scanSnapshotFolder(dir);

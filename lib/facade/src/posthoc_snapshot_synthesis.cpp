@@ -1,16 +1,15 @@
-#include "shardema/posthoc_snapshot_synthesis.h"
-
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 
+#include "shardema/synthesis.h"
 #include "weighted_snapshots.h"
 
 namespace shardema {
 
 SynthesizedTensors synthesizeSnapshots(const std::vector<SnapshotEntry>& entries,
-                                       const FolderSynthesisOptions& options) {
+                                       const SnapshotSynthesisOptions& options) {
   detail::checkSynthesisOptions(options);
   SynthesizedTensors out;
   out.weights = detail::solveFor(entries, options);

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 
+#include "shardema/detail/file_metadata.h"
+
 namespace shardema {
 namespace detail {
 
@@ -48,7 +50,7 @@ at::ScalarType checkTensor(const WeightedReaders& used, const std::string& name,
 }
 
 SynthesisWeights solveFor(const std::vector<SnapshotEntry>& entries,
-                          const FolderSynthesisOptions& options) {
+                          const SnapshotSynthesisOptions& options) {
   std::vector<SnapshotProfile> profiles;
   for (const SnapshotEntry& entry : entries)
     profiles.push_back({entry.info.step, entry.info.gamma});
@@ -57,7 +59,7 @@ SynthesisWeights solveFor(const std::vector<SnapshotEntry>& entries,
   return solveSynthesisWeights(profiles, options.sigmaRel, options.step, solveOptions);
 }
 
-void checkSynthesisOptions(const FolderSynthesisOptions& options) {
+void checkSynthesisOptions(const SnapshotSynthesisOptions& options) {
   TORCH_CHECK_VALUE(options.outputDtype == at::kFloat || options.outputDtype == at::kBFloat16 ||
                         options.outputDtype == at::kHalf,
                     "synthesize: outputDtype must be float32, bfloat16 or float16 (got ",
@@ -84,6 +86,15 @@ void synthesizeRange(const WeightedReaders& used, const std::string& name, at::S
     }
     consume(at::from_blob(scratch.data(), {n}, at::kDouble).to(outType));
   }
+}
+
+std::map<std::string, std::string> synthesizedMetadata(const SynthesisWeights& solve,
+                                                       bool normalize) {
+  DeployableInfo info;
+  info.step = solve.targetStep;
+  info.synthesized =
+      DeployableInfo::Synthesized{solve.targetSigmaRel, solve.targetGamma, normalize};
+  return deployableMetadata(info);
 }
 
 }  // namespace detail

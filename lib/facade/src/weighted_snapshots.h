@@ -2,21 +2,22 @@
 // The arithmetic both post-hoc synthesis front ends share (not installed):
 // the used snapshots opened once with their weights, per-tensor checks and
 // the float64 weighted sum, streamed to a sink in bounded rounds.
-// posthoc_folder_synthesis.cpp sinks into a file, posthoc_snapshot_synthesis
-// .cpp into memory.
+// Both front ends of synthesis.h use it: posthoc_folder_synthesis.cpp sinks
+// into a file, posthoc_snapshot_synthesis.cpp into memory.
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "shardema/posthoc_folder_synthesis.h"
 #include "shardema/detail/posthoc_snapshot.h"
 #include "shardema/detail/posthoc_synthesis.h"
 #include "shardema/detail/tensor_file_reader.h"
+#include "shardema/synthesis.h"
 
 namespace shardema {
 namespace detail {
@@ -40,10 +41,10 @@ at::ScalarType checkTensor(const WeightedReaders& used, const std::string& name,
 
 /// The solve for the entries' (step, gamma) under `options`.
 SynthesisWeights solveFor(const std::vector<SnapshotEntry>& entries,
-                          const FolderSynthesisOptions& options);
+                          const SnapshotSynthesisOptions& options);
 
 /// dtype float32/bfloat16/float16 and bufferBytes >= 64; c10::ValueError.
-void checkSynthesisOptions(const FolderSynthesisOptions& options);
+void checkSynthesisOptions(const SnapshotSynthesisOptions& options);
 
 /// Called with consecutive 1-D pieces of one tensor, in order.
 using PieceConsumer = std::function<void(const at::Tensor& piece)>;
@@ -55,6 +56,12 @@ using PieceConsumer = std::function<void(const at::Tensor& piece)>;
 void synthesizeRange(const WeightedReaders& used, const std::string& name, at::ScalarType type,
                      int64_t begin, int64_t count, int64_t roundElements, c10::ScalarType outType,
                      std::vector<double>& scratch, const PieceConsumer& consume);
+
+/// The metadata of a synthesized deployable file: shardema.kind =
+/// deployable_weights, shardema.sigma_rel, shardema.gamma (17 digits),
+/// shardema.step, shardema.synthesis = raw|normalized.
+std::map<std::string, std::string> synthesizedMetadata(const SynthesisWeights& solve,
+                                                       bool normalize);
 
 }  // namespace detail
 }  // namespace shardema

@@ -9,7 +9,7 @@
 // Lifecycles       ema_callback.h (VersatIL), posthoc_callback.h (FastVideo)
 // Checkpoints      training_checkpoint.h (one file), sharded_checkpoint.h
 //                  (per-rank files + manifest, export, reshard)
-// Post-hoc EMA     posthoc_folder_synthesis.h, posthoc_snapshot_synthesis.h
+// Post-hoc EMA     synthesis.h (snapshots into a file or tensors)
 // Files            tensor_file.h (safetensors)
 // Collectives      shard/communicator.h (the c10d group the sharded calls use)
 #include "shardema/averager.h"
@@ -17,12 +17,11 @@
 #include "shardema/ema_callback.h"
 #include "shardema/module_tracking.h"
 #include "shardema/posthoc_callback.h"
-#include "shardema/posthoc_folder_synthesis.h"
-#include "shardema/posthoc_snapshot_synthesis.h"
 #include "shardema/power_function.h"
 #include "shardema/shard/communicator.h"
 #include "shardema/sharded_averager.h"
 #include "shardema/sharded_checkpoint.h"
+#include "shardema/synthesis.h"
 #include "shardema/tensor_file.h"
 #include "shardema/tracking_policy.h"
 #include "shardema/training_checkpoint.h"
