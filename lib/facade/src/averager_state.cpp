@@ -31,6 +31,19 @@ std::string joinNames(const std::vector<std::string>& names) {
   return out.str();
 }
 
+// A value may widen or narrow between floating types (a bf16 deployable
+// file into an fp32 EMA), but an integer or bool copy takes only its own
+// dtype: an f32 value cast into an int64 step counter would load truncated
+// numbers without a word.
+void checkLoadableType(const std::string& name, at::ScalarType given, at::ScalarType held) {
+  const bool heldFloating = at::isFloatingType(held);
+  TORCH_CHECK_TYPE(heldFloating ? at::isFloatingType(given) : given == held,
+                   "Averager::loadEmaValues: tensor '", name, "' is ", given,
+                   " but is kept here as ", held,
+                   heldFloating ? " (a floating value is needed)" : " (the same dtype is needed)",
+                   "; the value belongs to another tensor or another model");
+}
+
 }  // namespace
 
 // A tensor averaged in one run and copied in the other would silently change
@@ -73,6 +86,7 @@ LoadReport Averager::loadValues(const std::vector<std::pair<std::string, at::Ten
     TORCH_CHECK_VALUE(tensor.sizes() == ema.sizes(), "Averager::loadEmaValues: tensor '", name,
                       "' has shape ", tensor.sizes(), " but the tracked tensor has shape ",
                       ema.sizes());
+    checkLoadableType(name, tensor.scalar_type(), ema.scalar_type());
   }
   for (const TrackedTensor& t : tracked_) {
     if (!given.count(t.name)) report.missing.push_back(t.name);
@@ -113,6 +127,7 @@ TensorFile Averager::state() const {
 }
 
 LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness) {
+  store("loadState");  // a moved-from Averager has nothing to load into
   // A failed Averager may load (that is how it recovers); an update still
   // in flight is finished first, its error only marking us failed.
   if (failure_.empty()) {
@@ -128,14 +143,21 @@ LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness
                     "Averager::loadState: the state was saved with schedule ", saved.describe(),
                     " but this Averager uses ", options_.schedule.describe(),
                     "; build it with the saved schedule or load non-strictly");
+  const std::string& stepText = requireKey(file, detail::kStepKey);
+  const std::string& lastDecayText = requireKey(file, detail::kLastDecayKey);
   int64_t step = 0;
   double lastDecay = 0.0;
   try {
-    step = std::stoll(requireKey(file, detail::kStepKey));
-    lastDecay = std::stod(requireKey(file, detail::kLastDecayKey));
+    step = std::stoll(stepText);
   } catch (const std::logic_error&) {
-    TORCH_CHECK_VALUE(false,
-                      "Averager::loadState: shardema.step or shardema.last_decay is not a number");
+    TORCH_CHECK_VALUE(false, "Averager::loadState: metadata key '", detail::kStepKey, "' is '",
+                      stepText, "', not an integer");
+  }
+  try {
+    lastDecay = std::stod(lastDecayText);
+  } catch (const std::logic_error&) {
+    TORCH_CHECK_VALUE(false, "Averager::loadState: metadata key '", detail::kLastDecayKey, "' is '",
+                      lastDecayText, "', not a number");
   }
   const std::string& initialized = requireKey(file, detail::kInitializedKey);
   TORCH_CHECK_VALUE(initialized == "true" || initialized == "false",
@@ -153,8 +175,21 @@ LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness
 
 void Averager::save(const std::string& path) const { writeTensorFile(path, state()); }
 
+// readTensorFile names the file in its own errors; what loadState finds
+// wrong with the contents is prefixed with it here, keeping the error type.
 LoadReport Averager::load(const std::string& path, LoadStrictness strictness) {
-  return loadState(readTensorFile(path), strictness);
+  const TensorFile file = readTensorFile(path);
+  try {
+    return loadState(file, strictness);
+  } catch (const c10::TypeError& e) {
+    TORCH_CHECK_TYPE(false, path, ": ", e.what_without_backtrace());
+  } catch (const c10::ValueError& e) {
+    TORCH_CHECK_VALUE(false, path, ": ", e.what_without_backtrace());
+  } catch (const c10::IndexError& e) {
+    TORCH_CHECK_INDEX(false, path, ": ", e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, path, ": ", e.what_without_backtrace());
+  }
 }
 
 }  // namespace shardema
