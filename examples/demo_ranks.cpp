@@ -9,6 +9,7 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <thread>
 
@@ -88,31 +89,40 @@ LocalRanks::~LocalRanks() {
   }
 }
 
+// The children are polled together, so they are named in the order they
+// ended: a rank killed by a signal is what broke the job, and the ranks that
+// then exited with an error only lost their peer. Killed ones come first.
 std::string LocalRanks::waitForChildren(std::chrono::seconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
-  std::string failure;
-  for (size_t i = 0; i < children_.size(); ++i) {
-    int status = 0;
-    pid_t done = 0;
-    while (
-        ((done = waitpid(children_[i], &status, WNOHANG)) == 0 || (done < 0 && errno == EINTR)) &&
-        std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    const std::string who = "rank " + std::to_string(i + 1) + " (log: " + logs_[i] + ")";
-    if (done <= 0) {
-      kill(children_[i], SIGKILL);
-      waitpid(children_[i], nullptr, 0);
-      if (failure.empty()) failure = who + " did not finish in time";
-    } else if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-      if (failure.empty()) {
-        failure =
-            who + (WIFEXITED(status) ? " exited with status " + std::to_string(WEXITSTATUS(status))
-                                     : " was killed by signal " + std::to_string(WTERMSIG(status)));
+  std::vector<std::string> killed;
+  std::vector<std::string> failed;
+  size_t left = children_.size();
+  while (left > 0) {
+    const bool late = std::chrono::steady_clock::now() >= deadline;
+    for (size_t i = 0; i < children_.size(); ++i) {
+      if (children_[i] <= 0) continue;
+      const std::string who = "rank " + std::to_string(i + 1) + " (log: " + logs_[i] + ")";
+      int status = 0;
+      const pid_t done = waitpid(children_[i], &status, WNOHANG);
+      if (done == 0 || (done < 0 && errno == EINTR)) {
+        if (!late) continue;
+        kill(children_[i], SIGKILL);
+        waitpid(children_[i], nullptr, 0);
+        failed.push_back(who + " did not finish in time");
+      } else if (done > 0 && WIFSIGNALED(status)) {
+        killed.push_back(who + " was killed by signal " + std::to_string(WTERMSIG(status)) + " (" +
+                         strsignal(WTERMSIG(status)) + ")");
+      } else if (done > 0 && (!WIFEXITED(status) || WEXITSTATUS(status) != 0)) {
+        failed.push_back(who + " exited with status " + std::to_string(WEXITSTATUS(status)));
       }
+      children_[i] = -1;
+      --left;
     }
-    children_[i] = -1;
+    if (left > 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+  std::string failure;
+  for (const std::string& part : killed) failure += (failure.empty() ? "" : "; then ") + part;
+  for (const std::string& part : failed) failure += (failure.empty() ? "" : "; then ") + part;
   return failure;
 }
 

@@ -29,7 +29,9 @@ class LocalRanks {
   int worldSize() const { return worldSize_; }
 
   /// Rank 0: waits up to `timeout` for every child; "" when all exited 0,
-  /// else a message naming the first rank that failed and its log file.
+  /// else one line naming the ranks that failed and their log files: those
+  /// killed by a signal first (the cause), then those that exited with an
+  /// error (usually because they lost that peer).
   std::string waitForChildren(std::chrono::seconds timeout);
 
  private:

@@ -6,6 +6,7 @@
 // memory. After training it gathers the EMAs, sweeps sigma_rel by synthesis
 // from the per-rank snapshots, prints the held-out loss of each beside the
 // raw weights, draws the sweep as an SVG and writes deployable files.
+#include <c10/util/Exception.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -230,6 +231,13 @@ int runRank(const demo::DemoOptions& o, Communicator& comm) {
   return 0;
 }
 
+// The message of `e` without c10's backtrace, up to its first line break.
+std::string firstLine(const std::exception& e) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  const std::string text = error ? error->what_without_backtrace() : e.what();
+  return text.substr(0, text.find('\n'));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -263,11 +271,25 @@ int main(int argc, char** argv) {
     }
     return status;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "ema_demo: %s\n", e.what());
-    // A rank that died is usually the cause of rank 0's error: name it.
-    if (ranks && ranks->rank() == 0) {
-      const std::string failure = ranks->waitForChildren(std::chrono::seconds(5));
-      if (!failure.empty()) std::fprintf(stderr, "ema_demo: %s\n", failure.c_str());
+    // A child's stderr is its log: the whole error, backtrace included.
+    if (!ranks || ranks->rank() != 0) {
+      std::fprintf(stderr, "ema_demo: %s\n", e.what());
+      return 1;
+    }
+    // Rank 0 talks to a person: one line. The backtrace goes to rank0.log,
+    // and a rank that died (usually the cause) is named instead of the
+    // collective that noticed it.
+    const std::string log = options.out + "/rank0.log";
+    if (FILE* file = std::fopen(log.c_str(), "w")) {
+      std::fprintf(file, "ema_demo: %s\n", e.what());
+      std::fclose(file);
+    }
+    const std::string failure = ranks->waitForChildren(std::chrono::seconds(5));
+    if (!failure.empty()) {
+      std::fprintf(stderr, "ema_demo: %s (rank 0 then failed; see %s)\n", failure.c_str(),
+                   log.c_str());
+    } else {
+      std::fprintf(stderr, "ema_demo: %s (details: %s)\n", firstLine(e).c_str(), log.c_str());
     }
     return 1;
   }

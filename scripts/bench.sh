@@ -34,7 +34,7 @@ while [[ $# -gt 0 ]]; do
   shift
 done
 build=${SHARDEMA_BENCH_BUILD:-$repo_root/build/release}
-programs=(update_bench offload_bench gather_bench posthoc_bench)
+programs=(update_bench offload_bench gather_bench posthoc_bench soak_bench)
 
 bash "$repo_root/scripts/install_deps.sh"
 # Only the benchmark option: the other options keep what the shared build
@@ -58,12 +58,17 @@ if [[ "$quick" == 1 ]]; then
   sizes=([update_bench]=--update_elements=$((16 << 20))
          [offload_bench]="--offload_elements=$((32 << 20)) --offload_overlap_rounds=3"
          [gather_bench]=--gather_max_kib=$((16 << 10))
-         [posthoc_bench]=--posthoc_elements=$((4 << 20)))
-  repetitions=([update_bench]=1 [offload_bench]=1 [gather_bench]=1 [posthoc_bench]=3)
+         [posthoc_bench]=--posthoc_elements=$((4 << 20))
+         [soak_bench]=--soak_cycles=5000)
+  repetitions=([update_bench]=1 [offload_bench]=1 [gather_bench]=1 [posthoc_bench]=3
+               [soak_bench]=1)
 else
   min_time=0.5  # Google Benchmark's default, spelled out for the record
-  sizes=([update_bench]="" [offload_bench]="" [gather_bench]="" [posthoc_bench]="")
-  repetitions=([update_bench]=3 [offload_bench]=3 [gather_bench]=1 [posthoc_bench]=3)
+  sizes=([update_bench]="" [offload_bench]="" [gather_bench]="" [posthoc_bench]="" [soak_bench]="")
+  # soak_bench: one run of 100k cycles (about 2-3 minutes); its table (RSS
+  # at start and end, us per tensor against ATen's) is printed, not charted.
+  repetitions=([update_bench]=3 [offload_bench]=3 [gather_bench]=1 [posthoc_bench]=3
+               [soak_bench]=1)
 fi
 
 mkdir -p "$out"

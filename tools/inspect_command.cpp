@@ -61,7 +61,16 @@ void printCheckpoint(const std::string& dir, std::ostream& out) {
 
 int inspect(const std::string& path, std::ostream& out) {
   struct stat info {};
-  if (::stat(path.c_str(), &info) != 0) throw UsageError(path + ": no such file or folder");
+  if (::stat(path.c_str(), &info) != 0) {
+    // Say what stat found: a symlink loop or a folder we may not enter is
+    // not a missing path.
+    const int error = errno;
+    throw UsageError(path + ": " +
+                     (error == ENOENT ? std::string("no such file or folder")
+                      : error == ELOOP
+                          ? std::string("a loop of symbolic links (") + std::strerror(error) + ")"
+                          : std::string("cannot stat (") + std::strerror(error) + ")"));
+  }
   if (S_ISDIR(info.st_mode)) {
     printCheckpoint(path, out);
   } else {

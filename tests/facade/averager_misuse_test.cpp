@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <filesystem>
 #include <functional>
 #include <string>
 
@@ -18,6 +19,7 @@
 #include "shardema/averager.h"
 #include "shardema/offload/update_pipeline.h"
 #include "shardema/offload/worker_pool.h"
+#include "support/temp_dir.h"
 
 namespace shardema {
 namespace {
@@ -173,6 +175,40 @@ TEST(AveragerMisuseTest, TheWorkerRefusesAChunkWhoseSourceWasWrittenBeforeItLand
     source.add_(1.0f);
   }
   pipeline.wait();
+}
+
+// A moved-from Averager holds no EMA: every call that would read, change,
+// save or load one throws saying so, where before some returned nothing
+// (emaTensors() an empty list, save() an empty file).
+TEST(AveragerMisuseTest, EveryCallOnAMovedFromAveragerSaysSo) {
+  offload::WorkerPool pool(2);
+  testing::TempDir dir;
+  at::Tensor w = at::zeros({64});
+  Averager averager({{"w", w, TrackRole::kAverage}}, hostOptions(pool));
+  averager.update(1);
+  averager.wait();
+  averager.save(dir.file("state.safetensors"));
+  Averager taken(std::move(averager));
+  const std::vector<std::pair<const char*, std::function<void()>>> calls = {
+      {"update", [&] { averager.update(2); }},
+      {"update", [&] { averager.update(1); }},  // a step that is not due later either
+      {"fence", [&] { averager.fence(); }},
+      {"wait", [&] { averager.wait(); }},
+      {"emaTensors", [&] { averager.emaTensors(); }},
+      {"emaTensors", [&] { averager.save(dir.file("moved.safetensors")); }},
+      {"loadState", [&] { averager.load(dir.file("state.safetensors")); }},
+      {"restoreProgress", [&] { averager.restoreProgress(1, true); }},
+      {"copyEmaToSources", [&] { averager.copyEmaToSources(); }},
+  };
+  for (const auto& [api, call] : calls) {
+    const std::string message = errorOf(call);
+    EXPECT_NE(message.find(std::string("Averager::") + api + ": this Averager was moved from"),
+              std::string::npos)
+        << message;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir.file("moved.safetensors")));
+  taken.update(2);  // the new owner goes on
+  taken.wait();
 }
 
 }  // namespace

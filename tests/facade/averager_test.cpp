@@ -1,6 +1,7 @@
 #include "shardema/averager.h"
 
 #include <ATen/ops/equal.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/rand.h>
 #include <ATen/ops/zeros.h>
@@ -12,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "shardema/tensor_file.h"
 #include "support/temp_dir.h"
 #include "support/value_error.h"
 
@@ -321,6 +323,56 @@ TEST(AveragerTest, BothPlacementsFollowTheFloat64Reference) {
     for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], reference[i], 2e-6) << i;
     EXPECT_EQ(averager.offloadStats().stagingBytes,
               placement == EmaPlacement::kDevice ? 0 : 2 * 64);
+  }
+}
+
+// A copy kept as an integer takes only its own dtype: an f32 value would be
+// truncated into it without a word. Floating values still convert (a bf16
+// file into an fp32 EMA).
+TEST(AveragerTest, LoadRefusesAFloatValueForAnIntegerCopy) {
+  testing::TempDir dir;
+  Averager averager({{"w", at::ones({2}), TrackRole::kAverage},
+                     {"count", at::zeros({1}, at::kLong), TrackRole::kCopy}});
+  EXPECT_THROW(averager.loadEmaValues({{"count", at::full({1}, 2.5f)}}, LoadStrictness::kNonStrict),
+               c10::TypeError);
+  EXPECT_THROW(
+      averager.loadEmaValues({{"w", at::ones({2}, at::kLong)}}, LoadStrictness::kNonStrict),
+      c10::TypeError);
+  averager.loadEmaValues({{"w", at::full({2}, 0.5, at::kBFloat16)}}, LoadStrictness::kNonStrict);
+  EXPECT_EQ(averager.ema("w")[0].item<float>(), 0.5f);
+  TensorFile file = averager.state();
+  file.tensors[1].second = at::full({1}, 7.0f);  // the f32 file of the issue
+  writeTensorFile(dir.file("f32.safetensors"), file);
+  try {
+    averager.load(dir.file("f32.safetensors"));
+    FAIL() << "expected an error";
+  } catch (const c10::TypeError& e) {
+    const std::string message = e.what_without_backtrace();
+    EXPECT_NE(message.find(dir.file("f32.safetensors")), std::string::npos) << message;
+    EXPECT_NE(message.find("tensor 'count' is Float but is kept here as Long"), std::string::npos)
+        << message;
+  }
+  EXPECT_EQ(averager.ema("count")[0].item<int64_t>(), 0) << "a refused load writes nothing";
+}
+
+// What load() finds wrong in a file's metadata names the file and the key.
+TEST(AveragerTest, LoadMetadataErrorsNameTheFileAndTheKey) {
+  testing::TempDir dir;
+  Averager averager({{"w", at::ones({2}), TrackRole::kAverage}});
+  for (const char* key : {"shardema.step", "shardema.last_decay"}) {
+    TensorFile file = averager.state();
+    file.metadata[key] = "x1";
+    const std::string path = dir.file(std::string(key) + ".safetensors");
+    writeTensorFile(path, file);
+    try {
+      averager.load(path);
+      FAIL() << "expected an error for " << key;
+    } catch (const c10::ValueError& e) {
+      const std::string message = e.what_without_backtrace();
+      EXPECT_EQ(message.find(path + ": "), 0u) << message;
+      EXPECT_NE(message.find(std::string("metadata key '") + key + "' is 'x1'"), std::string::npos)
+          << message;
+    }
   }
 }
 

@@ -223,7 +223,7 @@ TEST(EmaCallbackTest, LoggerGetsTheDecayEveryHundredSteps) {
 TEST(EmaCallbackTest, HooksBeforeFitStartAndBadArguments) {
   TestNet net;
   EmaCallback callback;
-  EXPECT_FALSE(callback.onTrainBatchEnd(1, 0, 1, false)) << "no EMA yet: nothing to do";
+  EXPECT_THROW(callback.onTrainBatchEnd(1, 0, 1, false), c10::Error) << "no EMA yet: a loop bug";
   EXPECT_THROW(callback.averager(), c10::Error);
   EXPECT_THROW(callback.onTrainBatchEnd(1, 0, 0, false), c10::ValueError);
   TrainingCheckpoint noRaw = TrainingCheckpoint::capture(*net);

@@ -2,6 +2,9 @@
 // from the format contract); errors are one line with status 2.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdio>
 
 #include "shardema/detail/checksum.h"
 #include "shardema/tensor_file.h"
@@ -83,6 +86,26 @@ TEST(InspectCommandTest, ErrorsAreOneLineNamingTheFileWithStatus2) {
   expectError("inspect " + rank0, HandCheckpoint::name(0));
   std::filesystem::remove(dir.file("ckpt/manifest.json"));
   expectError("inspect " + dir.file("ckpt"), "manifest.json missing");
+}
+
+// A symlink loop is named as one, not as a missing path; the same for a
+// checkpoint whose manifest is a loop.
+TEST(InspectCommandTest, ASymlinkLoopIsNamedAsOne) {
+  testing::TempDir dir;
+  auto expectError = [&](const std::string& args, const std::string& named) {
+    const testing::CliResult result = runCli(args);
+    EXPECT_EQ(result.status, 2) << args;
+    EXPECT_TRUE(has(result.err, named)) << result.err;
+    EXPECT_EQ(testing::countLines(result.err), 1u) << result.err;
+  };
+  const std::string loop = dir.file("loop.safetensors");
+  ASSERT_EQ(::symlink(loop.c_str(), loop.c_str()), 0);
+  expectError("inspect " + loop, "a loop of symbolic links");
+  testing::HandCheckpoint::write(dir.file("ckpt"));
+  const std::string manifest = dir.file("ckpt") + "/manifest.json";
+  std::remove(manifest.c_str());
+  ASSERT_EQ(::symlink(manifest.c_str(), manifest.c_str()), 0);
+  expectError("inspect " + dir.file("ckpt"), "manifest.json: Too many levels of symbolic links");
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <optional>
 #include <system_error>
 #include <vector>
 
@@ -48,7 +49,9 @@ c10::ScalarType toScalarType(FileDType dtype) {
   TORCH_INTERNAL_ASSERT(false, "unhandled FileDType");
 }
 
-FileDType toFileDType(c10::ScalarType type, const std::string& path, const std::string& name) {
+namespace {
+
+std::optional<FileDType> fileDTypeOf(c10::ScalarType type) {
   switch (type) {
     case c10::kDouble:
       return FileDType::kF64;
@@ -71,8 +74,15 @@ FileDType toFileDType(c10::ScalarType type, const std::string& path, const std::
     case c10::kBool:
       return FileDType::kBool;
     default:
-      break;
+      return std::nullopt;
   }
+}
+
+}  // namespace
+
+FileDType toFileDType(c10::ScalarType type, const std::string& path, const std::string& name) {
+  const std::optional<FileDType> dtype = fileDTypeOf(type);
+  if (dtype) return *dtype;
   TORCH_CHECK_TYPE(false, path, ": tensor '", name, "' has dtype ", type,
                    ", which tensor files cannot hold (use float64/32/16, bfloat16, int64/32/16/8, "
                    "uint8 or bool)");
@@ -132,4 +142,7 @@ SafetensorsHeader InputFile::readHeader() const {
 }
 
 }  // namespace detail
+
+bool tensorFilesCanHold(c10::ScalarType dtype) { return detail::fileDTypeOf(dtype).has_value(); }
+
 }  // namespace shardema

@@ -12,9 +12,28 @@
 #include "ema_store.h"
 #include "pinned_host_ema_store.h"
 #include "shardema/detail/tensor_update.h"
+#include "shardema/tensor_file.h"
 
 namespace shardema {
 namespace {
+
+// Refused before any storage exists: a source whose values cannot be read
+// (a meta tensor has a shape but no data; sparse and other non-strided
+// layouts have no dense storage to copy from) would otherwise fail deep in
+// the first copy, with an error that names no tensor.
+void checkReadable(const TrackedTensor& tracked) {
+  const at::Tensor& source = tracked.source;
+  TORCH_CHECK_VALUE(!source.is_meta(), "Averager: tensor '", tracked.name,
+                    "' is on the meta device: it has a shape but no values to start the EMA ",
+                    "from; materialize the module (to_empty() and initialize it, or load its ",
+                    "weights) before tracking it");
+  TORCH_CHECK_VALUE(source.layout() == at::kStrided, "Averager: tensor '", tracked.name,
+                    "' has layout ", source.layout(),
+                    "; only dense (strided) tensors can be tracked (densify it with to_dense())");
+  TORCH_CHECK_VALUE(source.has_storage(), "Averager: tensor '", tracked.name,
+                    "' has no storage to read its values from (a ", source.toString(),
+                    "); track a dense tensor");
+}
 
 void checkTracked(const TrackedTensor& tracked, std::unordered_set<std::string>& seen) {
   TORCH_CHECK_VALUE(!tracked.name.empty(), "Averager: a tracked tensor has an empty name");
@@ -22,8 +41,15 @@ void checkTracked(const TrackedTensor& tracked, std::unordered_set<std::string>&
                     "' is tracked twice; names must be unique");
   TORCH_CHECK_VALUE(tracked.source.defined(), "Averager: tensor '", tracked.name,
                     "' has an undefined source");
+  checkReadable(tracked);
   if (isAveragingRole(tracked.role)) {
     sourceTypeOf(tracked.source, tracked.name);  // float32/bfloat16/float16, else TypeError
+  } else {
+    TORCH_CHECK_TYPE(tensorFilesCanHold(tracked.source.scalar_type()), "Averager: tensor '",
+                     tracked.name, "' is tracked as a copy (role ", trackRoleName(tracked.role),
+                     ") but has dtype ", tracked.source.scalar_type(),
+                     ", which tensor files cannot hold, so its state could never be saved; copies "
+                     "may be float64/32/16, bfloat16, int64/32/16/8, uint8 or bool");
   }
 }
 
@@ -94,9 +120,11 @@ void Averager::checkNotFailed(const char* api) const {
 
 void Averager::settle(const char* api) const {
   checkNotFailed(api);
-  if (!store_) return;  // moved from: nothing in flight
+  // A moved-from Averager holds no EMA: every call that reads or changes
+  // one says so instead of quietly returning nothing.
+  detail::EmaStore& emaStore = store(api);
   try {
-    store_->wait();
+    emaStore.wait();
   } catch (const c10::Error& e) {
     failure_ = e.what_without_backtrace();
     TORCH_CHECK(false, "Averager::", api, ": ", failure_,
@@ -105,9 +133,7 @@ void Averager::settle(const char* api) const {
   }
 }
 
-void Averager::fence() {
-  if (store_) store_->fence();
-}
+void Averager::fence() { store("fence").fence(); }
 
 void Averager::wait() { settle("wait"); }
 
@@ -116,9 +142,9 @@ offload::PipelineStats Averager::offloadStats() const {
 }
 
 bool Averager::update(int64_t step) {
+  detail::EmaStore& emaStore = store("update");
   TORCH_CHECK_VALUE(step > step_, "Averager::update: step must increase; got step ", step,
                     " after step ", step_);
-  detail::EmaStore& emaStore = store("update");
   // Read before the wait below releases the sources.
   const bool fenced = emaStore.sourcesReleased();
   settle("update");  // the one wait; a written source seen by it is reported first

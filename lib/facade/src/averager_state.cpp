@@ -31,6 +31,19 @@ std::string joinNames(const std::vector<std::string>& names) {
   return out.str();
 }
 
+// A value may widen or narrow between floating types (a bf16 deployable
+// file into an fp32 EMA), but an integer or bool copy takes only its own
+// dtype: an f32 value cast into an int64 step counter would load truncated
+// numbers without a word.
+void checkLoadableType(const std::string& name, at::ScalarType given, at::ScalarType held) {
+  const bool heldFloating = at::isFloatingType(held);
+  TORCH_CHECK_TYPE(heldFloating ? at::isFloatingType(given) : given == held,
+                   "Averager::loadEmaValues: tensor '", name, "' is ", given,
+                   " but is kept here as ", held,
+                   heldFloating ? " (a floating value is needed)" : " (the same dtype is needed)",
+                   "; the value belongs to another tensor or another model");
+}
+
 }  // namespace
 
 // A tensor averaged in one run and copied in the other would silently change
@@ -73,6 +86,7 @@ LoadReport Averager::loadValues(const std::vector<std::pair<std::string, at::Ten
     TORCH_CHECK_VALUE(tensor.sizes() == ema.sizes(), "Averager::loadEmaValues: tensor '", name,
                       "' has shape ", tensor.sizes(), " but the tracked tensor has shape ",
                       ema.sizes());
+    checkLoadableType(name, tensor.scalar_type(), ema.scalar_type());
   }
   for (const TrackedTensor& t : tracked_) {
     if (!given.count(t.name)) report.missing.push_back(t.name);
@@ -113,6 +127,7 @@ TensorFile Averager::state() const {
 }
 
 LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness) {
+  store("loadState");  // a moved-from Averager has nothing to load into
   // A failed Averager may load (that is how it recovers); an update still
   // in flight is finished first, its error only marking us failed.
   if (failure_.empty()) {
@@ -132,15 +147,15 @@ LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness
   // outside [0, 1], would resume an EMA that no save could have written.
   int64_t step = 0;
   const std::string& stepText = requireKey(file, detail::kStepKey);
-  TORCH_CHECK_VALUE(detail::parseDecimalDigits(stepText, &step),
-                    "Averager::loadState: ", detail::kStepKey,
-                    " must be a non-negative integer, got '", stepText, "'");
+  TORCH_CHECK_VALUE(detail::parseDecimalDigits(stepText, &step), "Averager::loadState: ",
+                    detail::kStepKey, " (metadata key '", detail::kStepKey, "' is '", stepText,
+                    "') must be a non-negative integer");
   double lastDecay = 0.0;
   const std::string& decayText = requireKey(file, detail::kLastDecayKey);
   TORCH_CHECK_VALUE(
       detail::parseFiniteDecimal(decayText, &lastDecay) && lastDecay >= 0.0 && lastDecay <= 1.0,
-      "Averager::loadState: ", detail::kLastDecayKey, " must be a number in [0, 1], got '",
-      decayText, "'");
+      "Averager::loadState: ", detail::kLastDecayKey, " (metadata key '", detail::kLastDecayKey,
+      "' is '", decayText, "') must be a number in [0, 1]");
   const std::string& initialized = requireKey(file, detail::kInitializedKey);
   TORCH_CHECK_VALUE(initialized == "true" || initialized == "false",
                     "Averager::loadState: shardema.initialized must be true or false, got '",
@@ -157,14 +172,20 @@ LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness
 
 void Averager::save(const std::string& path) const { writeTensorFile(path, state()); }
 
+// readTensorFile names the file in its own errors; what loadState finds
+// wrong with the contents is prefixed with it here, keeping the error type.
 LoadReport Averager::load(const std::string& path, LoadStrictness strictness) {
   const TensorFile file = readTensorFile(path);
   try {
     return loadState(file, strictness);
-  } catch (const c10::ValueError& error) {
-    // loadState sees tensors, not files: name the file its complaint is about.
-    TORCH_CHECK_VALUE(false, path, ": ", error.what_without_backtrace());
-    throw;  // not reached
+  } catch (const c10::TypeError& e) {
+    TORCH_CHECK_TYPE(false, path, ": ", e.what_without_backtrace());
+  } catch (const c10::ValueError& e) {
+    TORCH_CHECK_VALUE(false, path, ": ", e.what_without_backtrace());
+  } catch (const c10::IndexError& e) {
+    TORCH_CHECK_INDEX(false, path, ": ", e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, path, ": ", e.what_without_backtrace());
   }
 }
 

@@ -30,8 +30,11 @@ EmaCallback::EmaCallback(EmaCallbackOptions options) : options_(std::move(option
   DecaySchedule::warmup(options_.schedule);  // validate now, not at the first fit
 }
 
+// Everything is built aside and committed at the end: a throw (a tensor
+// that cannot be tracked, a queued state that does not load) leaves the
+// callback as it was, with the queued state still queued, never with an
+// EMA that silently skipped the resume.
 void EmaCallback::onFitStart(torch::nn::Module& module) {
-  module_ = &module;
   AveragerOptions averagerOptions;
   averagerOptions.schedule = DecaySchedule::warmup(options_.schedule);
   averagerOptions.pool = options_.pool;
@@ -40,13 +43,16 @@ void EmaCallback::onFitStart(torch::nn::Module& module) {
   // VersatIL deep-copies the model here and every optimizer step then
   // lerps with the scheduled decay (which is 0, an exact copy, early on).
   averagerOptions.copyOnFirstUpdate = false;
-  averager_ = std::make_unique<Averager>(trackModule(module, options_.policy), averagerOptions);
-  if (!queuedState_) return;
-  if (queuedState_->metadata.count(detail::kKindKey)) {
-    averager_->loadState(*queuedState_, LoadStrictness::kNonStrict);
-  } else {
-    averager_->loadEmaValues(queuedState_->tensors, LoadStrictness::kNonStrict);
+  auto averager = std::make_unique<Averager>(trackModule(module, options_.policy), averagerOptions);
+  if (queuedState_) {
+    if (queuedState_->metadata.count(detail::kKindKey)) {
+      averager->loadState(*queuedState_, LoadStrictness::kNonStrict);
+    } else {
+      averager->loadEmaValues(queuedState_->tensors, LoadStrictness::kNonStrict);
+    }
   }
+  module_ = &module;
+  averager_ = std::move(averager);
   queuedState_.reset();
 }
 
@@ -57,7 +63,10 @@ bool EmaCallback::onTrainBatchEnd(int64_t globalStep, int64_t batchIdx,
                     accumulateGradBatches);
   TORCH_CHECK_VALUE(batchIdx >= 0, "EmaCallback::onTrainBatchEnd: batchIdx must be >= 0, got ",
                     batchIdx);
-  if (!averager_) return false;
+  // Before onFitStart there is no EMA to fold this step into; returning
+  // false would let a loop that forgot onFitStart train without one.
+  TORCH_CHECK(averager_ != nullptr, "EmaCallback::onTrainBatchEnd: called before onFitStart; ",
+              "call onFitStart(module) once before the first batch");
   TORCH_CHECK(!emaSwappedIn(),
               "EmaCallback::onTrainBatchEnd: called while the EMA weights are "
               "swapped in; call onValidationEnd() first");

@@ -1,5 +1,7 @@
 #include "ema_store.h"
 
+#include "shardema/detail/averager_fault_injection.h"
+
 namespace shardema::detail {
 
 const at::Tensor& EmaStore::storage(size_t index, int profile) const {
@@ -11,6 +13,7 @@ void EmaStore::initStorage(const std::vector<TrackedTensor>& tracked, int numPro
                            const Allocate& allocate) {
   storage_.reserve(tracked.size());
   for (const TrackedTensor& t : tracked) {
+    AveragerFaultInjection::allocatingStorage(storage_.size());
     const bool averaged = isAveragingRole(t.role);
     const at::ScalarType dtype = averaged ? at::kFloat : t.source.scalar_type();
     std::vector<at::Tensor> profiles;

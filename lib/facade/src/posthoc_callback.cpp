@@ -190,11 +190,17 @@ void PostHocCallback::build(std::vector<LocalShard> shards, std::vector<TrackedT
   averager_ = std::make_unique<ShardedAverager>(ranks_.rank, ranks_.worldSize, std::move(shards),
                                                 averagerOptions(options_));
   swapTargets_ = std::move(targets);
-  if (queuedCalls_) {
-    const int64_t calls = *queuedCalls_;
-    queuedCalls_.reset();
-    resumeAt(calls);
+  if (!queuedCalls_) return;
+  try {
+    resumeAt(*queuedCalls_);
+  } catch (...) {
+    // A resume that fails (a missing or foreign snapshot) leaves no EMA
+    // behind: a fresh one would train on as if the run had just started.
+    averager_.reset();
+    swapTargets_.clear();
+    throw;
   }
+  queuedCalls_.reset();
 }
 
 bool PostHocCallback::onTrainBatchEnd(int64_t globalStep, int64_t batchIdx,

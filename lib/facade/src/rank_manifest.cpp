@@ -34,6 +34,9 @@ const json& field(const json& object, const char* key, json::value_t type,
   TORCH_CHECK_VALUE(it != object.end(), source, ": key '", key, "' is missing");
   const bool numberOk = type == json::value_t::number_unsigned &&
                         it->type() == json::value_t::number_integer && it->get<int64_t>() >= 0;
+  const bool negative = it->type() == json::value_t::number_integer && it->get<int64_t>() < 0;
+  TORCH_CHECK_VALUE(type != json::value_t::number_unsigned || !negative, source, ": key '", key,
+                    "' is ", it->dump(), ", a negative number; it must be an integer >= 0");
   TORCH_CHECK_VALUE(it->type() == type || numberOk, source, ": key '", key, "' has type ",
                     it->type_name());
   return *it;
@@ -195,8 +198,12 @@ void writeManifest(const std::string& dir, const RankManifest& manifest) {
 RankManifest readManifest(const std::string& dir) {
   const std::string path = joinPath(dir, kManifestFileName);
   struct stat info {};
-  TORCH_CHECK_VALUE(::stat(path.c_str(), &info) == 0, "no valid checkpoint at ", dir, ": ",
-                    kManifestFileName, " missing");
+  // errno read at once: a symlink loop or a folder we may not enter is not a
+  // missing manifest.
+  const int error = ::stat(path.c_str(), &info) == 0 ? 0 : errno;
+  TORCH_CHECK_VALUE(
+      error == 0, "no valid checkpoint at ", dir, ": ", kManifestFileName,
+      error == ENOENT ? std::string(" missing") : ": " + std::string(std::strerror(error)));
   TORCH_CHECK_VALUE(S_ISREG(info.st_mode), "no valid checkpoint at ", dir, ": ", path,
                     " is not a regular file");
   return RankManifest::fromJson(readWholeFile(path), path);

@@ -39,6 +39,10 @@ TensorFile readTensorFile(const std::string& path);
 /// Validates a file and returns its header without loading tensor data.
 SafetensorsHeader readTensorFileHeader(const std::string& path);
 
+/// Whether tensor files can hold this dtype (the list writeTensorFile
+/// names); what is tracked as a copy must be, or it could never be saved.
+bool tensorFilesCanHold(c10::ScalarType dtype);
+
 /// Metadata keys we write are prefixed so; "shardema.format" = "1".
 constexpr const char* kMetadataPrefix = "shardema.";
 constexpr const char* kFormatKey = "shardema.format";

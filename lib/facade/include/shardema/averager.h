@@ -145,15 +145,19 @@ class Averager {
   /// Copies every source once (the EMA starts equal to the model, as a
   /// deepcopy would). Names must be unique and non-empty; averaged sources
   /// must be float32, bfloat16 or float16 (c10::ValueError / TypeError naming
-  /// the tensor). Sources may live on any device; EMA storage is host memory
-  /// (kPinnedHost) or the source's device (kDevice). The Averager holds the
+  /// the tensor), copies of a dtype tensor files hold (not complex: TypeError),
+  /// and every source dense with values (meta or sparse: ValueError). A
+  /// failure part-way (an allocation) releases what was built. Sources may
+  /// live on any device; EMA storage is host memory (kPinnedHost) or the
+  /// source's device (kDevice). The Averager holds the
   /// sources (tensor handles) and owns the EMA storage, its engine and
   /// staging memory; options.pool is borrowed.
   Averager(std::vector<TrackedTensor> tensors, AveragerOptions options = {});
   Averager(const Averager&) = delete;
   Averager& operator=(const Averager&) = delete;
   /// Moves take the EMA and the update in flight along; a moved-from
-  /// Averager may only be destroyed or assigned to. Assigning to an
+  /// Averager may only be destroyed or assigned to (a call that reads,
+  /// updates, saves or loads the EMA throws c10::Error saying so). Assigning to an
   /// Averager first retires its own update in flight (as the destructor).
   Averager(Averager&&) noexcept;
   Averager& operator=(Averager&&) noexcept;
@@ -231,7 +235,9 @@ class Averager {
   /// Overwrites the EMA values of `profile` from named tensors (converted
   /// to our dtype; copy roles: the shared copy), e.g. from a post-hoc
   /// snapshot on resume; shapes must match (c10::ValueError naming the
-  /// tensor). Checks everything before the first write. Waits.
+  /// tensor); a floating EMA or copy takes floating values, an integer or
+  /// bool copy only its own dtype (c10::TypeError naming the tensor).
+  /// Checks everything before the first write. Waits.
   LoadReport loadEmaValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
                            LoadStrictness strictness, int profile = 0);
 
@@ -244,7 +250,8 @@ class Averager {
   /// Restores state(): tensors as loadEmaValues, plus step and flags. In
   /// strict mode a schedule different from ours is an error naming both.
   LoadReport loadState(const TensorFile& file, LoadStrictness strictness = LoadStrictness::kStrict);
-  /// state() to a crash-safe safetensors file / loadState from one.
+  /// state() to a crash-safe safetensors file / loadState from one (whose
+  /// errors then start with the file's path).
   void save(const std::string& path) const;
   LoadReport load(const std::string& path, LoadStrictness strictness = LoadStrictness::kStrict);
 

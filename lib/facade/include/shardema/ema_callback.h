@@ -48,13 +48,15 @@ class EmaCallback {
   void setDecayLogger(DecayLogger logger) { logger_ = std::move(logger); }
 
   /// Builds the EMA from `module` (which must outlive the callback's use of
-  /// it), then applies an EMA state queued by onLoadCheckpoint, if any.
+  /// it), then applies an EMA state queued by onLoadCheckpoint, if any. On
+  /// an error (a tensor that cannot be tracked, a queued state that does
+  /// not load) the callback is left as before the call.
   void onFitStart(torch::nn::Module& module);
   /// After each training batch. Updates only when an optimizer step just
   /// happened: at the end of an accumulation window ((batchIdx + 1) %
   /// accumulateGradBatches == 0) or on the epoch's last batch. The decay
   /// comes from globalStep (optimizer steps done, 1-based). Returns whether
-  /// the EMA was updated.
+  /// the EMA was updated. c10::Error before onFitStart.
   bool onTrainBatchEnd(int64_t globalStep, int64_t batchIdx, int64_t accumulateGradBatches,
                        bool isLastBatch);
   /// Call before every optimizer step (before anything but the forward
