@@ -219,9 +219,13 @@ def offload_section(rows):
         ("us per update", lambda r: number(r.get("us_per_update"))),
     ]
     sweep_size = size_text(sweep[0]["args"]["elements"]) if sweep else "-"
+    staging = "-"
+    if pipeline and pipeline[0].get("chunk_bytes"):
+        staging = f"{pipeline[0].get('slots', 2):.0f} x " + size_text(
+            int(pipeline[0]["chunk_bytes"]), "B")
     md = ["### Offload pipeline (`offload_bench`)", "",
           "Host sources (16 tensors) through the pipeline's two paths, host copy engine, "
-          "one math worker. Staged: the engine copies each chunk into staging and the "
+          f"one math worker, {staging} staging (the defaults). Staged: the engine copies each chunk into staging and the "
           "worker folds it in (the path device sources take; the copy is a memcpy here, "
           "a DMA with a GPU). Direct: the worker reads the host sources in place (the "
           "default for host sources). GB/s of source bytes. Limits measured in the same "
@@ -249,11 +253,12 @@ def offload_section(rows):
           "math's 12 bytes per element, as the direct path's is here. Two caveats from "
           "this VM: one thread does not saturate its memory (two threads of `a += b` get "
           "about twice one thread's rate, see `update_bench`), so a traffic fraction "
-          "above 1 means the copy thread added bandwidth rather than sharing it; and the "
-          "L3 the VM reports is larger than any chunk, so the staging sweep cannot show "
-          "the cache effect a real server's smaller last-level cache (or DDIO's share of "
-          "it, where DMA lands) would. The overlap row runs the staged path with the "
-          "copy on the EMA's core; with a DMA engine the EMA's core does only the math."]
+          "above 1 means the copy thread added bandwidth rather than sharing it; and a "
+          "VM's last-level cache is shared with other guests and often misreported (see "
+          "the L3 in the header), so the staging sweep shows fixed costs per chunk more "
+          "than the cache effect a dedicated server (or DDIO's share of its cache, where "
+          "a DMA lands) would. The overlap row runs the staged path with the copy on the "
+          "EMA's core; with a DMA engine the EMA's core does only the math."]
     overlap_counters = ["ratio_median", "ratio_best", "step_ms", "ema_ms", "wall_ms",
                         "step_overlapped_ms", "fence_wait_ms", "pinned"]
     limit_counters = ["inplace_GBps", "traffic_bytes_per_element", "traffic_limit_GBps",

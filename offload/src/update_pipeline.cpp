@@ -144,11 +144,15 @@ void UpdatePipeline::submit(std::vector<PipelineJob> jobs, std::vector<float> we
     sourceBytes += pieces_[p].bytes;
     if (p >= firstStaged) stagedBytes += pieces_[p].bytes;
   }
+  // Direct chunks first: their reads are what fence() waits for. Each
+  // drainer gets its first chunk here (see runDirectChunks).
+  const int64_t drainers = std::min<int64_t>(directChunks_, pool_->size());
   {
     std::lock_guard<std::mutex> lock(mutex_);
     claimed_ = first;
     queued_ = finished_ = 0;
-    directClaimed_ = directDone_ = 0;
+    directClaimed_ = drainers;
+    directDone_ = 0;
     failed_ = false;
     inFlight_ = true;
     for (int64_t c = 0; c < first; ++c) slotChunk_[c] = directChunks_ + c;
@@ -157,9 +161,7 @@ void UpdatePipeline::submit(std::vector<PipelineJob> jobs, std::vector<float> we
     stats_.sourceBytes += sourceBytes;
     stats_.stagedBytes += stagedBytes;
   }
-  // Direct chunks first: their reads are what fence() waits for.
-  const int64_t drainers = std::min<int64_t>(directChunks_, pool_->size());
-  for (int64_t d = 0; d < drainers; ++d) pool_->post([this] { runDirectChunks(); });
+  for (int64_t d = 0; d < drainers; ++d) pool_->post([this, d] { runDirectChunks(d); });
   if (staged == 0) return;  // nothing for the engine
   options_.engine->recordProducerPoint();
   for (int64_t c = 0; c < first; ++c) issueChunk(directChunks_ + c, static_cast<int>(c));
@@ -235,23 +237,24 @@ void UpdatePipeline::runChunk(int slot) {
   finishChunk(slot, failure.empty() ? nullptr : chunkError(chunk, failure));
 }
 
-// Worker: the direct chunks, in order, each read in place. Check (c) runs
-// before the math (a source already written: the chunk is refused, its EMA
-// untouched) and after it (written while read: the EMA holds torn values),
-// the second in the same critical section that counts the chunk done, so
-// fence() cannot release the sources in between.
-void UpdatePipeline::runDirectChunks() {
+// Worker: direct chunks, starting with `chunk` (claimed for it by
+// submit()), then the next unclaimed one, in order, each read in place.
+// Check (c) runs before the math (a source already written: the chunk is
+// refused, its EMA untouched) and after it (written while read: the EMA
+// holds torn values), the second in the same critical section that counts
+// the chunk done, so fence() cannot release the sources in between. The
+// next chunk is claimed in that section too: a drainer touches the shared
+// state only while it holds an unfinished chunk, so once the last chunk is
+// done nothing of this update reads what the next submit() writes.
+void UpdatePipeline::runDirectChunks(int64_t chunk) {
+  std::string failure;
+  bool skip = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    skip = failed_;
+    if (!skip) failure = firstWrittenSource(chunk);
+  }
   for (;;) {
-    int64_t chunk = -1;
-    std::string failure;
-    bool skip = false;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (directClaimed_ == directChunks_) return;
-      chunk = directClaimed_++;
-      skip = failed_;
-      if (!skip) failure = firstWrittenSource(chunk);
-    }
     if (failure.empty() && !skip) {
       try {
         applyChunk(chunk, nullptr);
@@ -259,7 +262,6 @@ void UpdatePipeline::runDirectChunks() {
         failure = describe(std::current_exception());
       }
     }
-    std::exception_ptr error;
     std::lock_guard<std::mutex> lock(mutex_);
     if (failure.empty() && !skip) failure = firstWrittenSource(chunk);
     if (!failure.empty() && !failed_) {
@@ -267,8 +269,15 @@ void UpdatePipeline::runDirectChunks() {
       firstError_ = chunkError(chunk, failure);
     }
     ++directDone_;
+    const bool more = directClaimed_ < directChunks_;
+    if (more) {
+      chunk = directClaimed_++;
+      skip = failed_;
+      failure = skip ? std::string() : firstWrittenSource(chunk);
+    }
     if (allDone()) inFlight_ = false;
     changed_.notify_all();
+    if (!more) return;
   }
 }
 

@@ -50,6 +50,11 @@ AveragerOptions hostOptions(offload::WorkerPool& pool) {
 TEST(AveragerMisuseTest, TheAsynchronousUpdateIsTheDefault) {
   EXPECT_FALSE(AveragerOffloadOptions{}.fenceInUpdate);
   EXPECT_FALSE(TrackedTensor{}.changesInForward);
+  // The Averager stages like a bare pipeline (averager.h repeats the
+  // number rather than include the pipeline's header for it).
+  EXPECT_EQ(AveragerOffloadOptions{}.chunkBytes, offload::kDefaultChunkBytes);
+  EXPECT_EQ(offload::UpdatePipelineOptions{}.chunkBytes, offload::kDefaultChunkBytes);
+  EXPECT_FALSE(offload::UpdatePipelineOptions{}.stageHostSources);
 }
 
 // Without fence() the in-place write (as optimizer.step() does) is reported

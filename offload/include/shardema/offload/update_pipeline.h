@@ -79,8 +79,19 @@ class WorkerPool;
 
 class PinnedArena;
 
-/// Default UpdatePipelineOptions::chunkBytes (and the Averager's): 32 MiB.
-constexpr int64_t kDefaultChunkBytes = int64_t{32} << 20;
+/// Default UpdatePipelineOptions::chunkBytes (and the Averager's): 4 MiB,
+/// so 2 x 4 MiB of staging. The CPU reads each staged chunk right after it
+/// lands; a chunk that is still in the last-level cache is read from there,
+/// not from memory, which saves the staged path's second pass over DRAM.
+/// Two slots of 4 MiB stay within the cache share a server core pair (or
+/// DDIO, where a DMA lands) has, where 2 x 32 MiB (the old default) did
+/// not. Smaller chunks cost a copy call and a hand-off each (a CUDA copy
+/// about 10 us: at 1 MiB that is a quarter of the copy's time on PCIe 4,
+/// at 4 MiB under a tenth). The host-engine sweep of offload_bench (README,
+/// Performance) is the measurement to redo on a quiet machine and with the
+/// CUDA engine; on the shared 2-vCPU VM it did not rank the sizes beyond
+/// its noise.
+constexpr int64_t kDefaultChunkBytes = int64_t{4} << 20;
 
 struct UpdatePipelineOptions {
   /// Bytes per staging slot and per direct chunk, >= 64 (default
@@ -218,8 +229,8 @@ class UpdatePipeline {
   void issueChunk(int64_t chunk, int slot);
   void onPieceLanded(int slot, std::exception_ptr error);
   void runChunk(int slot);
-  // Worker: claims direct chunks in order until none is left.
-  void runDirectChunks();
+  // Worker: direct chunk `chunk`, then the next unclaimed ones in order.
+  void runDirectChunks(int64_t chunk);
   // The math of one chunk; staging == nullptr for a direct chunk (its
   // pieces read their sources in place).
   void applyChunk(int64_t chunk, const char* staging);
