@@ -1,9 +1,11 @@
 // One file over the 400-line guideline on purpose: submit, the copy
-// callbacks, the workers' math, fence and wait share one mutex-guarded state
-// machine (slotChunk_, claimed_/queued_/finished_, released_), and keeping
-// every transition of it in one place is what makes its ordering reviewable
-// (and what ThreadSanitizer runs exercise). The swap-in copies, which do not
-// touch that state, live in update_pipeline_swap.cpp.
+// callbacks, the workers' math (direct and staged), fence and wait share one
+// mutex-guarded state machine (slotChunk_, claimed_/queued_/finished_,
+// directClaimed_/directDone_, released_), and keeping every transition of it
+// in one place is what makes its ordering reviewable (and what
+// ThreadSanitizer runs exercise). How an update is cut into chunks lives in
+// update_pipeline_plan.cpp, the swap-in copies (which do not touch that
+// state) in update_pipeline_swap.cpp.
 #include "shardema/offload/update_pipeline.h"
 
 #include <ATen/ops/empty.h>
@@ -24,33 +26,10 @@
 
 namespace shardema::offload {
 
-// A contiguous run of one job's elements, placed at stagingOffset in a slot.
-// Raw pointers are taken on the submitting thread so workers never touch
-// at::Tensor objects.
-struct UpdatePipeline::Piece {
-  size_t job = 0;
-  const char* src = nullptr;  // source bytes (any device)
-  char* ema = nullptr;        // first EMA element of the piece (host)
-  int64_t count = 0;          // elements
-  int64_t bytes = 0;          // source bytes
-  int64_t stagingOffset = 0;
-  SourceType type = SourceType::kFloat32;  // unused for raw copies
-};
-
-// What one staging slot holds at a time.
-struct UpdatePipeline::Chunk {
-  std::vector<Piece> pieces;
-};
-
 namespace {
 
-// Piece starts in a slot are cache-line aligned: two pieces never share a
-// line, and the kernels' vector loads start aligned.
-constexpr int64_t kPieceAlign = 64;
-
-int64_t alignUp(int64_t value, int64_t alignment) {
-  return (value + alignment - 1) / alignment * alignment;
-}
+// The smallest chunkBytes: one cache line, the alignment of staged pieces.
+constexpr int64_t kMinChunkBytes = 64;
 
 std::string describe(std::exception_ptr error) { return detail::describeError(error); }
 
@@ -99,8 +78,8 @@ SourceType checkJob(const PipelineJob& job, size_t profiles) {
 
 UpdatePipeline::UpdatePipeline(UpdatePipelineOptions options) : options_(std::move(options)) {
   const char* api = "UpdatePipeline";
-  TORCH_CHECK_VALUE(options_.chunkBytes >= kPieceAlign, api,
-                    ": chunkBytes must be >= ", kPieceAlign, ", got ", options_.chunkBytes);
+  TORCH_CHECK_VALUE(options_.chunkBytes >= kMinChunkBytes, api,
+                    ": chunkBytes must be >= ", kMinChunkBytes, ", got ", options_.chunkBytes);
   TORCH_CHECK_VALUE(options_.numSlots >= 1, api, ": numSlots must be >= 1, got ",
                     options_.numSlots);
   TORCH_CHECK_VALUE(options_.engine != nullptr, api, ": options.engine is required");
@@ -136,33 +115,6 @@ UpdatePipeline::~UpdatePipeline() {
   options_.engine->synchronize();
 }
 
-void UpdatePipeline::plan(const std::vector<PipelineJob>& jobs,
-                          const std::vector<SourceType>& types) {
-  chunks_.clear();
-  const int64_t capacity = options_.chunkBytes;
-  int64_t used = capacity;  // the first piece opens a chunk
-  for (size_t j = 0; j < jobs.size(); ++j) {
-    const int64_t srcSize = jobs[j].source.element_size();
-    const int64_t emaSize = jobs[j].ema.element_size();
-    const auto* src = static_cast<const char*>(jobs[j].source.data_ptr());
-    auto* ema = static_cast<char*>(jobs[j].ema.data_ptr());
-    const SourceType type = types[j];
-    const int64_t total = jobs[j].source.numel();
-    for (int64_t first = 0; first < total;) {
-      int64_t offset = alignUp(used, kPieceAlign);
-      if (offset + srcSize > capacity) {
-        chunks_.emplace_back();
-        offset = 0;
-      }
-      const int64_t count = std::min(total - first, (capacity - offset) / srcSize);
-      chunks_.back().pieces.push_back(Piece{j, src + first * srcSize, ema + first * emaSize, count,
-                                            count * srcSize, offset, type});
-      used = offset + count * srcSize;
-      first += count;
-    }
-  }
-}
-
 void UpdatePipeline::submit(std::vector<PipelineJob> jobs, std::vector<float> weights,
                             int64_t step) {
   wait();
@@ -183,22 +135,36 @@ void UpdatePipeline::submit(std::vector<PipelineJob> jobs, std::vector<float> we
   recordVersions();
   const auto total = static_cast<int64_t>(chunks_.size());
   if (total == 0) return;
-  const int64_t first = std::min<int64_t>(options_.numSlots, total);
+  const int64_t staged = total - directChunks_;
+  const int64_t first = std::min<int64_t>(options_.numSlots, staged);
+  // Staged pieces follow the direct ones.
+  const size_t firstStaged = staged > 0 ? chunks_[directChunks_].begin : pieces_.size();
+  int64_t sourceBytes = 0, stagedBytes = 0;
+  for (size_t p = 0; p < pieces_.size(); ++p) {
+    sourceBytes += pieces_[p].bytes;
+    if (p >= firstStaged) stagedBytes += pieces_[p].bytes;
+  }
+  // Direct chunks first: their reads are what fence() waits for. Each
+  // drainer gets its first chunk here (see runDirectChunks).
+  const int64_t drainers = std::min<int64_t>(directChunks_, pool_->size());
   {
     std::lock_guard<std::mutex> lock(mutex_);
     claimed_ = first;
     queued_ = finished_ = 0;
+    directClaimed_ = drainers;
+    directDone_ = 0;
     failed_ = false;
     inFlight_ = true;
-    for (int64_t c = 0; c < first; ++c) slotChunk_[c] = c;
+    for (int64_t c = 0; c < first; ++c) slotChunk_[c] = directChunks_ + c;
     stats_.updates += 1;
     stats_.chunks += total;
-    for (const Chunk& chunk : chunks_) {
-      for (const Piece& piece : chunk.pieces) stats_.sourceBytes += piece.bytes;
-    }
+    stats_.sourceBytes += sourceBytes;
+    stats_.stagedBytes += stagedBytes;
   }
+  for (int64_t d = 0; d < drainers; ++d) pool_->post([this, d] { runDirectChunks(d); });
+  if (staged == 0) return;  // nothing for the engine
   options_.engine->recordProducerPoint();
-  for (int64_t c = 0; c < first; ++c) issueChunk(c, static_cast<int>(c));
+  for (int64_t c = 0; c < first; ++c) issueChunk(directChunks_ + c, static_cast<int>(c));
 }
 
 // Runs on the submitting thread (first numSlots chunks) or on the worker
@@ -206,10 +172,10 @@ void UpdatePipeline::submit(std::vector<PipelineJob> jobs, std::vector<float> we
 // own lock, and its thread takes ours in onPieceLanded.
 void UpdatePipeline::issueChunk(int64_t chunk, int slot) {
   const Chunk& c = chunks_[chunk];
-  const auto pieces = static_cast<int>(c.pieces.size());
+  const auto pieces = static_cast<int>(c.end - c.begin);
   piecesLeft_[slot].store(pieces, std::memory_order_relaxed);
   for (int p = 0; p < pieces; ++p) {
-    const Piece& piece = c.pieces[p];
+    const Piece& piece = pieces_[c.begin + p];
     try {
       options_.engine->copyToHost(piece.src, stagingData_[slot] + piece.stagingOffset,
                                   static_cast<size_t>(piece.bytes),
@@ -224,7 +190,7 @@ void UpdatePipeline::issueChunk(int64_t chunk, int slot) {
   }
   std::lock_guard<std::mutex> lock(mutex_);
   ++queued_;
-  if (finished_ == claimed_ && queued_ == claimed_) inFlight_ = false;
+  if (allDone()) inFlight_ = false;
   changed_.notify_all();
 }
 
@@ -259,45 +225,121 @@ void UpdatePipeline::runChunk(int slot) {
     // Check (b): the chunk's bytes have landed; a source written before now
     // and before fence() means they may be torn. Under mutex_ so that it
     // never runs after fence() released the sources.
-    if (failure.empty() && !skip && checkOnLanding_ && !released_) {
-      for (const Piece& piece : chunks_[chunk].pieces) {
-        failure = writtenSince(piece.job);
-        if (!failure.empty()) break;
-      }
-    }
+    if (failure.empty() && !skip && checkOnLanding_) failure = firstWrittenSource(chunk);
   }
   if (failure.empty() && !skip) {
     try {
-      applyChunk(chunk, slot);
+      applyChunk(chunk, stagingData_[slot]);
     } catch (...) {
       failure = describe(std::current_exception());
     }
   }
-  std::exception_ptr error;
-  if (!failure.empty()) {
-    // Name every tensor the chunk touches (usually one).
-    std::ostringstream where;
-    for (const Piece& piece : chunks_[chunk].pieces) {
-      where << (where.tellp() > 0 ? "', '" : " on tensor '") << jobs_[piece.job].name;
-    }
-    where << "' (chunk " << chunk << " of " << chunks_.size() << "): " << failure;
-    error = updateError(where.str());
+  finishChunk(slot, failure.empty() ? nullptr : chunkError(chunk, failure));
+}
+
+// Worker: direct chunks, starting with `chunk` (claimed for it by
+// submit()), then the next unclaimed one, in order, each read in place.
+// Check (c) runs before the math (a source already written: the chunk is
+// refused, its EMA untouched) and after it (written while read: the EMA
+// holds torn values), the second in the same critical section that counts
+// the chunk done, so fence() cannot release the sources in between. The
+// next chunk is claimed in that section too: a drainer touches the shared
+// state only while it holds an unfinished chunk, so once the last chunk is
+// done nothing of this update reads what the next submit() writes.
+void UpdatePipeline::runDirectChunks(int64_t chunk) {
+  std::string failure;
+  bool skip = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    skip = failed_;
+    if (!skip) failure = firstWrittenSource(chunk);
   }
-  finishChunk(slot, std::move(error));
+  for (;;) {
+    if (failure.empty() && !skip) {
+      try {
+        applyChunk(chunk, nullptr);
+      } catch (...) {
+        failure = describe(std::current_exception());
+      }
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failure.empty() && !skip) failure = firstWrittenSource(chunk);
+    if (!failure.empty() && !failed_) {
+      failed_ = true;
+      firstError_ = chunkError(chunk, failure);
+    }
+    ++directDone_;
+    const bool more = directClaimed_ < directChunks_;
+    if (more) {
+      chunk = directClaimed_++;
+      skip = failed_;
+      failure = skip ? std::string() : firstWrittenSource(chunk);
+    }
+    if (allDone()) inFlight_ = false;
+    changed_.notify_all();
+    if (!more) return;
+  }
+}
+
+std::exception_ptr UpdatePipeline::chunkError(int64_t chunk, const std::string& failure) const {
+  // Name every tensor the chunk touches (usually one).
+  std::ostringstream where;
+  for (size_t p = chunks_[chunk].begin; p < chunks_[chunk].end; ++p) {
+    where << (where.tellp() > 0 ? "', '" : " on tensor '") << jobs_[pieces_[p].job].name;
+  }
+  where << "' (chunk " << chunk << " of " << chunks_.size() << "): " << failure;
+  return updateError(where.str());
+}
+
+std::string UpdatePipeline::firstWrittenSource(int64_t chunk) const {
+  if (released_) return std::string();
+  size_t lastJob = jobs_.size();  // pieces of one job are adjacent: check it once
+  for (size_t p = chunks_[chunk].begin; p < chunks_[chunk].end; ++p) {
+    if (pieces_[p].job == lastJob) continue;
+    lastJob = pieces_[p].job;
+    std::string written = writtenSince(lastJob);
+    if (!written.empty()) return written;
+  }
+  return std::string();
+}
+
+bool UpdatePipeline::allDone() const {
+  return directDone_ == directChunks_ && finished_ == claimed_ && queued_ == claimed_;
 }
 
 // Worker: the math of one landed chunk. One path for any number of
 // profiles: with one, each span has one EMA and the kernels take their
 // single-profile loops (update_kernels.h).
-void UpdatePipeline::applyChunk(int64_t chunk, int slot) {
+void UpdatePipeline::applyChunk(int64_t chunk, const char* staging) {
   TORCH_CHECK(step_ != faultStep_ || chunk != faultChunk_,
               "injected fault (PipelineFaultInjection)");
+  const Chunk& c = chunks_[chunk];
+  if (weights_.size() == 1) {
+    // One profile: flat spans, no per-piece allocation (what keeps a
+    // thousand small tensors cheap; the kernels match the multi path's).
+    std::vector<UpdateSpan> spans;
+    spans.reserve(c.end - c.begin);
+    for (size_t p = c.begin; p < c.end; ++p) {
+      const Piece& piece = pieces_[p];
+      const char* src = staging != nullptr ? staging + piece.stagingOffset : piece.src;
+      const PipelineJob& job = jobs_[piece.job];
+      if (job.rawCopy) {
+        if (piece.bytes > 0) std::memcpy(piece.ema, src, static_cast<size_t>(piece.bytes));
+        continue;
+      }
+      spans.push_back(
+          UpdateSpan{reinterpret_cast<float*>(piece.ema), src, piece.type, piece.count, job.op});
+    }
+    if (!spans.empty()) updateSpans(spans, weights_[0], pool_);
+    return;
+  }
   std::vector<MultiUpdateSpan> spans;
-  for (const Piece& piece : chunks_[chunk].pieces) {
+  for (size_t p = c.begin; p < c.end; ++p) {
+    const Piece& piece = pieces_[p];
     const PipelineJob& job = jobs_[piece.job];
-    const char* staged = stagingData_[slot] + piece.stagingOffset;
+    const char* staged = staging != nullptr ? staging + piece.stagingOffset : piece.src;
     if (job.rawCopy) {
-      std::memcpy(piece.ema, staged, static_cast<size_t>(piece.bytes));
+      if (piece.bytes > 0) std::memcpy(piece.ema, staged, static_cast<size_t>(piece.bytes));
       continue;
     }
     // Every profile's piece sits at the same element offset as the first's.
@@ -331,12 +373,12 @@ void UpdatePipeline::finishChunk(int slot, std::exception_ptr&& error) {
     }
     error = nullptr;
     ++finished_;
-    const auto total = static_cast<int64_t>(chunks_.size());
-    if (!failed_ && claimed_ < total) next = claimed_++;
+    const auto staged = static_cast<int64_t>(chunks_.size()) - directChunks_;
+    if (!failed_ && claimed_ < staged) next = directChunks_ + claimed_++;
     slotChunk_[slot] = next;
     // After a failure nothing new is claimed: the update ends once the
     // chunks already given to the engine are back.
-    if (finished_ == claimed_ && queued_ == claimed_) inFlight_ = false;
+    if (allDone()) inFlight_ = false;
     changed_.notify_all();
   }
   if (next >= 0) issueChunk(next, slot);
@@ -347,11 +389,13 @@ void UpdatePipeline::fence() {
   {
     std::unique_lock<std::mutex> lock(mutex_);
     changed_.wait(lock, [this] {
-      const auto total = static_cast<int64_t>(chunks_.size());
-      return !inFlight_ || (queued_ == claimed_ && (claimed_ == total || failed_));
+      const auto staged = static_cast<int64_t>(chunks_.size()) - directChunks_;
+      return !inFlight_ || (directDone_ == directChunks_ && queued_ == claimed_ &&
+                            (claimed_ == staged || failed_));
     });
   }
-  options_.engine->fenceProducer();
+  // chunks_ is this thread's own (submit wrote it): no lock needed.
+  if (static_cast<int64_t>(chunks_.size()) > directChunks_) options_.engine->fenceProducer();
   const double waited =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::lock_guard<std::mutex> lock(mutex_);

@@ -6,6 +6,7 @@
 #include <ATen/ops/arange.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
@@ -13,6 +14,7 @@
 #include <chrono>
 #include <filesystem>
 #include <functional>
+#include <future>
 #include <string>
 
 #include "offload/fake_copy_engine.h"
@@ -50,6 +52,11 @@ AveragerOptions hostOptions(offload::WorkerPool& pool) {
 TEST(AveragerMisuseTest, TheAsynchronousUpdateIsTheDefault) {
   EXPECT_FALSE(AveragerOffloadOptions{}.fenceInUpdate);
   EXPECT_FALSE(TrackedTensor{}.changesInForward);
+  // The Averager stages like a bare pipeline (averager.h repeats the
+  // number rather than include the pipeline's header for it).
+  EXPECT_EQ(AveragerOffloadOptions{}.chunkBytes, offload::kDefaultChunkBytes);
+  EXPECT_EQ(offload::UpdatePipelineOptions{}.chunkBytes, offload::kDefaultChunkBytes);
+  EXPECT_FALSE(offload::UpdatePipelineOptions{}.stageHostSources);
 }
 
 // Without fence() the in-place write (as optimizer.step() does) is reported
@@ -154,6 +161,7 @@ TEST(AveragerMisuseTest, TheWorkerRefusesAChunkWhoseSourceWasWrittenBeforeItLand
   options.engine = &engine;
   options.chunkBytes = 256;
   options.numSlots = 1;
+  options.stageHostSources = true;  // the staged path: the check after landing
   offload::UpdatePipeline pipeline(options);
   at::Tensor source = at::arange(640, at::kFloat);
   at::Tensor ema = at::zeros({640});
@@ -209,6 +217,73 @@ TEST(AveragerMisuseTest, EveryCallOnAMovedFromAveragerSaysSo) {
   EXPECT_FALSE(std::filesystem::exists(dir.file("moved.safetensors")));
   taken.update(2);  // the new owner goes on
   taken.wait();
+
+// Check (c), direct path: the worker checks a chunk's sources before its
+// math (the only worker is held until the write is done, so the write
+// surely comes first), refuses the chunk and leaves the EMA as it was; a
+// write after fence() is never mistaken for misuse.
+TEST(AveragerMisuseTest, TheWorkerRefusesADirectChunkWhoseSourceWasWrittenBeforeItsMath) {
+  offload::WorkerPool pool(1);
+  testing::FakeCopyEngine engine;
+  offload::UpdatePipelineOptions options;
+  options.pool = &pool;
+  options.engine = &engine;
+  options.chunkBytes = 256;
+  offload::UpdatePipeline pipeline(options);
+  at::Tensor source = at::arange(640, at::kFloat);
+  at::Tensor ema = at::zeros({640});
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  pool.post([released] { released.wait(); });
+  pipeline.submit({offload::PipelineJob{ema, source, UpdateOp::kLerp, false, "enc.w", {}}}, {0.5f},
+                  9);
+  source.add_(1.0f);  // before the worker has read anything
+  release.set_value();
+  const std::string message = errorOf([&] { pipeline.wait(); });
+  EXPECT_NE(message.find("step 9"), std::string::npos) << message;
+  EXPECT_NE(message.find("'enc.w' (chunk 0 of 10)"), std::string::npos) << message;
+  EXPECT_NE(message.find(kAdvice), std::string::npos) << message;
+  EXPECT_TRUE(at::equal(ema, at::zeros({640}))) << "a refused chunk is not folded in";
+  EXPECT_EQ(engine.copies(), 0) << "the direct path never calls the engine";
+  for (int64_t step = 10; step < 60; ++step) {
+    pipeline.submit({offload::PipelineJob{ema, source, UpdateOp::kLerp, false, "enc.w", {}}},
+                    {0.5f}, step);
+    pipeline.fence();
+    source.add_(1.0f);
+  }
+  pipeline.wait();
+}
+
+// Forgotten fence on the direct path: the next submit() completes the
+// update first and reports the write, naming tensor and step; with fence()
+// between the same calls nothing fails.
+TEST(AveragerMisuseTest, ADirectUpdateWrittenBeforeFenceFailsAtTheNextSubmit) {
+  offload::WorkerPool pool(1);
+  testing::FakeCopyEngine engine;
+  offload::UpdatePipelineOptions options;
+  options.pool = &pool;
+  options.engine = &engine;
+  offload::UpdatePipeline pipeline(options);
+  at::Tensor source = at::ones({1000});
+  at::Tensor ema = at::zeros({1000});
+  auto jobs = [&] {
+    return std::vector<offload::PipelineJob>{{ema, source, UpdateOp::kLerp, false, "dec.b", {}}};
+  };
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  pool.post([released] { released.wait(); });
+  pipeline.submit(jobs(), {0.5f}, 4);
+  source.mul_(2.0f);  // the optimizer step, without fence()
+  release.set_value();
+  const std::string message = errorOf([&] { pipeline.submit(jobs(), {0.5f}, 5); });
+  EXPECT_NE(message.find("step 4"), std::string::npos) << message;
+  EXPECT_NE(message.find("'dec.b'"), std::string::npos) << message;
+  EXPECT_NE(message.find(kAdvice), std::string::npos) << message;
+  pipeline.submit(jobs(), {0.5f}, 6);
+  pipeline.fence();
+  source.mul_(2.0f);
+  pipeline.wait();
+  EXPECT_TRUE(at::equal(ema, at::ones({1000}))) << "step 6 lerped 2.0 into 0.0 at weight 0.5";
 }
 
 }  // namespace

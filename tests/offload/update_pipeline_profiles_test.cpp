@@ -1,7 +1,7 @@
 // UpdatePipeline with several EMA profiles per source (post-hoc EMA): one
-// staged pass updates every profile, bit-identical to updating each profile
-// alone with the plain kernels, under random chunk sizes, slots and
-// workers. Runs under ThreadSanitizer too.
+// pass, staged or direct, updates every profile, bit-identical to updating
+// each profile alone with the plain kernels, under random chunk sizes,
+// slots and workers. Runs under ThreadSanitizer too.
 #include "shardema/offload/update_pipeline.h"
 
 #include <ATen/ops/empty.h>
@@ -64,6 +64,8 @@ TEST(UpdatePipelineProfilesTest, OnePassEqualsEachProfileAlone) {
     options.numSlots = 1 + static_cast<int>(rng() % 3);
     options.pool = &pool;
     options.engine = &engine;
+    // Even configurations stage the host sources, odd ones read them in place.
+    options.stageHostSources = config % 2 == 0;
     UpdatePipeline pipeline(options);
     std::vector<ProfiledTensor> tensors;
     for (int t = 0; t < 3; ++t) {
@@ -116,14 +118,17 @@ TEST(UpdatePipelineProfilesTest, OnePassEqualsEachProfileAlone) {
     for (size_t t = 0; t < tensors.size(); ++t) {
       for (int k = 0; k < profiles; ++k) {
         EXPECT_TRUE(sameBytes(tensors[t].emas[k], tensors[t].references[k]))
-            << "config " << config << " tensor " << t << " profile " << k;
+            << "config " << config << " staged " << options.stageHostSources << " tensor " << t
+            << " profile " << k;
       }
       EXPECT_EQ(tensors[t].raw[0].item<int64_t>(), kSteps * 10 + static_cast<int64_t>(t));
     }
-    // One staged copy per source byte, whatever the number of profiles.
+    // One read (staged: one copy) per source byte, whatever the number of
+    // profiles.
     int64_t sourceBytes = 0;
     for (const ProfiledTensor& p : tensors) sourceBytes += p.source.nbytes() + p.rawSource.nbytes();
     EXPECT_EQ(pipeline.stats().sourceBytes, kSteps * sourceBytes);
+    EXPECT_EQ(pipeline.stats().stagedBytes, options.stageHostSources ? kSteps * sourceBytes : 0);
   }
 }
 

@@ -1,5 +1,7 @@
 // UpdatePipeline: ordering (bit-identical to a synchronous reference with
-// sources overwritten right after fence), errors, fence vs wait, swap-in.
+// sources overwritten right after fence), errors, fence vs wait, swap-in;
+// on the staged path (host sources through the engine, as device sources
+// go), the direct path (host sources read in place) and both in one update.
 // Runs under ThreadSanitizer too.
 #include "shardema/offload/update_pipeline.h"
 
@@ -12,6 +14,7 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <future>
 #include <limits>
@@ -21,9 +24,9 @@
 
 #include "offload/fake_copy_engine.h"
 #include "shardema/detail/pipeline_fault_injection.h"
+#include "shardema/detail/update_kernels.h"
 #include "shardema/offload/host_copy_engine.h"
 #include "shardema/offload/pinned_arena.h"
-#include "shardema/detail/update_kernels.h"
 #include "shardema/offload/worker_pool.h"
 #include "support/same_bytes.h"
 
@@ -100,8 +103,26 @@ std::vector<Tracked> randomTensors(std::mt19937& rng, int64_t maxElements) {
   return out;
 }
 
-TEST(UpdatePipelineTest, MatchesSynchronousReferenceBitForBitWithSourcesOverwrittenAfterFence) {
-  std::mt19937 rng(20261202);
+// Which path the host sources of a test take.
+enum class Path { kStaged, kDirect, kMixed };
+
+const char* nameOf(Path path) {
+  return path == Path::kStaged ? "staged" : path == Path::kDirect ? "direct" : "mixed";
+}
+
+UpdatePipelineOptions optionsFor(Path path, offload::WorkerPool& pool, offload::CopyEngine& engine,
+                                 int64_t chunkBytes, int slots = 2) {
+  UpdatePipelineOptions options;
+  options.chunkBytes = chunkBytes;
+  options.numSlots = slots;
+  options.pool = &pool;
+  options.engine = &engine;
+  options.stageHostSources = path == Path::kStaged;
+  return options;
+}
+
+void orderingSweep(Path path, uint32_t seed) {
+  std::mt19937 rng(seed);
   const int64_t chunkChoices[] = {64, 100, 256, 1000, 4096, int64_t{1} << 20};
   for (int config = 0; config < 5; ++config) {
     const int64_t chunkBytes = chunkChoices[rng() % 6];
@@ -112,13 +133,10 @@ TEST(UpdatePipelineTest, MatchesSynchronousReferenceBitForBitWithSourcesOverwrit
     // (which also counts how many copies were queued at once).
     testing::FakeCopyEngine fake;
     offload::HostCopyEngine host;
-    UpdatePipelineOptions options;
-    options.chunkBytes = chunkBytes;
-    options.numSlots = slots;
-    options.pool = &pool;
-    options.engine = config % 2 == 1 ? static_cast<offload::CopyEngine*>(&host) : &fake;
-    UpdatePipeline pipeline(options);
-    const std::string where = std::string(options.engine->name()) + " config " +
+    offload::CopyEngine& engine = config % 2 == 1 ? static_cast<offload::CopyEngine&>(host) : fake;
+    UpdatePipeline pipeline(optionsFor(path, pool, engine, chunkBytes, slots));
+    detail::PipelineFaultInjection::mixPaths(pipeline, path == Path::kMixed);
+    const std::string where = std::string(nameOf(path)) + " " + engine.name() + " config " +
                               std::to_string(config) + " chunkBytes " + std::to_string(chunkBytes) +
                               " slots " + std::to_string(slots) + " workers " +
                               std::to_string(pool.size());
@@ -149,22 +167,43 @@ TEST(UpdatePipelineTest, MatchesSynchronousReferenceBitForBitWithSourcesOverwrit
         }
       }
     }
-    EXPECT_EQ(pipeline.stats().stagingBytes, chunkBytes * slots) << where;
+    const offload::PipelineStats stats = pipeline.stats();
+    EXPECT_EQ(stats.stagingBytes, chunkBytes * slots) << where;
     EXPECT_LE(fake.maxQueued(), slots * 8) << where << ": copies are bounded by the slots";
+    // Which bytes went through the engine: all, none, or the odd jobs'.
+    int64_t oddBytes = 0;
+    for (size_t j = 1; j < tensors.size(); j += 2) oddBytes += tensors[j].source.nbytes();
+    const int64_t expected = path == Path::kStaged   ? stats.sourceBytes
+                             : path == Path::kDirect ? 0
+                                                     : oddBytes * kSteps;
+    EXPECT_EQ(stats.stagedBytes, expected) << where;
+    if (path == Path::kDirect) EXPECT_EQ(fake.copies(), 0) << where << ": the engine is not used";
   }
 }
 
-// Small sources in many tiny chunks; the only worker is held, so the math
-// cannot run, yet fence() returns as soon as everything has been copied.
-TEST(UpdatePipelineTest, FenceReturnsBeforeTheMathIsDone) {
+TEST(UpdatePipelineTest,
+     StagedMatchesSynchronousReferenceBitForBitWithSourcesOverwrittenAfterFence) {
+  orderingSweep(Path::kStaged, 20261202);
+}
+
+TEST(UpdatePipelineTest,
+     DirectMatchesSynchronousReferenceBitForBitWithSourcesOverwrittenAfterFence) {
+  orderingSweep(Path::kDirect, 20261203);
+}
+
+// Direct and staged chunks of one update share the workers and the state
+// machine, as a device placement with some host sources would.
+TEST(UpdatePipelineTest, MixedPathsMatchSynchronousReferenceBitForBit) {
+  orderingSweep(Path::kMixed, 20261204);
+}
+
+// Staged: small sources in many tiny chunks; the only worker is held, so
+// the math cannot run, yet fence() returns as soon as everything has been
+// copied.
+TEST(UpdatePipelineTest, StagedFenceReturnsBeforeTheMathIsDone) {
   offload::WorkerPool pool(1);
   testing::FakeCopyEngine engine;
-  UpdatePipelineOptions options;
-  options.chunkBytes = 64;
-  options.numSlots = 4;
-  options.pool = &pool;
-  options.engine = &engine;
-  UpdatePipeline pipeline(options);
+  UpdatePipeline pipeline(optionsFor(Path::kStaged, pool, engine, 64, 4));
   at::Tensor source = at::full({64}, 3.0f);  // 4 chunks of 16 floats: one per slot
   at::Tensor ema = at::zeros({64});
   std::promise<void> release;
@@ -182,14 +221,46 @@ TEST(UpdatePipelineTest, FenceReturnsBeforeTheMathIsDone) {
   EXPECT_EQ(engine.producerPoints(), 1);
 }
 
-TEST(UpdatePipelineTest, InjectedFaultIsRethrownFromWaitWithNameAndStep) {
+// Direct: the math is the read, so fence() waits for it (held worker:
+// fence() is still blocked 50 ms later), and when fence() returns the EMA
+// is already updated. The engine is never called.
+TEST(UpdatePipelineTest, DirectFenceReturnsOnceTheMathHasReadTheSources) {
+  offload::WorkerPool pool(1);
+  testing::FakeCopyEngine engine;
+  UpdatePipeline pipeline(optionsFor(Path::kDirect, pool, engine, 64, 4));
+  at::Tensor source = at::full({64}, 3.0f);  // 4 chunks of 16 floats
+  at::Tensor ema = at::zeros({64});
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  pool.post([released] { released.wait(); });  // the worker is busy elsewhere
+  pipeline.submit({PipelineJob{ema, source, UpdateOp::kLerp, false, "w", {}}}, {0.5f}, 1);
+  std::future<void> fenced = std::async(std::launch::async, [&] { pipeline.fence(); });
+  EXPECT_EQ(fenced.wait_for(std::chrono::milliseconds(50)), std::future_status::timeout)
+      << "fence returned before the direct chunks were read";
+  release.set_value();
+  fenced.get();
+  EXPECT_TRUE(at::equal(ema, at::full({64}, 1.5f))) << "fence returned before the math";
+  source.fill_(100.0f);  // allowed after the fence
+  pipeline.wait();
+  EXPECT_TRUE(at::equal(ema, at::full({64}, 1.5f)));
+  EXPECT_EQ(engine.producerPoints(), 0);
+  EXPECT_EQ(engine.copies(), 0);
+  EXPECT_EQ(pipeline.stats().stagedBytes, 0);
+  EXPECT_EQ(pipeline.stats().sourceBytes, 64 * 4);
+}
+
+class UpdatePipelinePathTest : public ::testing::TestWithParam<Path> {};
+
+INSTANTIATE_TEST_SUITE_P(Paths, UpdatePipelinePathTest,
+                         ::testing::Values(Path::kStaged, Path::kDirect),
+                         [](const ::testing::TestParamInfo<Path>& info) {
+                           return std::string(nameOf(info.param));
+                         });
+
+TEST_P(UpdatePipelinePathTest, InjectedFaultIsRethrownFromWaitWithNameAndStep) {
   offload::WorkerPool pool(2);
   testing::FakeCopyEngine engine;
-  UpdatePipelineOptions options;
-  options.chunkBytes = 64;
-  options.pool = &pool;
-  options.engine = &engine;
-  UpdatePipeline pipeline(options);
+  UpdatePipeline pipeline(optionsFor(GetParam(), pool, engine, 64));
   detail::PipelineFaultInjection::inject(pipeline, {/*step=*/3, /*chunk=*/2});
   at::Tensor a = at::ones({16});
   at::Tensor b = at::ones({40});
@@ -226,11 +297,7 @@ TEST(UpdatePipelineTest, EngineCopyErrorIsRethrownWithTheTensorName) {
   offload::WorkerPool pool(1);
   testing::FakeCopyEngine engine;
   engine.failCopy(1);
-  UpdatePipelineOptions options;
-  options.chunkBytes = 64;
-  options.pool = &pool;
-  options.engine = &engine;
-  UpdatePipeline pipeline(options);
+  UpdatePipeline pipeline(optionsFor(Path::kStaged, pool, engine, 64));
   at::Tensor a = at::ones({40});
   at::Tensor ema = at::zeros({40});
   pipeline.submit({PipelineJob{ema, a, UpdateOp::kCopy, false, "enc.w", {}}}, {1.0f}, 7);
@@ -314,15 +381,11 @@ TEST(UpdatePipelineTest, RejectsBadOptionsAndJobs) {
 
 // Staging comes from the arena once, numSlots x chunkBytes, whatever the
 // model size; updates allocate nothing more there.
-TEST(UpdatePipelineTest, StagingIsAllocatedOnceAndBoundedByTheOptions) {
+TEST_P(UpdatePipelinePathTest, StagingIsAllocatedOnceAndBoundedByTheOptions) {
   offload::WorkerPool pool(1);
   testing::FakeCopyEngine engine;
   offload::PinnedArena arena;
-  UpdatePipelineOptions options;
-  options.chunkBytes = 4096;
-  options.numSlots = 3;
-  options.pool = &pool;
-  options.engine = &engine;
+  UpdatePipelineOptions options = optionsFor(GetParam(), pool, engine, 4096, 3);
   options.arena = &arena;
   UpdatePipeline pipeline(options);
   EXPECT_EQ(arena.usage().bytesInUse, 3 * 4096);
@@ -335,6 +398,7 @@ TEST(UpdatePipelineTest, StagingIsAllocatedOnceAndBoundedByTheOptions) {
   EXPECT_EQ(arena.usage().peakBytes, 3 * 4096);
   EXPECT_EQ(pipeline.stats().chunks, 3 * ((100000 * 4 + 4095) / 4096));
   EXPECT_EQ(pipeline.stats().sourceBytes, 3 * 400000);
+  EXPECT_EQ(pipeline.stats().stagedBytes, GetParam() == Path::kStaged ? 3 * 400000 : 0);
   EXPECT_FLOAT_EQ(ema[0].item<float>(), 0.875f);
 }
 

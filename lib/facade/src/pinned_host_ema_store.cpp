@@ -74,13 +74,18 @@ void PinnedHostEmaStore::update(const std::vector<TrackedTensor>& tracked,
 // returns) or needs a conversion.
 at::Tensor PinnedHostEmaStore::pipelineSource(size_t index, const TrackedTensor& t,
                                               at::ScalarType dtype) {
-  at::Tensor live = t.source.detach();
   if (!t.changesInForward) {
+    // The common case hands the pipeline the source itself: it only reads
+    // its bytes and version counter, so no detached alias is needed (one
+    // TensorImpl allocation per tensor per update saved).
+    if (t.source.is_contiguous() && t.source.scalar_type() == dtype) return t.source;
     // Strided or converted sources become a private copy here, which the
-    // caller may then overwrite freely.
+    // caller may then overwrite freely (detached: no autograd graph).
+    at::Tensor live = t.source.detach();
     if (!live.is_contiguous()) live = live.contiguous();
     return live.scalar_type() == dtype ? live : live.to(dtype);
   }
+  const at::Tensor live = t.source.detach();
   at::Tensor& snapshot = snapshots_[index];
   if (!snapshot.defined() || snapshot.scalar_type() != dtype || snapshot.sizes() != live.sizes()) {
     snapshot = arena_.allocate(live.sizes(), dtype);

@@ -76,11 +76,13 @@ enum class EmaPlacement {
 
 /// The pipeline of the kPinnedHost placement.
 struct AveragerOffloadOptions {
-  /// Bytes per staging slot (default 32 MiB, >= 64). Larger chunks cost
-  /// fewer copy calls and hand-offs per update but fill the pipeline later
-  /// (the first math waits for the first whole chunk) and hold more staging
-  /// memory.
-  int64_t chunkBytes = int64_t{32} << 20;
+  /// Bytes per staging slot and per direct chunk (default 4 MiB,
+  /// offload::kDefaultChunkBytes, >= 64). Larger chunks cost fewer copy
+  /// calls and hand-offs per update but fill the pipeline later (the first
+  /// math waits for the first whole chunk), hold more staging memory and,
+  /// once two no longer fit in the last-level cache, are read back from
+  /// memory instead of the cache (see kDefaultChunkBytes for the trade-off).
+  int64_t chunkBytes = int64_t{4} << 20;
   /// Staging slots (default 2: one chunk copied while the previous one's
   /// math runs). More slots let copies run further ahead of the math when
   /// their rates vary, each for chunkBytes more staging (numSlots x

@@ -1,8 +1,9 @@
 #pragma once
 // Test seam, for tests only: makes the math of one chunk of an
 // UpdatePipeline throw, to prove that a worker's error travels to wait()
-// and marks the update failed. Kept out of UpdatePipelineOptions so that no
-// user sees it; a friend of UpdatePipeline sets it.
+// and marks the update failed; and mixes the direct and staged paths in one
+// update without a GPU. Kept out of UpdatePipelineOptions so that no user
+// sees it; a friend of UpdatePipeline sets it.
 #include <cstdint>
 
 #include "shardema/offload/update_pipeline.h"
@@ -28,6 +29,12 @@ class PipelineFaultInjection {
     pipeline.faultStep_ = fault.step;
     pipeline.faultChunk_ = fault.chunk;
   }
+  /// true: host sources of odd job indices are staged through the engine,
+  /// the others read in place (unless options.stageHostSources stages them
+  /// all), so one update runs both paths side by side as a device
+  /// placement with some host sources would. Call between updates, on the
+  /// submitting thread.
+  static void mixPaths(offload::UpdatePipeline& pipeline, bool mix) { pipeline.mixPaths_ = mix; }
 };
 
 }  // namespace detail

@@ -10,10 +10,13 @@ namespace offload {
 struct PipelineStats {
   /// submit() calls that had at least one chunk to copy.
   int64_t updates = 0;
-  /// Chunks copied into staging, all updates.
+  /// Chunks, staged or direct, all updates.
   int64_t chunks = 0;
-  /// Source bytes copied (the bytes a user's model has), all updates.
+  /// Source bytes read (the bytes a user's model has), all updates.
   int64_t sourceBytes = 0;
+  /// Of sourceBytes, those copied into staging by the engine (the rest
+  /// were read in place: the direct path).
+  int64_t stagedBytes = 0;
   /// Seconds fence() blocked, all updates: time the training loop waited
   /// for the EMA instead of overlapping with it.
   double fenceWaitSeconds = 0.0;

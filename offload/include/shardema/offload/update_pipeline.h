@@ -1,11 +1,22 @@
 #pragma once
 // UpdatePipeline: one asynchronous, chunked EMA update at a time (DESIGN
-// section 2). The sources' bytes are cut into chunks of at most chunkBytes;
-// the copy engine copies chunk k into a free staging slot and, when it has
-// landed, a worker folds it into the host EMA and frees the slot. The
-// worker that frees a slot is the one that queues the next chunk's copy
-// into it, so neither the user's thread nor the engine's callback ever waits
-// for a slot: the copy of chunk k+1 overlaps the math of chunk k.
+// section 2). The sources' bytes are cut into chunks of at most chunkBytes,
+// and each chunk takes one of two paths:
+//   - Direct (sources in host memory: CPU training, or the host side of a
+//     device placement): a worker folds the chunk into the EMA reading the
+//     source in place. No staging, no copy engine: 12 bytes move per fp32
+//     element (read source and EMA, write EMA), 10 per bf16/fp16 element.
+//   - Staged (sources on a device, or every source with stageHostSources):
+//     the copy engine copies chunk k into a free staging slot and, when it
+//     has landed, a worker folds it into the host EMA and frees the slot.
+//     The worker that frees a slot is the one that queues the next chunk's
+//     copy into it, so neither the user's thread nor the engine's callback
+//     ever waits for a slot: the copy of chunk k+1 overlaps the math of
+//     chunk k. A host source staged this way moves 20 bytes per fp32
+//     element (the copy reads 4 and writes 4 more), 14 per bf16 element.
+// Direct chunks come first and their math starts at submit(), before the
+// staged chunks' math competes for the workers, so their reads (which
+// fence() waits for) finish early.
 //
 // Threads: submit/fence/wait/copyToDestinations are for one user thread
 // (the training loop); the math runs on the WorkerPool, copy completions on
@@ -13,7 +24,8 @@
 // copyToHost is called from the submitting thread and from workers, several
 // at once (one per slot being refilled); never while this thread is inside
 // recordProducerPoint/fenceProducer/synchronize for the same update, and
-// never from an engine callback.
+// never from an engine callback. An update without staged chunks never
+// calls the engine.
 //
 // Errors: a copy or math error fails the update: chunks not yet claimed are
 // dropped (the EMA is then partly updated: callers must treat it as such,
@@ -25,14 +37,20 @@
 // counter (bumped by every in-place op, optimizer.step() included; an
 // atomic, safe to read from any thread) and a changed version fails the
 // update, naming the tensor and step. Checked (a) by fence() for every
-// source, or by wait() when no fence() came first, and (b) on the worker
-// after each chunk's copy has landed, before its math, with engines whose
+// source, or by wait() when no fence() came first; (b) on the worker after
+// each staged chunk's copy has landed, before its math, with engines whose
 // completion means the bytes were read on the CPU's timeline
 // (CopyEngine::copiesOnHostTimeline(); not CUDA, whose host-side version
-// bumps run ahead of the device). Check (b) stops
-// once fence() has released the sources (under mutex_, so a write the
-// caller makes after fence() returns is never mistaken for misuse).
-// Writes through tensor.data() (a new version counter) are not seen.
+// bumps run ahead of the device); and (c) on the worker before and after
+// each direct chunk's math (a write before it: the chunk is refused and
+// its EMA left as it was; during it: the EMA holds torn values and the
+// update fails). Checks (b) and (c) stop once fence() has released the
+// sources (under mutex_, so a write the caller makes after fence() returns
+// is never mistaken for misuse; fence() waits for every direct chunk, so
+// (c) always runs before that). Writes through tensor.data() (a new version
+// counter) are not seen, nor a host source written by an asynchronous
+// device copy the caller has not synchronized (ATen's rule for any CPU
+// read of it).
 #include <ATen/core/Tensor.h>
 #include <c10/core/TensorImpl.h>
 
@@ -61,10 +79,27 @@ class WorkerPool;
 
 class PinnedArena;
 
+/// Default UpdatePipelineOptions::chunkBytes (and the Averager's): 4 MiB,
+/// so 2 x 4 MiB of staging. The CPU reads each staged chunk right after it
+/// lands; a chunk that is still in the last-level cache is read from there,
+/// not from memory, which saves the staged path's second pass over DRAM.
+/// Two slots of 4 MiB stay within the cache share a server core pair (or
+/// DDIO, where a DMA lands) has, where 2 x 32 MiB (the old default) did
+/// not. Smaller chunks cost a copy call and a hand-off each (a CUDA copy
+/// about 10 us: at 1 MiB that is a quarter of the copy's time on PCIe 4,
+/// at 4 MiB under a tenth). The host-engine sweep of offload_bench (README,
+/// Performance) is the measurement to redo on a quiet machine and with the
+/// CUDA engine; on the shared 2-vCPU VM it did not rank the sizes beyond
+/// its noise.
+constexpr int64_t kDefaultChunkBytes = int64_t{4} << 20;
+
 struct UpdatePipelineOptions {
-  /// Bytes per staging slot, >= 64 (default 32 MiB). Larger chunks cost
-  /// fewer copy calls but a longer pipeline fill and more staging memory.
-  int64_t chunkBytes = int64_t{32} << 20;
+  /// Bytes per staging slot and per direct chunk, >= 64 (default
+  /// kDefaultChunkBytes). Larger chunks cost fewer copy calls and hand-offs
+  /// but a longer pipeline fill and more staging memory, and a chunk larger
+  /// than the last-level cache is evicted before the worker reads it back,
+  /// so its bytes cross the memory bus twice more (see kDefaultChunkBytes).
+  int64_t chunkBytes = kDefaultChunkBytes;
   /// Staging slots, >= 1 (default 2: double buffering). Staging memory is
   /// numSlots x chunkBytes, allocated once, whatever the model size.
   int numSlots = 2;
@@ -77,6 +112,13 @@ struct UpdatePipelineOptions {
   /// Where the staging slots come from; not owned. nullptr (default): plain
   /// host memory (fine for the host engine; the CUDA engine wants pinned).
   PinnedArena* arena = nullptr;
+  /// false (default): sources in host memory take the direct path (read in
+  /// place by the workers; fence() waits for their math). true: they are
+  /// staged through the engine like device sources, which costs 8 more
+  /// bytes of memory traffic per fp32 element (4 per bf16) but lets fence()
+  /// return before their math: for benchmarks and tests of the staged path
+  /// without a GPU. Device sources are staged either way.
+  bool stageHostSources = false;
 };
 
 /// One tensor of an update.
@@ -131,11 +173,12 @@ class UpdatePipeline {
   /// is validated once, here, before anything starts (c10::ValueError /
   /// TypeError naming the tensor); the copies and the math trust it.
   void submit(std::vector<PipelineJob> jobs, std::vector<float> weights, int64_t step);
-  /// Blocks until every chunk of the update in flight has been copied out
-  /// of its source (with the CUDA engine: until every copy is queued, then
-  /// the training stream waits on them). Late chunks' copies wait for early
-  /// chunks' math (bounded staging), so this waits for all but the last
-  /// numSlots chunks' math. Then checks that no source was written since
+  /// Blocks until every chunk of the update in flight has been read out of
+  /// its source: a direct chunk once its math is done, a staged one once
+  /// it is copied (with the CUDA engine: until every copy is queued, then
+  /// the training stream waits on them). Late staged chunks' copies wait
+  /// for early chunks' math (bounded staging), so this waits for all but
+  /// the last numSlots staged chunks' math. Then checks that no source was written since
   /// submit() (a write fails the update) and releases the sources: they may
   /// change from now on. Records the time waited. Never throws for a worker
   /// error or a written source (wait() reports it).
@@ -161,16 +204,44 @@ class UpdatePipeline {
 
  private:
   friend class ::shardema::detail::PipelineFaultInjection;  // the test seam
-  struct Piece;
-  struct Chunk;
+  // A contiguous run of one job's elements (update_pipeline_plan.cpp).
+  struct Piece {
+    size_t job = 0;
+    const char* src = nullptr;               // source bytes (any device)
+    char* ema = nullptr;                     // first EMA element of the piece (host)
+    int64_t count = 0;                       // elements
+    int64_t bytes = 0;                       // source bytes
+    int64_t stagingOffset = 0;               // where a staged piece lands in its slot
+    SourceType type = SourceType::kFloat32;  // unused for raw copies
+  };
+  // One chunk: pieces_[begin, end).
+  struct Chunk {
+    size_t begin = 0;
+    size_t end = 0;
+  };
   struct SwapState;
-  // Cuts the jobs (of the given source types) into chunks of staging size.
+  // Cuts the jobs (of the given source types) into chunks of at most
+  // chunkBytes: the direct jobs' chunks first, then the staged ones'.
+  // Reuses pieces_ and chunks_'s memory from update to update.
   void plan(const std::vector<PipelineJob>& jobs, const std::vector<SourceType>& types);
+  // Whether job `job`'s source takes the direct path.
+  bool readsInPlace(const PipelineJob& job, size_t index) const;
   void issueChunk(int64_t chunk, int slot);
   void onPieceLanded(int slot, std::exception_ptr error);
   void runChunk(int slot);
-  void applyChunk(int64_t chunk, int slot);
+  // Worker: direct chunk `chunk`, then the next unclaimed ones in order.
+  void runDirectChunks(int64_t chunk);
+  // The math of one chunk; staging == nullptr for a direct chunk (its
+  // pieces read their sources in place).
+  void applyChunk(int64_t chunk, const char* staging);
   void finishChunk(int slot, std::exception_ptr&& error);
+  // The failure of chunk `chunk`, naming its tensors and the step.
+  std::exception_ptr chunkError(int64_t chunk, const std::string& failure) const;
+  // The misuse message of the first of the chunk's sources written since
+  // submit(), else "". Caller holds mutex_.
+  std::string firstWrittenSource(int64_t chunk) const;
+  // Whether every chunk of the update in flight is done. Caller holds mutex_.
+  bool allDone() const;
   void queueSwapCopies(const std::vector<SwapJob>& jobs, SwapState& state);
   // The error a failed update reports from wait(), naming its step.
   std::exception_ptr updateError(const std::string& what) const;
@@ -190,7 +261,9 @@ class UpdatePipeline {
   // The update in flight. Written by submit() before any copy is queued and
   // read-only afterwards (the engine and pool hand-offs order it).
   std::vector<PipelineJob> jobs_;
-  std::vector<Chunk> chunks_;
+  std::vector<Piece> pieces_;
+  std::vector<Chunk> chunks_;   // direct chunks first, then staged ones
+  int64_t directChunks_ = 0;    // chunks_[0, directChunks_) are direct
   std::vector<float> weights_;  // one per profile
   int64_t step_ = 0;
 
@@ -199,9 +272,11 @@ class UpdatePipeline {
   // All guarded by mutex_.
   std::vector<int64_t> slotChunk_;          // chunk held by each slot, -1 if free
   std::vector<std::string> slotCopyError_;  // engine error per slot, "" if none
-  int64_t claimed_ = 0;                     // chunks given a slot
-  int64_t queued_ = 0;                      // chunks whose copies the engine has
-  int64_t finished_ = 0;                    // chunks whose math is done or skipped
+  int64_t claimed_ = 0;                     // staged chunks given a slot (chunk directChunks_ + k)
+  int64_t queued_ = 0;                      // staged chunks whose copies the engine has
+  int64_t finished_ = 0;                    // staged chunks whose math is done or skipped
+  int64_t directClaimed_ = 0;               // direct chunks a worker has taken
+  int64_t directDone_ = 0;                  // direct chunks whose math is done or skipped
   bool inFlight_ = false;
   bool failed_ = false;
   std::exception_ptr firstError_;
@@ -219,6 +294,9 @@ class UpdatePipeline {
   // submitting thread; read by workers after submit()'s hand-offs.
   int64_t faultStep_ = -1;
   int64_t faultChunk_ = 0;
+  // Test seam: stage every other host job (odd job indices) even without
+  // stageHostSources, so one update mixes both paths without a GPU.
+  bool mixPaths_ = false;
 };
 
 }  // namespace offload

@@ -1,0 +1,65 @@
+// UpdatePipeline::plan: how an update is cut into chunks. Runs on the
+// submitting thread before any chunk is handed out; workers and copy
+// callbacks then read pieces_ and chunks_ without locks.
+#include <algorithm>
+
+#include "shardema/offload/update_pipeline.h"
+
+namespace shardema::offload {
+namespace {
+
+// Piece starts in a slot are cache-line aligned: two pieces never share a
+// line, and the kernels' vector loads start aligned. Direct chunks are cut
+// by the same rule, so a job is cut alike whichever path it takes.
+constexpr int64_t kPieceAlign = 64;
+
+int64_t alignUp(int64_t value, int64_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
+
+}  // namespace
+
+bool UpdatePipeline::readsInPlace(const PipelineJob& job, size_t index) const {
+  if (options_.stageHostSources || !job.source.device().is_cpu()) return false;
+  return !mixPaths_ || index % 2 == 0;
+}
+
+void UpdatePipeline::plan(const std::vector<PipelineJob>& jobs,
+                          const std::vector<SourceType>& types) {
+  // clear() keeps the capacity: an update of the same model allocates
+  // nothing here.
+  pieces_.clear();
+  chunks_.clear();
+  const int64_t capacity = options_.chunkBytes;
+  int64_t used = capacity;  // the first piece opens a chunk
+  const auto cut = [&](size_t j) {
+    const int64_t srcSize = jobs[j].source.element_size();
+    const int64_t emaSize = jobs[j].ema.element_size();
+    const auto* src = static_cast<const char*>(jobs[j].source.data_ptr());
+    auto* ema = static_cast<char*>(jobs[j].ema.data_ptr());
+    const int64_t total = jobs[j].source.numel();
+    for (int64_t first = 0; first < total;) {
+      int64_t offset = alignUp(used, kPieceAlign);
+      if (offset + srcSize > capacity) {
+        chunks_.push_back(Chunk{pieces_.size(), pieces_.size()});
+        offset = 0;
+      }
+      const int64_t count = std::min(total - first, (capacity - offset) / srcSize);
+      pieces_.push_back(Piece{j, src + first * srcSize, ema + first * emaSize, count,
+                              count * srcSize, offset, types[j]});
+      chunks_.back().end = pieces_.size();
+      used = offset + count * srcSize;
+      first += count;
+    }
+  };
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    if (readsInPlace(jobs[j], j)) cut(j);
+  }
+  directChunks_ = static_cast<int64_t>(chunks_.size());
+  used = capacity;  // staged chunks never share one with direct pieces
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    if (!readsInPlace(jobs[j], j)) cut(j);
+  }
+}
+
+}  // namespace shardema::offload
