@@ -11,20 +11,15 @@
 #include <filesystem>
 
 #include "facade/posthoc_fixture.h"
+#include "shardema/detail/posthoc_snapshot.h"
 #include "shardema/posthoc_callback.h"
 #include "shardema/posthoc_folder_synthesis.h"
-#include "shardema/detail/posthoc_snapshot.h"
 #include "shardema/posthoc_snapshot_synthesis.h"
 #include "shardema/shard/communicator.h"
 #include "support/thread_ranks.h"
 
-namespace shardema {
+namespace shardema::posthoc_test {
 namespace {
-
-namespace fs = std::filesystem;
-using posthoc_test::PostHocRun;
-using posthoc_test::Values;
-using testing::TempDir;
 
 constexpr int64_t kWorld = 2;
 constexpr int64_t kSeed = 30;
@@ -238,4 +233,4 @@ TEST(PostHocRanksTest, ValidationSwapPutsTheSameEmaIntoEveryRankOnTheDevicePlace
 }
 
 }  // namespace
-}  // namespace shardema
+}  // namespace shardema::posthoc_test

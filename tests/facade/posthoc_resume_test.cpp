@@ -10,20 +10,14 @@
 #include <filesystem>
 
 #include "facade/posthoc_fixture.h"
-#include "shardema/posthoc_callback.h"
 #include "shardema/detail/posthoc_snapshot.h"
+#include "shardema/posthoc_callback.h"
 #include "shardema/posthoc_snapshot_synthesis.h"
 #include "shardema/training_checkpoint.h"
 #include "support/value_error.h"
 
-namespace shardema {
+namespace shardema::posthoc_test {
 namespace {
-
-namespace fs = std::filesystem;
-using posthoc_test::PostHocRun;
-using posthoc_test::smallOptions;
-using posthoc_test::stepEveryBatch;
-using testing::TempDir;
 
 constexpr int64_t kSeed = 20;
 
@@ -209,4 +203,4 @@ TEST(PostHocResumeTest, ValidationSwapsInTheSynthesisAtTheNewestSnapshot) {
 }
 
 }  // namespace
-}  // namespace shardema
+}  // namespace shardema::posthoc_test
