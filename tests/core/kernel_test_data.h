@@ -16,6 +16,10 @@
 
 namespace shardema::testing {
 
+// Every source type the kernels take.
+inline constexpr SourceType kSourceTypes[] = {SourceType::kFloat32, SourceType::kBFloat16,
+                                              SourceType::kFloat16};
+
 inline uint32_t bitsOf(float f) {
   uint32_t b;
   std::memcpy(&b, &f, sizeof b);
@@ -86,6 +90,23 @@ inline std::vector<float> makeEma(int64_t n, uint64_t seed) {
 inline double lerpTolerance(double e, double x, double w) {
   return (1.0 + 4.0 * w) * std::ldexp(1.0, -24) * std::max(std::fabs(e), std::fabs(x)) *
          (1.0 + 1e-6);
+}
+
+// The shape of span `index` of a random mixed set: every 7th one empty,
+// the rest under `maxCount` elements, of a random type, one in four a
+// copy. Draws count, type and op from `rng` in that order.
+struct SpanShape {
+  int64_t count;
+  SourceType type;
+  UpdateOp op;
+};
+
+inline SpanShape randomSpanShape(std::mt19937_64& rng, int index, int64_t maxCount) {
+  SpanShape shape;
+  shape.count = index % 7 == 0 ? 0 : static_cast<int64_t>(rng() % maxCount);
+  shape.type = kSourceTypes[rng() % 3];
+  shape.op = rng() % 4 == 0 ? UpdateOp::kCopy : UpdateOp::kLerp;
+  return shape;
 }
 
 }  // namespace shardema::testing

@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -11,10 +10,11 @@
 #include <fstream>
 #include <string>
 
+#include "core/posthoc_snapshot_fixture.h"
 #include "shardema/power_function.h"
 #include "shardema/tensor_file.h"
+#include "support/command_output.h"
 #include "support/temp_dir.h"
-#include "core/posthoc_snapshot_fixture.h"
 #include "support/value_error.h"
 
 namespace shardema {
@@ -278,14 +278,9 @@ TEST(PosthocSnapshotTest, NumpyReadsASnapshot) {
   const std::string command = "'" + python + "' '" + dir.file("reader.py") + "' '" +
                               dir.file(snapshotFileName(2, 30)) + "' '" +
                               snapshotMetadata(info).at("shardema.gamma") + "' 2030 2>&1";
-  FILE* pipe = ::popen(command.c_str(), "r");
-  ASSERT_NE(pipe, nullptr);
-  std::string output;
-  char buffer[512];
-  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) output += buffer;
-  const int status = ::pclose(pipe);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << output;
-  EXPECT_EQ(output, "OK\n");
+  const testing::CommandResult result = testing::runCommand(command);
+  EXPECT_EQ(result.exitCode, 0) << result.output;
+  EXPECT_EQ(result.output, "OK\n");
 }
 
 }  // namespace

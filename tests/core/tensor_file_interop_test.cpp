@@ -2,15 +2,14 @@
 // with numpy reads our files and writes files we read (tests/python/).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <cstdio>
 #include <filesystem>
 #include <string>
 #include <vector>
 
 #include "shardema/tensor_file.h"
+#include "support/command_output.h"
 #include "support/file_bytes.h"
 #include "support/temp_dir.h"
 
@@ -81,36 +80,15 @@ TensorFile expectedFile() {
   return file;
 }
 
-struct ProcessResult {
-  int exitCode = -1;
-  std::string output;
-};
-
-ProcessResult runPython(const std::string& script, const std::string& path) {
-  const std::string command = std::string("'") + SHARDEMA_TEST_PYTHON + "' '" +
-                              SHARDEMA_TEST_SOURCE_DIR + "/python/" + script + "' '" + path +
-                              "' 2>&1";
-  ProcessResult result;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) return result;
-  char buffer[512];
-  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) result.output += buffer;
-  const int status = ::pclose(pipe);
-  result.exitCode = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return result;
-}
-
-bool havePython() {
-  const std::string python = SHARDEMA_TEST_PYTHON;
-  return !python.empty() && python.find("NOTFOUND") == std::string::npos;
-}
+using testing::havePython;
+using testing::runPythonScript;
 
 TEST(TensorFileInteropTest, NumpyReadsOurFile) {
   if (!havePython()) GTEST_SKIP() << "no python3 found at configure time";
   testing::TempDir dir;
   const std::string path = dir.file("ours.safetensors");
   writeTensorFile(path, expectedFile());
-  const ProcessResult result = runPython("read_safetensors.py", path);
+  const testing::CommandResult result = runPythonScript("read_safetensors.py", path);
   EXPECT_EQ(result.exitCode, 0) << result.output;
 }
 
@@ -133,7 +111,7 @@ TEST(TensorFileInteropTest, NumpyReaderCatchesOneWrongValue) {
     }
     const std::string path = dir.file("wrong.safetensors");
     writeTensorFile(path, file);
-    const ProcessResult result = runPython("read_safetensors.py", path);
+    const testing::CommandResult result = runPythonScript("read_safetensors.py", path);
     EXPECT_EQ(result.exitCode, 1) << result.output;
     EXPECT_NE(result.output.find(victim), std::string::npos) << result.output;
   }
@@ -152,7 +130,7 @@ TEST(TensorFileInteropTest, PythonXxhashRecomputesOurTensorChecksums) {
   std::string bytes = testing::readFileBytes(path);
   bytes[header.dataOffset + victim->begin + 8] ^= 0x04;
   testing::writeFileBytes(path, bytes);
-  const ProcessResult result = runPython("read_safetensors.py", path);
+  const testing::CommandResult result = runPythonScript("read_safetensors.py", path);
   EXPECT_EQ(result.exitCode, 1) << result.output;
   EXPECT_NE(result.output.find("count.i64: shardema.xxh64 says"), std::string::npos)
       << result.output;
@@ -162,7 +140,7 @@ TEST(TensorFileInteropTest, WeReadNumpyWrittenFile) {
   if (!havePython()) GTEST_SKIP() << "no python3 found at configure time";
   testing::TempDir dir;
   const std::string path = dir.file("numpy.safetensors");
-  const ProcessResult result = runPython("write_safetensors.py", path);
+  const testing::CommandResult result = runPythonScript("write_safetensors.py", path);
   ASSERT_EQ(result.exitCode, 0) << result.output;
 
   const TensorFile file = readTensorFile(path);

@@ -16,6 +16,7 @@
 #include "shardema/tensor_file.h"
 #include "support/file_bytes.h"
 #include "support/temp_dir.h"
+#include "support/tensor_file_rows.h"
 #include "support/value_error.h"
 
 namespace shardema {
@@ -24,18 +25,17 @@ namespace {
 namespace fs = std::filesystem;
 
 TensorFile sampleFile() {
-  TensorFile file;
-  const std::vector<std::pair<at::ScalarType, std::vector<int64_t>>> rows = {
-      {at::kFloat, {7, 3}}, {at::kBFloat16, {13}}, {at::kFloat, {}}, {at::kHalf, {0, 4}},
-      {at::kDouble, {5}},   {at::kLong, {2, 2}},   {at::kBool, {9}}, {at::kInt, {31}},
-      {at::kShort, {3}},    {at::kChar, {1, 1}},   {at::kByte, {17}}};
-  for (size_t i = 0; i < rows.size(); ++i) {
-    const auto& [dtype, shape] = rows[i];
-    at::Tensor values = at::arange(c10::multiply_integers(shape), at::kDouble) * 3 + double(i);
-    if (dtype == at::kBool) values = values.fmod(2);
-    file.tensors.emplace_back("t" + std::to_string(i), values.to(dtype).reshape(shape));
-  }
-  return file;
+  return testing::tensorFileOfRows({{at::kFloat, {7, 3}},
+                                    {at::kBFloat16, {13}},
+                                    {at::kFloat, {}},
+                                    {at::kHalf, {0, 4}},
+                                    {at::kDouble, {5}},
+                                    {at::kLong, {2, 2}},
+                                    {at::kBool, {9}},
+                                    {at::kInt, {31}},
+                                    {at::kShort, {3}},
+                                    {at::kChar, {1, 1}},
+                                    {at::kByte, {17}}});
 }
 
 bool sameTensor(const at::Tensor& a, const at::Tensor& b) {

@@ -6,9 +6,7 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -17,8 +15,10 @@
 
 #include "shardema/detail/checksum.h"
 #include "shardema/tensor_file.h"
+#include "support/command_output.h"
 #include "support/file_bytes.h"
 #include "support/temp_dir.h"
+#include "support/tensor_file_rows.h"
 #include "support/value_error.h"
 
 namespace shardema {
@@ -26,19 +26,18 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Values encode the tensor index and element so a misplaced piece shows.
 TensorFile sampleFile() {
-  TensorFile file;
-  const std::vector<std::pair<at::ScalarType, std::vector<int64_t>>> rows = {
-      {at::kFloat, {7, 3}}, {at::kBFloat16, {13}}, {at::kFloat, {}},   {at::kHalf, {0, 4}},
-      {at::kDouble, {5}},   {at::kLong, {2, 2}},   {at::kBool, {9}},   {at::kByte, {0}},
-      {at::kInt, {31}},     {at::kShort, {3}},     {at::kChar, {1, 1}}};
-  for (size_t i = 0; i < rows.size(); ++i) {
-    const auto& [dtype, shape] = rows[i];
-    at::Tensor values = at::arange(c10::multiply_integers(shape), at::kDouble) * 3 + double(i);
-    if (dtype == at::kBool) values = values.fmod(2);
-    file.tensors.emplace_back("t" + std::to_string(i), values.to(dtype).reshape(shape));
-  }
+  TensorFile file = testing::tensorFileOfRows({{at::kFloat, {7, 3}},
+                                               {at::kBFloat16, {13}},
+                                               {at::kFloat, {}},
+                                               {at::kHalf, {0, 4}},
+                                               {at::kDouble, {5}},
+                                               {at::kLong, {2, 2}},
+                                               {at::kBool, {9}},
+                                               {at::kByte, {0}},
+                                               {at::kInt, {31}},
+                                               {at::kShort, {3}},
+                                               {at::kChar, {1, 1}}});
   file.metadata = {{"shardema.kind", "test"}, {"note", "streamed"}};
   return file;
 }
@@ -187,15 +186,9 @@ TEST(TensorFileWriterTest, MemoryIsBoundedByThePiece) {
 // numpy (tests/python/read_safetensors.py) checks a file we streamed. The
 // values come from a numpy-written file, so neither side checks itself.
 int runPython(const std::string& script, const std::string& path, std::string* output) {
-  const std::string command = std::string("'") + SHARDEMA_TEST_PYTHON + "' '" +
-                              SHARDEMA_TEST_SOURCE_DIR + "/python/" + script + "' '" + path +
-                              "' 2>&1";
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) return -1;
-  char buffer[512];
-  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) *output += buffer;
-  const int status = ::pclose(pipe);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  const testing::CommandResult result = testing::runPythonScript(script, path);
+  *output += result.output;
+  return result.exitCode;
 }
 
 void restream(const TensorFile& source, const std::string& path, const std::string& victim) {

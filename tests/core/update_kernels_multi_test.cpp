@@ -14,16 +14,8 @@
 #include "shardema/offload/worker_pool.h"
 #include "support/same_bytes.h"
 
-namespace shardema {
+namespace shardema::testing {
 namespace {
-
-using testing::bitsOf;
-using testing::lerpTolerance;
-using testing::makeEma;
-using testing::makeSource;
-using testing::Source;
-
-const SourceType kTypes[] = {SourceType::kFloat32, SourceType::kBFloat16, SourceType::kFloat16};
 
 // --- Several profiles in one pass -----------------------------------------
 
@@ -50,7 +42,7 @@ std::vector<float*> pointersTo(std::vector<std::vector<float>>& emas) {
 }
 
 TEST(UpdateKernelsMultiTest, LerpMultiMatchesSeparatePassesBitwise) {
-  for (SourceType type : kTypes) {
+  for (SourceType type : kSourceTypes) {
     for (int64_t n : kMultiSizes) {
       const Source src = makeSource(type, n, 5000 + n);
       for (int k : kProfileCounts) {
@@ -93,7 +85,7 @@ TEST(UpdateKernelsMultiTest, LerpMultiMatchesSeparatePassesBitwise) {
 }
 
 TEST(UpdateKernelsMultiTest, CopyMultiMatchesCopyRange) {
-  for (SourceType type : kTypes) {
+  for (SourceType type : kSourceTypes) {
     for (int64_t n : kMultiSizes) {
       const Source src = makeSource(type, n, 7000 + n);
       std::vector<float> single(n);
@@ -125,19 +117,18 @@ MultiSpanSet makeMultiSpanSet(uint64_t seed, int count, int k) {
   set.sources.reserve(count);
   set.emas.reserve(count);
   for (int i = 0; i < count; ++i) {
-    const int64_t n = i % 7 == 0 ? 0 : static_cast<int64_t>(rng() % 9000);
-    const SourceType type = kTypes[rng() % 3];
-    set.sources.push_back(makeSource(type, n, seed + i));
+    const SpanShape shape = randomSpanShape(rng, i, 9000);
+    set.sources.push_back(makeSource(shape.type, shape.count, seed + i));
     set.emas.emplace_back();
     for (int p = 0; p < k; ++p) {
-      set.emas.back().push_back(makeEma(n, seed + 100000 + 50 * i + p));
+      set.emas.back().push_back(makeEma(shape.count, seed + 100000 + 50 * i + p));
     }
     MultiUpdateSpan span;
     span.emas = pointersTo(set.emas.back());
     span.src = set.sources.back().data();
-    span.type = type;
-    span.count = n;
-    span.op = rng() % 4 == 0 ? UpdateOp::kCopy : UpdateOp::kLerp;
+    span.type = shape.type;
+    span.count = shape.count;
+    span.op = shape.op;
     set.spans.push_back(span);
   }
   return set;
@@ -215,4 +206,4 @@ TEST(UpdateKernelsMultiTest, MultiRejectsBadArguments) {
 }
 
 }  // namespace
-}  // namespace shardema
+}  // namespace shardema::testing

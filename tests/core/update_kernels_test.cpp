@@ -19,16 +19,9 @@
 #include "shardema/offload/worker_pool.h"
 #include "support/same_bytes.h"
 
-namespace shardema {
+namespace shardema::testing {
 namespace {
 
-using testing::bitsOf;
-using testing::lerpTolerance;
-using testing::makeEma;
-using testing::makeSource;
-using testing::Source;
-
-const SourceType kTypes[] = {SourceType::kFloat32, SourceType::kBFloat16, SourceType::kFloat16};
 const int64_t kSizes[] = {0, 1, 7, 4097, 10000000};
 
 TEST(UpdateKernelsTest, SourceTypeSize) {
@@ -38,7 +31,7 @@ TEST(UpdateKernelsTest, SourceTypeSize) {
 }
 
 TEST(UpdateKernelsTest, LerpMatchesFloat64Reference) {
-  for (SourceType type : kTypes) {
+  for (SourceType type : kSourceTypes) {
     for (int64_t n : kSizes) {
       const Source src = makeSource(type, n, 1000 + n);
       const std::vector<float> before = makeEma(n, 2000 + n);
@@ -72,7 +65,7 @@ TEST(UpdateKernelsTest, LerpMatchesFloat64Reference) {
 // contracting it into an FMA whatever its flags.
 TEST(UpdateKernelsTest, LerpIsTheDocumentedFloat32Formula) {
   const int64_t n = 4097;
-  for (SourceType type : kTypes) {
+  for (SourceType type : kSourceTypes) {
     const Source src = makeSource(type, n, 7);
     std::vector<float> ema = makeEma(n, 8);
     const std::vector<float> before = ema;
@@ -88,7 +81,7 @@ TEST(UpdateKernelsTest, LerpIsTheDocumentedFloat32Formula) {
 }
 
 TEST(UpdateKernelsTest, CopyConvertsExactly) {
-  for (SourceType type : kTypes) {
+  for (SourceType type : kSourceTypes) {
     for (int64_t n : kSizes) {
       const Source src = makeSource(type, n, 3000 + n);
       std::vector<float> ema(n + 1, -5.0f);
@@ -234,17 +227,11 @@ SpanSet makeSpanSet(uint64_t seed, int count) {
   set.sources.reserve(count);
   set.emas.reserve(count);
   for (int i = 0; i < count; ++i) {
-    const int64_t n = i % 7 == 0 ? 0 : static_cast<int64_t>(rng() % 5000);
-    const SourceType type = kTypes[rng() % 3];
-    set.sources.push_back(makeSource(type, n, seed + i));
-    set.emas.push_back(makeEma(n, seed + 100000 + i));
-    UpdateSpan span;
-    span.ema = set.emas.back().data();
-    span.src = set.sources.back().data();
-    span.type = type;
-    span.count = n;
-    span.op = rng() % 4 == 0 ? UpdateOp::kCopy : UpdateOp::kLerp;
-    set.spans.push_back(span);
+    const SpanShape shape = randomSpanShape(rng, i, 5000);
+    set.sources.push_back(makeSource(shape.type, shape.count, seed + i));
+    set.emas.push_back(makeEma(shape.count, seed + 100000 + i));
+    set.spans.push_back(
+        {set.emas.back().data(), set.sources.back().data(), shape.type, shape.count, shape.op});
   }
   return set;
 }
@@ -298,4 +285,4 @@ TEST(UpdateKernelsTest, UpdateSpansRejectsBadArguments) {
 }
 
 }  // namespace
-}  // namespace shardema
+}  // namespace shardema::testing

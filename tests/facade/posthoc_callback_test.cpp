@@ -17,16 +17,8 @@
 #include "shardema/synthesis.h"
 #include "support/value_error.h"
 
-namespace shardema {
+namespace shardema::posthoc_test {
 namespace {
-
-namespace fs = std::filesystem;
-using posthoc_test::PostHocRun;
-using posthoc_test::smallOptions;
-using posthoc_test::stepEveryBatch;
-using posthoc_test::Values;
-using testing::LoopShape;
-using testing::TempDir;
 
 // fp32 EMA storage over ~10 lerps against the float64 reference.
 constexpr double kEmaTolerance = 1e-6;
@@ -381,4 +373,4 @@ TEST(PostHocCallbackTest, RejectsAnOutputFolderThatIsTheSnapshotFolder) {
 }
 
 }  // namespace
-}  // namespace shardema
+}  // namespace shardema::posthoc_test

@@ -24,9 +24,9 @@
 #include <utility>
 #include <vector>
 
+#include "shardema/detail/posthoc_synthesis.h"
 #include "shardema/module_tracking.h"
 #include "shardema/posthoc_callback.h"
-#include "shardema/detail/posthoc_synthesis.h"
 #include "shardema/power_function.h"
 #include "shardema/tensor_file.h"
 #include "support/temp_dir.h"
@@ -38,6 +38,7 @@ namespace shardema::posthoc_test {
 namespace fs = std::filesystem;
 
 using testing::LoopShape;
+using testing::TempDir;
 using testing::TestNet;
 using Values = std::map<std::string, at::Tensor>;
 

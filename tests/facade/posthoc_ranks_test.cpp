@@ -17,13 +17,8 @@
 #include "shardema/synthesis.h"
 #include "support/thread_ranks.h"
 
-namespace shardema {
+namespace shardema::posthoc_test {
 namespace {
-
-namespace fs = std::filesystem;
-using posthoc_test::PostHocRun;
-using posthoc_test::Values;
-using testing::TempDir;
 
 constexpr int64_t kWorld = 2;
 constexpr int64_t kSeed = 30;
@@ -237,4 +232,4 @@ TEST(PostHocRanksTest, ValidationSwapPutsTheSameEmaIntoEveryRankOnTheDevicePlace
 }
 
 }  // namespace
-}  // namespace shardema
+}  // namespace shardema::posthoc_test

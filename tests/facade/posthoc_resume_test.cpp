@@ -16,14 +16,8 @@
 #include "shardema/training_checkpoint.h"
 #include "support/value_error.h"
 
-namespace shardema {
+namespace shardema::posthoc_test {
 namespace {
-
-namespace fs = std::filesystem;
-using posthoc_test::PostHocRun;
-using posthoc_test::smallOptions;
-using posthoc_test::stepEveryBatch;
-using testing::TempDir;
 
 constexpr int64_t kSeed = 20;
 
@@ -209,4 +203,4 @@ TEST(PostHocResumeTest, ValidationSwapsInTheSynthesisAtTheNewestSnapshot) {
 }
 
 }  // namespace
-}  // namespace shardema
+}  // namespace shardema::posthoc_test

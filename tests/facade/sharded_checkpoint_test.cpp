@@ -16,6 +16,7 @@
 #include "facade/sharded_fixture.h"
 #include "shardema/detail/tensor_file_reader.h"
 #include "shardema/tensor_file.h"
+#include "support/command_output.h"
 #include "support/file_bytes.h"
 #include "support/temp_dir.h"
 
@@ -24,17 +25,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using testing::PerTensorJob;
-
-std::string shellOutput(const std::string& command) {
-  std::string out;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) return out;
-  char buffer[512];
-  size_t got = 0;
-  while ((got = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0) out.append(buffer, got);
-  ::pclose(pipe);
-  return out;
-}
 
 // Loads `dir` into fresh ranks (initial values, so a load that did nothing
 // shows) of `kind` over `worldSize` and returns them.
@@ -98,7 +88,8 @@ TEST(ShardedCheckpointTest, ManifestRecordsSizesAndXxh64OfEveryRankFile) {
                   manifest["files"][0]["name"].get<std::string>().size() - 28));
     EXPECT_EQ(file["size"].get<uint64_t>(), fs::file_size(dir.file(name)));
     // xxhsum -H64 prints "<16 hex digits>  <file>".
-    const std::string xxhsum = shellOutput("xxhsum -H64 '" + dir.file(name) + "' 2>/dev/null");
+    const std::string xxhsum =
+        testing::runCommand("xxhsum -H64 '" + dir.file(name) + "' 2>/dev/null").output;
     if (!xxhsum.empty()) {
       EXPECT_EQ(xxhsum.substr(0, 16), file["xxh64"].get<std::string>());
     }
@@ -211,9 +202,10 @@ for name in want:
 print("ok", len(want))
 )";
   std::ofstream(dir.file("check.py")) << script;
-  const std::string out = shellOutput("'" + python + "' '" + dir.file("check.py") + "' '" +
-                                      dir.file("export.safetensors") + "' '" +
-                                      dir.file("reference.safetensors") + "' 2>&1");
+  const std::string out = testing::runCommand("'" + python + "' '" + dir.file("check.py") + "' '" +
+                                              dir.file("export.safetensors") + "' '" +
+                                              dir.file("reference.safetensors") + "' 2>&1")
+                              .output;
   EXPECT_EQ(out, "ok " + std::to_string(job.model.size()) + "\n");
 }
 

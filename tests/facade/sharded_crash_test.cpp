@@ -168,7 +168,7 @@ TEST_F(CrashTest, KilledShardedSavesLeaveTheLastCompletedCheckpoint) {
   const auto saveAt = [&](int64_t step) {
     setSources(tracked, step);
     for (auto& rank : ranks) rank->update(step);
-    saveShardedCheckpoint(folder, {ranks[0].get(), ranks[1].get()});
+    saveCheckpoint(folder, {ranks[0].get(), ranks[1].get()});
   };
   int midSave = 0;
   for (int kill = 0; kill < kKillsPerKind; ++kill) {
@@ -180,7 +180,7 @@ TEST_F(CrashTest, KilledShardedSavesLeaveTheLastCompletedCheckpoint) {
     for (int64_t r = 0; r < 2; ++r) {
       ShardedAverager loaded(r, 2, shardsFromFullTensors(model(), shard::LayoutKind::kFsdp2, r, 2),
                              copyingOptions());
-      loadRankState(folder, loaded);
+      loadCheckpoint(folder, loaded);
       if (r == 0) step = loaded.step();
       EXPECT_EQ(loaded.step(), step) << "both ranks load one save";
       EXPECT_TRUE(step == reported || step == reported + 1)

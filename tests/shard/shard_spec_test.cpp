@@ -4,7 +4,6 @@
 #include "shardema/shard/shard_spec.h"
 
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -13,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "support/command_output.h"
 #include "support/value_error.h"
 
 namespace shardema::shard {
@@ -309,18 +309,12 @@ TEST(ShardSpecTest, Fsdp2MatchesPythonTorchChunk) {
   if (python.empty()) GTEST_SKIP() << "no python3 with numpy found at configure time";
   const std::string command =
       "'" + python + "' '" + SHARDEMA_TEST_SOURCE_DIR + "/python/chunk_ranges.py' 41 8 2>&1";
-  FILE* pipe = ::popen(command.c_str(), "r");
-  ASSERT_NE(pipe, nullptr);
-  std::string output;
-  char buffer[4096];
-  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) output += buffer;
-  const int status = ::pclose(pipe);
-  if (WIFEXITED(status) && WEXITSTATUS(status) != 0 &&
-      output.find("No module named 'torch'") != std::string::npos) {
+  const testing::CommandResult result = testing::runCommand(command);
+  if (result.exitCode > 0 && result.output.find("No module named 'torch'") != std::string::npos) {
     GTEST_SKIP() << python << " has no torch (apt-get install python3-torch)";
   }
-  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << output;
-  const nlohmann::json cases = nlohmann::json::parse(output);
+  ASSERT_EQ(result.exitCode, 0) << result.output;
+  const nlohmann::json cases = nlohmann::json::parse(result.output);
   ASSERT_EQ(cases.size(), 42u * 8u);
   for (const auto& item : cases) {
     const int64_t d0 = item["d0"].get<int64_t>();

@@ -6,7 +6,6 @@
 // than against the code that writes it.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -15,38 +14,13 @@
 #include <string>
 #include <vector>
 
-#include "shardema/detail/checksum.h"
 #include "shardema/decay_schedule.h"
+#include "shardema/detail/checksum.h"
 #include "shardema/tensor_file.h"
 #include "support/file_bytes.h"
+#include "tools/cli_run.h"
 
 namespace shardema::testing {
-
-struct CliResult {
-  int status = -1;
-  std::string out;
-  std::string err;
-};
-
-// Arguments go through the shell as written; test paths need no quoting.
-inline CliResult runCli(const std::string& args) {
-  char errPath[] = "/tmp/shardema_cli_test_XXXXXX";
-  const int fd = ::mkstemp(errPath);
-  EXPECT_GE(fd, 0);
-  ::close(fd);
-  const std::string command = std::string(SHARDEMA_CLI_PATH) + " " + args + " 2>" + errPath;
-  CliResult result;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) return result;
-  char buffer[4096];
-  size_t got = 0;
-  while ((got = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0) result.out.append(buffer, got);
-  const int raw = ::pclose(pipe);
-  result.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-  result.err = readFileBytes(errPath);
-  std::remove(errPath);
-  return result;
-}
 
 inline size_t countLines(const std::string& text) {
   size_t lines = 0;

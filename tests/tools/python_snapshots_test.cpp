@@ -5,7 +5,6 @@
 // turn them into the reference's synthesized weights.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -17,6 +16,7 @@
 #include "shardema/detail/posthoc_snapshot.h"
 #include "shardema/power_function.h"
 #include "shardema/tensor_file.h"
+#include "support/command_output.h"
 #include "support/temp_dir.h"
 #include "tools/checkpoint_cli_fixture.h"
 
@@ -45,29 +45,13 @@ std::string decimal17(double value) {
   return text;
 }
 
-bool havePython() {
-  const std::string python = SHARDEMA_TEST_PYTHON;
-  return !python.empty() && python.find("NOTFOUND") == std::string::npos;
-}
-
-struct ProcessResult {
-  int exitCode = -1;
-  std::string output;
-};
+using testing::havePython;
 
 // write_posthoc_snapshots.py GOLDEN_JSON DIR [extra]; stdout and stderr.
-ProcessResult writeSnapshots(const std::string& dir, const std::string& extra = "") {
-  const std::string command = std::string("'") + SHARDEMA_TEST_PYTHON + "' '" +
-                              SHARDEMA_TEST_SOURCE_DIR + "/python/write_posthoc_snapshots.py' '" +
-                              goldenPath() + "' '" + dir + "' " + extra + " 2>&1";
-  ProcessResult result;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) return result;
-  char buffer[512];
-  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) result.output += buffer;
-  const int status = ::pclose(pipe);
-  result.exitCode = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return result;
+testing::CommandResult writeSnapshots(const std::string& dir, const std::string& extra = "") {
+  return testing::runCommand(std::string("'") + SHARDEMA_TEST_PYTHON + "' '" +
+                             SHARDEMA_TEST_SOURCE_DIR + "/python/write_posthoc_snapshots.py' '" +
+                             goldenPath() + "' '" + dir + "' " + extra + " 2>&1");
 }
 
 class PythonSnapshotsTest : public ::testing::Test {
@@ -80,7 +64,7 @@ class PythonSnapshotsTest : public ::testing::Test {
 };
 
 TEST_F(PythonSnapshotsTest, PythonWrittenSnapshotsSynthesizeToTheGoldenWeights) {
-  const ProcessResult wrote = writeSnapshots(path("snapshots"));
+  const testing::CommandResult wrote = writeSnapshots(path("snapshots"));
   ASSERT_EQ(wrote.exitCode, 0) << wrote.output;
 
   // Every golden snapshot is there, and shardema reads its metadata as the
@@ -124,7 +108,7 @@ TEST_F(PythonSnapshotsTest, PythonWrittenSnapshotsSynthesizeToTheGoldenWeights) 
 // The control: shardema checks what Python wrote rather than trusting it; a
 // gamma that disagrees with its sigma_rel is refused, naming the file.
 TEST_F(PythonSnapshotsTest, PythonSnapshotWithWrongGammaIsRefused) {
-  const ProcessResult wrote = writeSnapshots(path("snapshots"), "--corrupt-gamma");
+  const testing::CommandResult wrote = writeSnapshots(path("snapshots"), "--corrupt-gamma");
   ASSERT_EQ(wrote.exitCode, 0) << wrote.output;
   const testing::CliResult result = runCli("synthesize --snapshots " + path("snapshots") +
                                            " --sigma-rel 0.08 --out " + path("x.safetensors"));

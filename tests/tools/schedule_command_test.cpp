@@ -2,7 +2,6 @@
 // test recomputes itself in float64 (formulas of spec section 7) or reads
 // from the golden files.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,43 +15,14 @@
 #include <utility>
 #include <vector>
 
+#include "tools/cli_run.h"
+
 namespace {
 
 using nlohmann::json;
 
-struct CliResult {
-  int status = -1;
-  std::string out;
-  std::string err;
-};
-
-std::string readFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
-}
-
-// Arguments are passed through the shell as written; none of ours need quoting.
-CliResult runCli(const std::string& args) {
-  char errPath[] = "/tmp/shardema_cli_test_XXXXXX";
-  const int fd = mkstemp(errPath);
-  EXPECT_GE(fd, 0);
-  close(fd);
-  const std::string command = std::string(SHARDEMA_CLI_PATH) + " " + args + " 2>" + errPath;
-  CliResult result;
-  FILE* pipe = popen(command.c_str(), "r");
-  EXPECT_NE(pipe, nullptr) << command;
-  if (pipe == nullptr) return result;
-  char buffer[4096];
-  size_t got = 0;
-  while ((got = fread(buffer, 1, sizeof(buffer), pipe)) > 0) result.out.append(buffer, got);
-  const int raw = pclose(pipe);
-  result.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-  result.err = readFile(errPath);
-  std::remove(errPath);
-  return result;
-}
+using shardema::testing::CliResult;
+using shardema::testing::runCli;
 
 std::vector<std::pair<int64_t, double>> parseStepLines(const std::string& out) {
   std::vector<std::pair<int64_t, double>> lines;
