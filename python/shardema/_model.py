@@ -153,11 +153,11 @@ def _plan_fsdp2(tracked: List[Tracked], dtensors: List[Tracked], layout: str,
         raise ValueError(f"'{plain_params[0].name}' is a plain parameter while "
                          f"'{dtensors[0].name}' is a DTensor: a model partly under fully_shard is "
                          "not supported (shard every parameter, or use EMA.from_local_shards)")
-    meshes = {id(t.tensor.device_mesh) for t in dtensors}
+    mesh = dtensors[0].tensor.device_mesh
     group = process_group
     if group is None:
-        group = dtensors[0].tensor.device_mesh.get_group()
-    if len(meshes) > 1 and process_group is None:
+        group = mesh.get_group()
+    if process_group is None and any(t.tensor.device_mesh != mesh for t in dtensors):
         raise ValueError("the DTensor parameters live on more than one device mesh; pass "
                          "process_group= for the group they share")
     rank, world = _rank_and_size(group)

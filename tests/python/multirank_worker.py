@@ -93,6 +93,29 @@ def run(scenario, rank, world, out):
                    os.path.join(out, f"rank{rank}.pt"))
         if scenario == "rows_save":
             ema.save(os.path.join(out, "ckpt"))
+    elif scenario == "dtensor":
+        # FSDP2 as EMA's auto layout sees it: Shard(0) DTensor parameters on
+        # a 1-D mesh whose group is the job's (stand-ins: torch 1.13 has no
+        # DTensor), and plain buffers.
+        from dtensor_standin import Mesh, StandInDTensor
+        mesh = Mesh(group=dist.distributed_c10d._get_default_group())
+        _, locals_ = fsdp2_rows(model, rank, world)
+        sharded = make_model()  # what fully_shard(model) holds on this rank
+        for module_name, module in sharded.named_modules():
+            for name, tensor in list(module._parameters.items()):
+                full_name = f"{module_name}.{name}" if module_name else name
+                module._parameters[name] = StandInDTensor(locals_[full_name], tensor.shape,
+                                                          mesh=mesh)
+        ema = shardema.EMA(sharded, schedule=schedule(), policy="versatil", timeout=60)
+        assert ema.layout == "fsdp2"
+        for step in range(1, STEPS + 1):
+            ema.fence()
+            train_step(model, step)
+            copy_rows(model, locals_, rank, world)
+            ema.update()
+        ema.wait()
+        torch.save({"local": ema.local_state(), "full": ema.full_state_dict()},
+                   os.path.join(out, f"rank{rank}.pt"))
     elif scenario == "rows_load":
         shards, _ = fsdp2_rows(model, rank, world)
         ema = shardema.EMA.from_local_shards(shards, schedule=schedule(), timeout=60)

@@ -93,6 +93,18 @@ def test_fsdp2_rows_union_equals_single_process(world, tmp_path):
     assert all(torch.equal(results[0]["full"][k], v) for k, v in expected.items())
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_dtensor_parameters_union_equals_single_process(world, tmp_path):
+    codes, errors = launch("dtensor", world, tmp_path)
+    assert codes == [0] * world, errors
+    expected = single_process_ema()
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    # buffers are replicated (rows of the whole), parameters fsdp2 rows:
+    # both split dim 0 the same way, so the union is the full EMA.
+    assert_union_is(expected, [r["local"] for r in results], world)
+    assert all(torch.equal(results[0]["full"][k], v) for k, v in expected.items())
+
+
 def test_checkpoint_of_three_ranks_on_two_points_to_reshard(tmp_path):
     codes, errors = launch("rows_save", 3, tmp_path)
     assert codes == [0] * 3, errors
