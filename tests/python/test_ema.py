@@ -230,3 +230,44 @@ def test_load_state_dict_of_garbage_is_a_clear_error():
         ema.load_state_dict([1, 2])
     with pytest.raises(ValueError, match="tensors"):
         ema.load_state_dict({"x": 1})
+
+
+def test_calls_that_wait_release_the_gil(tmp_path):
+    """Another Python thread runs while update/wait/save/export block."""
+    import threading
+    import time
+    big = torch.nn.Parameter(torch.randn(8 << 20))
+    ema = shardema.EMA({"big": big}, schedule=shardema.ConstantSchedule(0.9))
+    ticks = [0]
+    stop = threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=tick)
+    thread.start()
+    try:
+        for call in (lambda: ema.save(str(tmp_path / "ckpt")),
+                     lambda: ema.export(str(tmp_path / "ema.safetensors")),
+                     lambda: ema.full_state_dict()):
+            before = ticks[0]
+            start = time.perf_counter()
+            call()
+            elapsed = time.perf_counter() - start
+            if elapsed > 0.02:  # long enough for the other thread to run
+                assert ticks[0] - before >= 3, f"{ticks[0] - before} ticks in {elapsed:.3f} s"
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_a_torch_other_than_the_one_built_against_is_an_import_error():
+    import subprocess
+    import sys
+    code = ("import torch; torch.__version__ = '0.0.1'\n"
+            "try:\n    import shardema\nexcept ImportError as e:\n    print('IMPORT ERROR:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "IMPORT ERROR" in out.stdout, out.stdout + out.stderr
+    assert "built against torch" in out.stdout and "0.0.1" in out.stdout
