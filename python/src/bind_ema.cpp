@@ -23,7 +23,7 @@ namespace {
 
 using Release = py::call_guard<py::gil_scoped_release>;
 
-EmaPlacement parsePlacement(const std::string& name) {
+EmaPlacement parseEmaPlacement(const std::string& name) {
   if (name == "pinned_host") return EmaPlacement::kPinnedHost;
   if (name == "device") return EmaPlacement::kDevice;
   TORCH_CHECK_VALUE(false, "placement must be 'pinned_host' or 'device', got '", name, "'");
@@ -76,7 +76,7 @@ void bindEma(py::module_& m) {
              options.schedule = schedule;
              options.moreSchedules = std::move(moreSchedules);
              options.copyOnFirstUpdate = copyOnFirstUpdate;
-             options.placement = parsePlacement(placement);
+             options.placement = parseEmaPlacement(placement);
              options.offload.chunkBytes = chunkBytes;
              options.offload.numSlots = numSlots;
              options.offload.fenceInUpdate = fenceInUpdate;

@@ -30,7 +30,7 @@ struct PythonPostHoc {
   std::unique_ptr<PostHocCallback> callback;
 };
 
-PostHocPlacement parsePlacement(const std::string& name) {
+PostHocPlacement parsePostHocPlacement(const std::string& name) {
   if (name == "rank0") return PostHocPlacement::kRankZeroFullCopy;
   if (name == "sharded") return PostHocPlacement::kSharded;
   TORCH_CHECK_VALUE(false, "placement must be 'rank0' or 'sharded', got '", name, "'");
@@ -65,7 +65,7 @@ void bindPostHoc(py::module_& m) {
              o.startIter = startIter;
              o.defaultOutputSigma = defaultOutputSigma;
              o.stepSizeCorrection = stepSizeCorrection;
-             o.placement = parsePlacement(placement);
+             o.placement = parsePostHocPlacement(placement);
              TORCH_CHECK_VALUE(policy == "versatil" || policy == "ema_pytorch",
                                "policy must be 'versatil' or 'ema_pytorch', got '", policy, "'");
              o.policy = policy == "versatil" ? TrackingPolicy::kVersatil
