@@ -95,6 +95,20 @@ for name in "${programs[@]}"; do
   echo "bench.sh: $name took $((SECONDS - start)) s"
 done
 
+# The Python layer, when the build has the package (bench/python_bench.py).
+if grep -q "^Python3_EXECUTABLE:" "$build/CMakeCache.txt" 2>/dev/null &&
+    cmake --build "$build" -j "$jobs" --target shardema_python >/dev/null 2>&1; then
+  python=$(sed -n 's/^Python3_EXECUTABLE:[A-Z]*=//p' "$build/CMakeCache.txt")
+  python_flags=()
+  [[ "$quick" == 1 ]] && python_flags=(--elements $((16 << 20)) --repeats 3)
+  rm -f "$out/python_bench.json"
+  echo "bench.sh: python_bench (load average $(cut -d' ' -f1-3 /proc/loadavg))"
+  if ! PYTHONPATH="$build/python" "$python" "$repo_root/bench/python_bench.py" "${python_flags[@]}" \
+      --json "$out/python_bench.json" 2>&1 | tee "$out/python_bench.log"; then
+    failed+=(python_bench)
+  fi
+fi
+
 report_flags=(--command "$command_line" --build "$build")
 [[ "$quick" == 1 ]] && report_flags+=(--quick)
 /usr/bin/python3 "$repo_root/scripts/bench_report.py" "$out" "${report_flags[@]}"

@@ -359,6 +359,27 @@ def posthoc_section(rows, context):
                            "posthoc_size_sweep": [json_row(r) for r in sweep]}
 
 
+def python_section(path):
+    """bench/python_bench.py's rows: shardema.EMA from Python against the
+    peers a Python user would write, each beside the in-place limit."""
+    with open(path) as f:
+        data = json.load(f)
+    columns = [("dtype", lambda r: r["dtype"]), ("method", lambda r: r["method"]),
+               ("full update ms", lambda r: number(r["ms"])),
+               ("update() returns ms", lambda r: number(r["returns_ms"])),
+               ("GB/s", lambda r: number(r["gb_s"])),
+               ("of in-place", lambda r: fraction(r["fraction_of_inplace"])),
+               ("x fastest peer", lambda r: number(r["speedup_vs_fastest_peer"], 2))]
+    rows = data["rows"]
+    md = ["### From Python (`bench/python_bench.py`)", "",
+          f"{data['tensors']} tensors of mixed sizes, {size_text(data['elements'])} elements, "
+          f"fp32 EMA, torch {data['torch']}; in-place limit {number(data['inplace_gb_s'])} GB/s "
+          "(`a.add_(b)`, fp32). \"update() returns\" is what the training loop waits for; the "
+          "full update adds wait(). Targets: update() under 1 ms; a full update 1.5x the fastest "
+          "peer for fp32, 4x for bf16.", "", markdown_table(columns, rows)]
+    return "\n".join(md), {"python": data["rows"]}
+
+
 # ---------------------------------------------------------------- machine
 
 def machine(build_dir):
@@ -428,6 +449,11 @@ def main():
         tables.update(t)
     if not contexts:
         sys.exit(f"bench_report: no benchmark JSON in {args.outdir}")
+    python_json = os.path.join(args.outdir, "python_bench.json")
+    if os.path.exists(python_json):  # bench/python_bench.py: not Google Benchmark's format
+        md, t = python_section(python_json)
+        sections.append(md)
+        tables.update(t)
 
     first = contexts[next(iter(contexts))]
     date = first.get("date") or datetime.datetime.now(datetime.timezone.utc).isoformat()

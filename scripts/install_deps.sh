@@ -12,6 +12,8 @@ packages=(
   libgtest-dev libbenchmark-dev     # tests and benchmarks
   python3-torch python3-numpy       # interop tests (Debian's /usr/bin/python3)
   python3-xxhash                    # the tests' check of per-tensor checksums
+  pybind11-dev python3-dev          # the Python package (shardema._C)
+  python3-pytest                    # its tests
   clang libclang-rt-14-dev          # libFuzzer run in CI
 )
 

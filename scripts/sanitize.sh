@@ -11,7 +11,8 @@ build="$repo_root/build/sanitize-${kind//,/-}"
 # (30 s -> 17 s measured here), which is most of CI.
 configure "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSHARDEMA_SANITIZE="$kind" \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
-  -DSHARDEMA_BUILD_BENCHMARKS=OFF -DSHARDEMA_BUILD_EXAMPLES=OFF -DSHARDEMA_INSTALL=OFF
+  -DSHARDEMA_BUILD_BENCHMARKS=OFF -DSHARDEMA_BUILD_EXAMPLES=OFF -DSHARDEMA_INSTALL=OFF \
+  -DSHARDEMA_BUILD_PYTHON=OFF
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 # LibTorch keeps process-lifetime allocations LeakSanitizer would report.
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1

@@ -6,7 +6,13 @@
 #      must run there, not skip;
 #   3. runs gpu_check: the pinned-host EMA allocates no device memory
 #      (cudaMemGetInfo before/after), pinned D2H/H2D GB/s through the engine
-#      beside plain cudaMemcpy.
+#      beside plain cudaMemcpy;
+#   4. pip installs the Python package into that torch's environment and
+#      runs its pytest suites (README's FSDP2 and Lightning blocks included:
+#      a real fully_shard model on CPU over Gloo, 2 processes, and
+#      EMACallback in a Lightning Trainer), then bench/gpu/python_check.py
+#      (the CUDA copy engine under shardema.EMA, fully_shard on the GPU).
+#      SHARDEMA_GPU_PYTHON=0 skips it.
 # Usage: bash bench/gpu/run.sh        (a few minutes; exit 0 = all passed)
 # A bare machine without GoogleTest/nlohmann-json/Boost/xxhash: first run
 # bench/gpu/bundle_deps.sh on a Debian machine with scripts/install_deps.sh
@@ -92,6 +98,26 @@ done
 step "gpu_check"
 timeout 180 "$build/tree/gpu_check" 2>&1 | tee "$logs/gpu_check.log"
 [[ ${PIPESTATUS[0]} -eq 0 ]] || fail "gpu_check"
+
+if [[ "${SHARDEMA_GPU_PYTHON:-1}" == 1 ]]; then
+  step "python package (pip install --no-build-isolation)"
+  CMAKE_PREFIX_PATH="$prefix_path" CUDAToolkit_ROOT="$cuda_root" timeout 480 \
+    "$python" -m pip install --no-build-isolation --no-deps --no-index -v "$repo" \
+    >"$logs/pip_install.log" 2>&1 || fail "pip install"
+  tail -2 "$logs/pip_install.log"
+  if "$python" -c "import pytest" 2>/dev/null; then
+    step "python tests"
+    (cd "$repo/tests/python" && timeout 420 "$python" -m pytest -q -rs -p no:cacheprovider . \
+      >"$logs/python_tests.log" 2>&1) || fail "python tests"
+    grep -E "passed|failed|SKIPPED" "$logs/python_tests.log" | tail -8
+  else
+    echo "no pytest in $python: Python tests not run"
+  fi
+  step "python_check (CUDA engine and fully_shard on the GPU)"
+  (cd "$logs" && timeout 180 "$python" "$repo/bench/gpu/python_check.py") 2>&1 |
+    tee "$logs/python_check.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || fail "python_check"
+fi
 
 echo
 if ((${#failures[@]})); then

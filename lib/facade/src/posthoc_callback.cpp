@@ -156,7 +156,10 @@ std::string PostHocCallback::deployableFileName(const std::string& prefix, doubl
 }
 
 void PostHocCallback::onFitStart(torch::nn::Module& module) {
-  std::vector<TrackedTensor> full = trackModule(module, options_.policy);
+  onFitStart(trackModule(module, options_.policy));
+}
+
+void PostHocCallback::onFitStart(std::vector<TrackedTensor> full) {
   if (options_.placement == PostHocPlacement::kSharded) {
     // Every rank holds the whole replicated module but keeps the EMA of its
     // FSDP2 rows only; validation swaps the whole (gathered) EMA in.

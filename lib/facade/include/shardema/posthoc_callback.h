@@ -135,6 +135,10 @@ class PostHocCallback {
   /// (shardsFromFullTensors with kFsdp2). Then resumes from the snapshots
   /// at the calls queued by onLoadCheckpoint, if any.
   void onFitStart(torch::nn::Module& module);
+  /// As above, for a module known only by its tensors (a Python module):
+  /// every parameter and buffer with the role options.policy gives it, as
+  /// trackModule() returns them. The handles must outlive the callback.
+  void onFitStart(std::vector<TrackedTensor> moduleTensors);
   /// kSharded only: this rank's live local shards (every spec for
   /// ranks.worldSize; e.g. views of FSDP1 flat shards or FSDP2 locals).
   void onFitStart(std::vector<LocalShard> shards);

@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""The Python package on a GPU machine (run by bench/gpu/run.sh after pip
+install): the CUDA copy engine under shardema.EMA and a real fully_shard
+model on the GPU, each against a float64 recomputation of the EMA from the
+full weights of every step.
+
+    python_check.py            (one process; starts its own NCCL group of 1)
+"""
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+import shardema
+
+DECAY = 0.9
+STEPS = 6
+
+
+def model_on(device):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(96, 160), torch.nn.GELU(),
+                               torch.nn.Linear(160, 33)).to(device)
+
+
+def reference_step(ref, full, first):
+    for name, value in full.items():
+        v = value.detach().double().cpu()
+        ref[name] = v.clone() if first else ref[name] * DECAY + v * (1 - DECAY)
+
+
+def check(ema_full, ref, what):
+    worst = max((ema_full[k].double() - ref[k]).abs().max().item() for k in ref)
+    ok = worst < 1e-5
+    print(f"{what}: max |EMA - float64 reference| = {worst:.2e} {'ok' if ok else 'FAILED'}")
+    return ok
+
+
+def cuda_engine_check():
+    model = model_on("cuda")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ema = shardema.EMA(model, schedule=shardema.ConstantSchedule(DECAY), engine="cuda")
+    ref = {}
+    reference_step(ref, dict(model.named_parameters()), True)
+    for step in range(STEPS):
+        model(torch.randn(8, 96, device="cuda")).square().mean().backward()
+        ema.fence()
+        optimizer.step()
+        optimizer.zero_grad()
+        ema.update()
+        reference_step(ref, dict(model.named_parameters()), False)
+    ema.wait()
+    free_before = torch.cuda.mem_get_info()[0]
+    ok = check(ema.full_state_dict(), ref, "CUDA engine, pinned-host EMA")
+    with ema.swap(model):
+        ok &= torch.allclose(model[0].weight.double().cpu(), ref["0.weight"], atol=1e-5)
+    print(f"swap on the GPU model: {'ok' if ok else 'FAILED'}; device memory used by the EMA: "
+          f"{(free_before - torch.cuda.mem_get_info()[0]) / 2**20:.1f} MiB")
+    return ok
+
+
+def fsdp2_gpu_check():
+    from torch.distributed.fsdp import fully_shard
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    model = model_on("cuda")
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ema = shardema.EMA(model, schedule=shardema.ConstantSchedule(DECAY))
+    assert ema.layout == "fsdp2", ema.layout
+    ref = {}
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    reference_step(ref, full, True)
+    for step in range(STEPS):
+        model(torch.randn(8, 96, device="cuda")).square().mean().backward()
+        ema.fence()
+        optimizer.step()
+        optimizer.zero_grad()
+        ema.update()
+        reference_step(ref, {n: p.full_tensor() for n, p in model.named_parameters()}, False)
+    ema.wait()
+    ok = check(ema.full_state_dict(), ref, "FSDP2 on the GPU (NCCL, 1 rank)")
+    dist.destroy_process_group()
+    return ok
+
+
+def main():
+    if not torch.cuda.is_available():
+        print("python_check: no CUDA device")
+        return 2
+    print(f"torch {torch.__version__}, shardema built with {shardema._C.built_with_torch}")
+    ok = cuda_engine_check()
+    ok &= fsdp2_gpu_check()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Post-hoc EMA (Karras et al.): several power-function profiles updated
+together, snapshots on disk, any sigma_rel synthesized afterwards. The names
+follow ema-pytorch's PostHocEMA."""
+import os
+import tempfile
+from datetime import timedelta
+from typing import Any, Dict, Optional, Sequence, Union
+
+import torch
+
+from . import _C
+from ._model import _default_group, module_tensors, unwrap
+
+
+def read_safetensors(path: str) -> Dict[str, Any]:
+    """A safetensors file shardema wrote, validated (sizes, per-tensor
+    checksums): {"tensors": {name: tensor}, "metadata": {key: text}}."""
+    return _C.read_tensor_file(str(path))
+
+
+def synthesize(folder: str, sigma_rel: float, step: Optional[int] = None,
+               path: Optional[str] = None, dtype: torch.dtype = torch.float32,
+               normalize: bool = False, buffer_mib: int = 64) -> Union[str, Dict[str, torch.Tensor]]:
+    """Offline: the EMA of profile `sigma_rel` at `step` (default: the newest
+    snapshot) from a snapshot folder (rank-0 or sharded). Writes deployable
+    safetensors to `path` and returns it; without a path returns the tensors."""
+    def run(out: str) -> None:
+        _C.synthesize_folder(str(folder), out, float(sigma_rel), int(step or 0), bool(normalize),
+                             dtype, int(buffer_mib) << 20)
+
+    if path is not None:
+        run(str(path))
+        return str(path)
+    with tempfile.TemporaryDirectory(prefix="shardema-synth-") as tmp:
+        out = os.path.join(tmp, "synthesized.safetensors")
+        run(out)
+        return dict(read_safetensors(out)["tensors"])
+
+
+class PostHocEMA:
+    """Post-hoc EMA of a model: one power-function EMA per sigma_rel, updated
+    in one pass, snapshotted every checkpoint_every_num_steps updates into
+    checkpoint_folder. placement "rank0" (rank 0 keeps full EMAs, as under
+    DDP) or "sharded" (every rank its FSDP2-style rows).
+
+    update() after optimizer.step() (returns at once) and fence() before the
+    next one; synthesize(sigma_rel) for any profile afterwards.
+    """
+
+    def __init__(self, model: torch.nn.Module, sigma_rels: Sequence[float] = (0.05, 0.1),
+                 update_every: int = 1, checkpoint_every_num_steps: int = 1000,
+                 checkpoint_folder: str = "./post-hoc-ema-checkpoints",
+                 placement: str = "rank0", step_size_correction: bool = False, *,
+                 policy: str = "ema_pytorch", process_group: Any = None,
+                 output_dtype: torch.dtype = torch.float32,
+                 timeout: Union[float, timedelta] = 300.0) -> None:
+        model = unwrap(model)
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"PostHocEMA: model must be an nn.Module, got {type(model).__name__}")
+        group = process_group if process_group is not None else _default_group()
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        self.checkpoint_folder = str(checkpoint_folder)
+        self._engine = _C.PostHoc(
+            [float(s) for s in sigma_rels], int(update_every), int(checkpoint_every_num_steps),
+            self.checkpoint_folder, 0, float(sigma_rels[0]) if sigma_rels else 0.05,
+            bool(step_size_correction), placement, policy, "", "shardema_ema_final",
+            output_dtype, group, seconds)
+        tracked = module_tensors(model, policy)
+        self._engine.on_fit_start([(t.name, t.tensor) for t in tracked],
+                                  [t.role for t in tracked], [t.is_buffer for t in tracked])
+        self.sigma_rels = tuple(float(s) for s in sigma_rels)
+
+    def update(self) -> bool:
+        """One optimizer step; returns whether it was counted (always)."""
+        calls = self._engine.calls
+        return self._engine.on_train_batch_end(calls + 1, 0, 1, True)
+
+    def fence(self) -> None:
+        self._engine.fence()
+
+    def wait(self) -> None:
+        self._engine.wait()
+
+    @property
+    def step(self) -> int:
+        """Updates so far."""
+        return self._engine.calls
+
+    def synthesize(self, sigma_rel: float, step: Optional[int] = None, path: Optional[str] = None,
+                   dtype: torch.dtype = torch.float32) -> Union[str, Dict[str, torch.Tensor]]:
+        """The EMA of profile `sigma_rel` at `step` (default: the newest
+        snapshot) from this run's snapshots; see shardema.synthesize. Reads
+        the snapshot folder (every rank's, for the sharded placement)."""
+        self._engine.wait()
+        return synthesize(self.checkpoint_folder, sigma_rel, step=step, path=path, dtype=dtype)

@@ -1,0 +1,174 @@
+// PythonEma in Python (shardema._C.Ema): shardema.EMA builds the local
+// shards and holds one. Every call that waits, copies or communicates
+// releases the GIL.
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bindings.h"
+#include "dtype.h"
+#include "process_group.h"
+#include "python_ema.h"
+#include "shardema/offload/engine_choice.h"
+
+namespace py = pybind11;
+
+namespace shardema::python {
+namespace {
+
+using Release = py::call_guard<py::gil_scoped_release>;
+
+EmaPlacement parseEmaPlacement(const std::string& name) {
+  if (name == "pinned_host") return EmaPlacement::kPinnedHost;
+  if (name == "device") return EmaPlacement::kDevice;
+  TORCH_CHECK_VALUE(false, "placement must be 'pinned_host' or 'device', got '", name, "'");
+}
+
+offload::EngineChoice parseEngine(const std::string& name) {
+  if (name == "auto") return offload::EngineChoice::kAuto;
+  if (name == "host") return offload::EngineChoice::kHost;
+  if (name == "cuda") return offload::EngineChoice::kCuda;
+  TORCH_CHECK_VALUE(false, "engine must be 'auto', 'host' or 'cuda', got '", name, "'");
+}
+
+py::dict toPython(const RankState& state) {
+  py::dict tensors;
+  for (const auto& [name, tensor] : state.tensors) tensors[py::str(name)] = tensor;
+  py::dict metadata;
+  for (const auto& [key, value] : state.metadata) metadata[py::str(key)] = value;
+  py::dict out;
+  out["tensors"] = tensors;
+  out["metadata"] = metadata;
+  return out;
+}
+
+RankState fromPython(const py::dict& state) {
+  TORCH_CHECK_VALUE(state.contains("tensors") && state.contains("metadata"),
+                    "shardema.EMA.load_state_dict: expected a dict with 'tensors' and 'metadata' "
+                    "(what state_dict() returns)");
+  RankState out;
+  for (const auto& item : state["tensors"].cast<py::dict>()) {
+    out.tensors.emplace_back(item.first.cast<std::string>(), item.second.cast<at::Tensor>());
+  }
+  for (const auto& item : state["metadata"].cast<py::dict>()) {
+    out.metadata[item.first.cast<std::string>()] = item.second.cast<std::string>();
+  }
+  return out;
+}
+
+}  // namespace
+
+void bindEma(py::module_& m) {
+  py::class_<PythonEma>(m, "Ema", "The engine under shardema.EMA (one rank's shards)")
+      .def(py::init([](const py::object& group, double timeoutSeconds,
+                       std::vector<LocalShard> shards,
+                       const std::vector<std::pair<std::string, at::Tensor>>& wholeTensors,
+                       const DecaySchedule& schedule, std::vector<DecaySchedule> moreSchedules,
+                       bool copyOnFirstUpdate, const std::string& placement,
+                       int64_t chunkBytes, int numSlots, bool fenceInUpdate,
+                       const std::string& engine, std::string layoutName) {
+             AveragerOptions options;
+             options.schedule = schedule;
+             options.moreSchedules = std::move(moreSchedules);
+             options.copyOnFirstUpdate = copyOnFirstUpdate;
+             options.placement = parseEmaPlacement(placement);
+             options.offload.chunkBytes = chunkBytes;
+             options.offload.numSlots = numSlots;
+             options.offload.fenceInUpdate = fenceInUpdate;
+             options.offload.engine = parseEngine(engine);
+             std::vector<TrackedTensor> whole;
+             for (const auto& [name, tensor] : wholeTensors) whole.push_back({name, tensor});
+             auto comm = communicatorFor(group, timeoutSeconds);
+             py::gil_scoped_release release;
+             return std::make_unique<PythonEma>(std::move(comm), std::move(shards),
+                                                std::move(whole), std::move(options),
+                                                std::move(layoutName));
+           }),
+           py::arg("process_group"), py::arg("timeout_seconds"), py::arg("shards"),
+           py::arg("whole_tensors"), py::arg("schedule"), py::arg("more_schedules"),
+           py::arg("copy_on_first_update"), py::arg("placement"), py::arg("chunk_bytes"),
+           py::arg("num_slots"), py::arg("fence_in_update"), py::arg("engine"),
+           py::arg("layout"))
+      .def("update", &PythonEma::update, py::arg("step") = py::none(), Release())
+      .def("fence", &PythonEma::fence, Release())
+      .def("wait", &PythonEma::wait, Release())
+      .def_property_readonly("step", &PythonEma::step)
+      .def_property_readonly("decay", &PythonEma::decay)
+      .def_property_readonly("rank", &PythonEma::rank)
+      .def_property_readonly("world_size", &PythonEma::worldSize)
+      .def_property_readonly("layout", &PythonEma::layoutName)
+      .def_property_readonly("swapped", &PythonEma::swapped)
+      .def("names", [](const PythonEma& e) { return e.averager().averager().names(); })
+      .def(
+          "local_ema",
+          [](const PythonEma& e) {
+            py::gil_scoped_release release;
+            std::vector<std::pair<std::string, at::Tensor>> out;
+            const auto pieces = e.averager().localEmaPieces();
+            const auto& specs = e.averager().layout().specs;
+            for (size_t i = 0; i < pieces.size(); ++i) {
+              out.emplace_back(specs[i].name, pieces[i].clone());
+            }
+            return out;
+          },
+          "This rank's EMA pieces (1-D clones, layout order)")
+      .def(
+          "ema",
+          [](const PythonEma& e, const std::string& name, int profile) {
+            py::gil_scoped_release release;
+            return e.averager().averager().ema(name, profile).clone();
+          },
+          py::arg("name"), py::arg("profile") = 0, "One tensor's EMA in local shape (a clone)")
+      .def(
+          "load_full_values",
+          [](PythonEma& e, const std::vector<std::pair<std::string, at::Tensor>>& full) {
+            py::gil_scoped_release release;
+            e.loadFullValues(full);
+          },
+          py::arg("full"))
+      .def("copy_to", &PythonEma::copyTo, Release())
+      .def("swap_in", &PythonEma::swapIn, Release())
+      .def("swap_out", &PythonEma::swapOut, Release())
+      .def("state_dict",
+           [](const PythonEma& e) {
+             RankState state;
+             {
+               py::gil_scoped_release release;
+               state = e.stateDict();
+             }
+             return toPython(state);
+           })
+      .def(
+          "load_state_dict",
+          [](PythonEma& e, const py::dict& state) {
+            RankState native = fromPython(state);
+            py::gil_scoped_release release;
+            e.loadStateDict(native);
+          },
+          py::arg("state"))
+      .def("save", &PythonEma::save, py::arg("folder"), Release())
+      .def("load", &PythonEma::load, py::arg("folder"), Release())
+      .def(
+          "export",
+          [](PythonEma& e, const std::string& path, py::handle dtype) {
+            const c10::ScalarType type = scalarTypeOf(dtype, "export: dtype");
+            py::gil_scoped_release release;
+            e.exportTo(path, type);
+          },
+          py::arg("path"), py::arg("dtype"))
+      .def("full_state_dict", &PythonEma::fullStateDict, py::arg("rank0_only"), Release())
+      .def("offload_stats", [](const PythonEma& e) {
+        const auto stats = e.averager().averager().offloadStats();
+        py::dict out;
+        out["updates"] = stats.updates;
+        out["fence_wait_seconds"] = stats.fenceWaitSeconds;
+        return out;
+      });
+}
+
+}  // namespace shardema::python

@@ -1,0 +1,13 @@
+#pragma once
+// The parts of shardema._C, one function per concept (module.cpp calls
+// them in order). Python names are snake_case; the C++ ones stay camelCase.
+#include <pybind11/pybind11.h>
+
+namespace shardema::python {
+
+void bindSchedules(pybind11::module_& m);  // DecaySchedule and its factories
+void bindShards(pybind11::module_& m);     // roles, local shards, FSDP1 layouts
+void bindEma(pybind11::module_& m);        // PythonEma
+void bindPostHoc(pybind11::module_& m);    // post-hoc callback, synthesis, files
+
+}  // namespace shardema::python

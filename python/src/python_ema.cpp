@@ -1,0 +1,173 @@
+#include "python_ema.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <string>
+#include <utility>
+
+#include "shardema/detail/file_metadata.h"
+#include "shardema/shard/agreement.h"
+#include "shardema/sharded_checkpoint.h"
+
+namespace shardema::python {
+namespace {
+
+constexpr const char* kApi = "shardema.EMA";
+
+std::string toString(int64_t value) { return std::to_string(value); }
+
+// The value of `key` in a state's metadata; ValueError naming it if absent.
+const std::string& metadataValue(const RankState& state, const char* key) {
+  auto it = state.metadata.find(key);
+  TORCH_CHECK_VALUE(it != state.metadata.end(), kApi, ".load_state_dict: the state has no '", key,
+                    "' (not a state_dict() of shardema.EMA)");
+  return it->second;
+}
+
+}  // namespace
+
+PythonEma::PythonEma(std::unique_ptr<shard::Communicator> comm, std::vector<LocalShard> shards,
+                     std::vector<TrackedTensor> wholeTensors, AveragerOptions options,
+                     std::string layoutName)
+    : comm_(std::move(comm)),
+      wholeTensors_(std::move(wholeTensors)),
+      layoutName_(std::move(layoutName)) {
+  averager_ = std::make_unique<ShardedAverager>(comm_->rank(), comm_->worldSize(),
+                                                std::move(shards), std::move(options));
+}
+
+PythonEma::~PythonEma() = default;
+
+bool PythonEma::update(std::optional<int64_t> step) {
+  return averager_->update(step ? *step : averager_->step() + 1);
+}
+
+void PythonEma::writeEmaIntoModel() {
+  averager_->averager().copyEmaToSources();
+  if (wholeTensors_.empty()) return;
+  // A replicated model: each rank averaged its rows, every rank needs all.
+  shard::GatherOptions options;
+  options.root = -1;
+  std::map<std::string, at::Tensor> full;
+  for (auto& [name, tensor] : averager_->gatherFull(*comm_, options)) full[name] = tensor;
+  at::NoGradGuard noGrad;
+  for (const TrackedTensor& whole : wholeTensors_) {
+    auto it = full.find(whole.name);
+    TORCH_CHECK(it != full.end(), kApi, ": no gathered EMA for '", whole.name, "'");
+    whole.source.copy_(it->second.view(whole.source.sizes()));
+  }
+}
+
+void PythonEma::copyTo() {
+  TORCH_CHECK(!swapped(), kApi, ".copy_to: the EMA is swapped in; leave swap() first");
+  writeEmaIntoModel();
+}
+
+void PythonEma::swapIn() {
+  TORCH_CHECK(!swapped(), kApi, ".swap: already swapped in (swap() does not nest)");
+  averager_->wait();
+  std::vector<at::Tensor> raw;
+  for (const LocalShard& s : averager_->shards()) raw.push_back(s.local.detach().clone());
+  for (const TrackedTensor& t : wholeTensors_) raw.push_back(t.source.detach().clone());
+  writeEmaIntoModel();
+  raw_ = std::move(raw);
+}
+
+void PythonEma::swapOut() {
+  if (!swapped()) return;
+  at::NoGradGuard noGrad;
+  const auto& shards = averager_->shards();
+  for (size_t i = 0; i < shards.size(); ++i) shards[i].local.copy_(raw_[i]);
+  for (size_t i = 0; i < wholeTensors_.size(); ++i) {
+    wholeTensors_[i].source.copy_(raw_[shards.size() + i]);
+  }
+  raw_.clear();
+}
+
+LoadReport PythonEma::loadFullValues(
+    const std::vector<std::pair<std::string, at::Tensor>>& full) {
+  std::map<std::string, const at::Tensor*> byName;
+  for (const auto& entry : full) byName[entry.first] = &entry.second;
+  std::vector<std::pair<std::string, at::Tensor>> pieces;
+  for (const LocalShard& s : averager_->shards()) {
+    auto it = byName.find(s.spec.name);
+    if (it == byName.end()) continue;
+    const at::Tensor& tensor = *it->second;
+    TORCH_CHECK_VALUE(tensor.numel() == s.spec.numel(), kApi, ": '", s.spec.name, "' has ",
+                      tensor.numel(), " elements, the tracked tensor ", s.spec.numel());
+    const shard::ElementRange range = s.spec.rangeOf(rank());
+    at::Tensor piece = tensor.detach().reshape({-1}).slice(0, range.begin, range.end);
+    pieces.emplace_back(s.spec.name, piece.reshape(s.local.sizes()));
+  }
+  return averager_->averager().loadEmaValues(pieces, LoadStrictness::kNonStrict);
+}
+
+RankState PythonEma::stateDict() const {
+  TensorFile file = averager_->averager().state();
+  RankState state;
+  for (auto& [name, tensor] : file.tensors) state.tensors.emplace_back(name, tensor.clone());
+  state.metadata = std::move(file.metadata);
+  state.metadata[detail::kRankKey] = toString(rank());
+  state.metadata[detail::kWorldSizeKey] = toString(worldSize());
+  state.metadata[detail::kLayoutFingerprintKey] = averager_->layout().fingerprint();
+  return state;
+}
+
+void PythonEma::loadStateDict(const RankState& state) {
+  const std::string& rank = metadataValue(state, detail::kRankKey);
+  const std::string& world = metadataValue(state, detail::kWorldSizeKey);
+  const std::string& fingerprint = metadataValue(state, detail::kLayoutFingerprintKey);
+  TORCH_CHECK_VALUE(rank == toString(this->rank()) && world == toString(worldSize()), kApi,
+                    ".load_state_dict: the state is rank ", rank, " of ", world,
+                    " but this is rank ", this->rank(), " of ", worldSize(),
+                    "; use save()/load() with `shardema reshard` to change world size");
+  TORCH_CHECK_VALUE(fingerprint == averager_->layout().fingerprint(), kApi,
+                    ".load_state_dict: the state's layout (fingerprint ", fingerprint,
+                    ") is not this EMA's: ", averager_->layout().describe());
+  TensorFile file;
+  file.tensors = state.tensors;
+  file.metadata = state.metadata;
+  averager_->averager().loadState(file, LoadStrictness::kStrict);
+}
+
+void PythonEma::save(const std::string& folder) {
+  saveShardedCheckpoint(*comm_, folder, *averager_);
+}
+
+void PythonEma::load(const std::string& folder) {
+  // Keep what we have, so that a rank that loaded can go back when another
+  // rank failed: a collective load changes all ranks or none.
+  TensorFile before = averager_->averager().state();
+  for (auto& entry : before.tensors) entry.second = entry.second.clone();
+  std::string error;
+  try {
+    loadRankState(folder, *averager_);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  shard::AgreementRequest request;
+  request.api = "shardema.EMA.load";
+  request.consequence = "no rank changed its EMA";
+  request.localError = error;
+  request.failureIsValueError = true;
+  try {
+    shard::agreeAcrossRanks(*comm_, request);
+  } catch (...) {
+    if (error.empty()) averager_->averager().loadState(before, LoadStrictness::kStrict);
+    throw;
+  }
+}
+
+void PythonEma::exportTo(const std::string& path, c10::ScalarType dtype) {
+  averager_->exportFull(*comm_, path, dtype);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> PythonEma::fullStateDict(bool rank0Only) {
+  shard::GatherOptions options;
+  options.root = rank0Only ? 0 : -1;
+  return averager_->gatherFull(*comm_, options);
+}
+
+}  // namespace shardema::python

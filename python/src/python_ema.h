@@ -1,0 +1,92 @@
+#pragma once
+// PythonEma: what shardema.EMA holds. A ShardedAverager over this rank's
+// local shards plus the communicator of the job, and the few things a
+// Python training loop asks of them together: update by call count, swap
+// the EMA into the model and back, resume state as plain tensors, the
+// collective save / load / export / gather. No math here: every figure
+// comes from the Averager and the shard/ collectives.
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "shardema/shard/communicator.h"
+#include "shardema/sharded_averager.h"
+
+namespace shardema::python {
+
+/// Resume state of one rank: its EMA tensors (local shapes, clones) and the
+/// Averager's metadata (step, schedule, roles...) plus the rank, world size
+/// and layout fingerprint it belongs to.
+struct RankState {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  std::map<std::string, std::string> metadata;
+};
+
+class PythonEma {
+ public:
+  /// `wholeTensors` are the full tensors of a replicated model whose EMA is
+  /// split over ranks (layout "replicated" with more than one rank): the
+  /// swap writes the gathered EMA into them. Empty otherwise: the swap
+  /// writes each rank's local shards.
+  PythonEma(std::unique_ptr<shard::Communicator> comm, std::vector<LocalShard> shards,
+            std::vector<TrackedTensor> wholeTensors, AveragerOptions options,
+            std::string layoutName);
+  ~PythonEma();
+
+  /// step: the 1-based optimizer step; nullopt counts calls (step() + 1).
+  bool update(std::optional<int64_t> step);
+  void fence() { averager_->fence(); }
+  void wait() { averager_->wait(); }
+  int64_t step() const { return averager_->step(); }
+  double decay() const { return averager_->averager().lastDecay(); }
+  int64_t rank() const { return averager_->rank(); }
+  int64_t worldSize() const { return averager_->worldSize(); }
+  const std::string& layoutName() const { return layoutName_; }
+  const ShardedAverager& averager() const { return *averager_; }
+
+  /// The EMA into the model (local shards, and whole tensors when
+  /// replicated; collective then); swapIn keeps the raw values to put back
+  /// with swapOut. swapIn while swapped is an error.
+  void copyTo();
+  void swapIn();
+  void swapOut();
+  bool swapped() const { return !raw_.empty(); }
+
+  /// Loads full tensors (global names and shapes, e.g. a checkpoint's
+  /// state dict) into this rank's EMA: each shard takes its range. Names
+  /// not tracked are ignored, tracked ones missing keep their EMA.
+  LoadReport loadFullValues(const std::vector<std::pair<std::string, at::Tensor>>& full);
+
+  RankState stateDict() const;
+  /// Checks rank, world size and layout before anything changes.
+  void loadStateDict(const RankState& state);
+
+  /// Collective: the per-rank checkpoint folder (with its manifest).
+  void save(const std::string& folder);
+  /// Collective: every rank loads its file; if one fails, all fail and
+  /// none changed.
+  void load(const std::string& folder);
+  /// Collective: rank 0 streams deployable safetensors to `path`.
+  void exportTo(const std::string& path, c10::ScalarType dtype);
+  /// Collective: full EMA tensors on rank 0 (rank0Only) or every rank;
+  /// an empty list on the others.
+  std::vector<std::pair<std::string, at::Tensor>> fullStateDict(bool rank0Only);
+
+ private:
+  void writeEmaIntoModel();
+  std::unique_ptr<shard::Communicator> comm_;
+  std::unique_ptr<ShardedAverager> averager_;
+  std::vector<TrackedTensor> wholeTensors_;
+  std::string layoutName_;
+  // The raw values during a swap: local shards first, then whole tensors.
+  std::vector<at::Tensor> raw_;
+};
+
+}  // namespace shardema::python

@@ -1,0 +1,46 @@
+"""A minimal stand-in for torch 2.x's DTensor with exactly the attributes
+shardema reads (to_local / _local_tensor, placements, device_mesh, shape,
+dtype, requires_grad). torch 1.13 here has no DTensor; the real one is
+checked by bench/gpu/run.sh on a machine with torch 2.x."""
+import torch
+
+
+class Shard:
+    def __init__(self, dim):
+        self.dim = dim
+
+    def is_shard(self, dim=None):
+        return dim is None or dim == self.dim
+
+    def __repr__(self):
+        return f"Shard(dim={self.dim})"
+
+
+class Replicate:
+    def is_shard(self, dim=None):
+        return False
+
+    def __repr__(self):
+        return "Replicate()"
+
+
+class Mesh:
+    def __init__(self, ndim=1, group=None):
+        self.ndim = ndim
+        self._group = group
+
+    def get_group(self):
+        return self._group
+
+
+class StandInDTensor:
+    def __init__(self, local, global_shape, placements=(Shard(0),), mesh=None):
+        self._local_tensor = local
+        self.shape = torch.Size(global_shape)
+        self.dtype = local.dtype
+        self.placements = tuple(placements)
+        self.device_mesh = mesh or Mesh()
+        self.requires_grad = True
+
+    def to_local(self):
+        return self._local_tensor

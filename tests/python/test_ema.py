@@ -1,0 +1,273 @@
+"""shardema.EMA in one process: values against a float64 recomputation,
+the swap, resume state, the checkpoint folder and export, and the errors a
+user gets for bad input."""
+import os
+
+import pytest
+import torch
+
+import shardema
+
+
+def make_model(dtype=torch.float32):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
+                                torch.nn.Linear(16, 4))
+    return model.to(dtype)
+
+
+def train_step(model, step):
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.add_(torch.sin(torch.arange(p.numel(), dtype=torch.float64) * 0.1 * (step + i))
+                   .reshape(p.shape).to(p.dtype))
+
+
+def reference_ema(model_states, schedule, policy_average):
+    """float64 EMA of a sequence of state dicts (the initial one first); the
+    first due update copies (copy_on_first_update)."""
+    ema = {k: v.double().clone() for k, v in model_states[0].items()}
+    for step, state in enumerate(model_states[1:], start=1):
+        decay = schedule.decay_at(step) if step > 1 else 0.0
+        for k, v in state.items():
+            if policy_average(k):
+                ema[k] = ema[k] * decay + v.double() * (1 - decay)
+            else:
+                ema[k] = v.double().clone()
+    return ema
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ema_matches_float64_recomputation(dtype):
+    model = make_model(dtype)
+    schedule = shardema.ConstantSchedule(0.9)
+    ema = shardema.EMA(model, schedule=schedule, policy="ema_pytorch", chunk_mib=0.001)
+    states = [{k: v.clone() for k, v in model.state_dict().items()}]
+    for step in range(1, 8):
+        ema.fence()  # before the optimizer step
+        train_step(model, step)
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+        assert ema.update() is True
+    ema.wait()
+    assert ema.step == 7 and ema.decay == pytest.approx(0.9)
+    expected = reference_ema(states, schedule, lambda k: "num_batches" not in k)
+    got = ema.full_state_dict()
+    assert list(got) == list(model.state_dict())
+    for name, value in got.items():
+        if name.endswith("num_batches_tracked"):
+            assert value.dtype == torch.int64  # copied once, ema_pytorch policy
+            continue
+        assert value.dtype == torch.float32
+        torch.testing.assert_close(value.double(), expected[name], rtol=1e-6, atol=1e-6)
+
+
+def test_versatil_policy_copies_buffers_batchnorm_and_frozen():
+    model = make_model()
+    model[2].weight.requires_grad_(False)
+    ema = shardema.EMA(model, schedule=shardema.ConstantSchedule(0.5))
+    for step in range(1, 4):
+        ema.fence()
+        train_step(model, step)
+        ema.update()
+    ema.wait()
+    got = ema.full_state_dict()
+    live = model.state_dict()
+    for copied in ("1.weight", "1.bias", "1.running_mean", "2.weight"):
+        assert torch.equal(got[copied].to(live[copied].dtype), live[copied]), copied
+    assert not torch.equal(got["0.weight"], live["0.weight"])  # averaged
+
+
+def test_swap_puts_ema_in_and_raw_back_even_on_error():
+    model = make_model()
+    ema = shardema.EMA(model, schedule=shardema.ConstantSchedule(0.5))
+    ema.update()
+    ema.fence()
+    train_step(model, 1)
+    ema.update()
+    ema.wait()
+    raw = {k: v.clone() for k, v in model.state_dict().items()}
+    averaged = ema.full_state_dict()
+    with ema.swap(model):
+        torch.testing.assert_close(model[0].weight.detach(), averaged["0.weight"])
+    assert all(torch.equal(raw[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(KeyError):
+        with ema.swap():
+            raise KeyError("validation failed")
+    assert all(torch.equal(raw[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="another model"):
+        with ema.swap(make_model()):
+            pass
+
+
+def test_state_dict_round_trip_through_torch_save(tmp_path):
+    model = make_model()
+    ema = shardema.EMA(model, schedule=shardema.WarmupSchedule())
+    for step in range(1, 4):
+        ema.fence()
+        train_step(model, step)
+        ema.update(step)
+    state = ema.state_dict()
+    torch.save(state, tmp_path / "ema.pt")
+    other = shardema.EMA(make_model(), schedule=shardema.WarmupSchedule())
+    other.load_state_dict(torch.load(tmp_path / "ema.pt"))
+    assert other.step == 3
+    a, b = ema.full_state_dict(), other.full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="schedule"):
+        shardema.EMA(make_model(), schedule=shardema.ConstantSchedule(0.5)).load_state_dict(state)
+
+
+def test_save_load_export_agree_with_full_state_dict(tmp_path):
+    model = make_model()
+    ema = shardema.EMA(model, schedule=shardema.ConstantSchedule(0.7))
+    for step in range(1, 4):
+        ema.fence()
+        train_step(model, step)
+        ema.update()
+    folder = str(tmp_path / "ckpt")
+    ema.save(folder)
+    assert os.path.exists(os.path.join(folder, "manifest.json"))
+    path = str(tmp_path / "ema.safetensors")
+    ema.export(path)
+    exported = shardema.read_safetensors(path)
+    full = ema.full_state_dict()
+    assert list(exported["tensors"]) == list(full)
+    assert all(torch.equal(exported["tensors"][k], full[k]) for k in full)
+    assert exported["metadata"]["shardema.kind"] == "deployable_weights"
+    exported_bf16 = str(tmp_path / "ema_bf16.safetensors")
+    ema.export(exported_bf16, dtype=torch.bfloat16)
+    assert shardema.read_safetensors(exported_bf16)["tensors"]["0.weight"].dtype == torch.bfloat16
+
+    resumed = shardema.EMA(make_model(), schedule=shardema.ConstantSchedule(0.7))
+    resumed.load(folder)
+    assert resumed.step == 3
+    again = resumed.full_state_dict()
+    assert all(torch.equal(again[k], full[k]) for k in full)
+
+
+def test_load_of_another_layout_is_a_value_error_and_changes_nothing(tmp_path):
+    ema = shardema.EMA(make_model(), schedule=shardema.ConstantSchedule(0.7))
+    ema.save(str(tmp_path / "ckpt"))
+    small = torch.nn.Linear(3, 3)
+    other = shardema.EMA(small, schedule=shardema.ConstantSchedule(0.7))
+    before = other.full_state_dict()
+    with pytest.raises(ValueError, match="layout"):
+        other.load(str(tmp_path / "ckpt"))
+    after = other.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_named_tensors_and_device_placement():
+    a = torch.nn.Parameter(torch.ones(5))
+    ema = shardema.EMA({"a": a}, schedule=shardema.ConstantSchedule(0.5), placement="device")
+    with torch.no_grad():
+        a.fill_(3.0)
+    ema.update()
+    with torch.no_grad():
+        a.fill_(5.0)
+    ema.update()
+    assert torch.equal(ema.full_state_dict()["a"], torch.full((5,), 4.0))
+
+
+# --- misuse ---------------------------------------------------------------
+def test_float64_parameter_is_refused_naming_it():
+    model = torch.nn.Linear(2, 2).double()
+    with pytest.raises((ValueError, TypeError), match="weight"):
+        shardema.EMA(model)
+
+
+def test_non_increasing_step_is_a_value_error():
+    ema = shardema.EMA(torch.nn.Linear(2, 2))
+    ema.update(5)
+    ema.fence()
+    with pytest.raises(ValueError, match="increase"):
+        ema.update(5)
+
+
+def test_forgotten_fence_is_an_error_not_a_wrong_ema():
+    ema = shardema.EMA(torch.nn.Linear(2, 2))
+    ema.update()
+    with pytest.raises(RuntimeError, match="fence"):
+        ema.update()
+
+
+def test_bad_arguments_name_the_parameter():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="layout"):
+        shardema.EMA(model, layout="hsdp")
+    with pytest.raises(ValueError, match="placement"):
+        shardema.EMA(model, placement="gpu")
+    with pytest.raises(ValueError, match="policy"):
+        shardema.EMA(model, policy="timm")
+    with pytest.raises(TypeError, match="schedule"):
+        shardema.EMA(model, schedule=0.999)
+    with pytest.raises(TypeError, match="model_or_named_tensors"):
+        shardema.EMA(3)
+    with pytest.raises(RuntimeError, match="torch.distributed group"):
+        shardema.EMA(model, layout="replicated")
+    with pytest.raises(ValueError, match="fsdp2"):
+        shardema.EMA(model, layout="fsdp2")
+    with pytest.raises(TypeError, match="dtype"):
+        shardema.EMA(model).export("/tmp/never.safetensors", dtype="bf16")
+
+
+def test_attach_on_torch_without_step_hooks_says_what_to_do():
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ema = shardema.EMA(model)
+    if hasattr(optimizer, "register_step_pre_hook"):
+        ema.attach(optimizer)
+        optimizer.step()
+        assert ema.step == 1
+    else:
+        with pytest.raises(RuntimeError, match="fence"):
+            ema.attach(optimizer)
+
+
+def test_load_state_dict_of_garbage_is_a_clear_error():
+    ema = shardema.EMA(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError):
+        ema.load_state_dict([1, 2])
+    with pytest.raises(ValueError, match="tensors"):
+        ema.load_state_dict({"x": 1})
+
+
+def test_calls_that_wait_release_the_gil(tmp_path):
+    """Another Python thread runs while update/wait/save/export block."""
+    import threading
+    import time
+    big = torch.nn.Parameter(torch.randn(8 << 20))
+    ema = shardema.EMA({"big": big}, schedule=shardema.ConstantSchedule(0.9))
+    ticks = [0]
+    stop = threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=tick)
+    thread.start()
+    try:
+        for call in (lambda: ema.save(str(tmp_path / "ckpt")),
+                     lambda: ema.export(str(tmp_path / "ema.safetensors")),
+                     lambda: ema.full_state_dict()):
+            before = ticks[0]
+            start = time.perf_counter()
+            call()
+            elapsed = time.perf_counter() - start
+            if elapsed > 0.02:  # long enough for the other thread to run
+                assert ticks[0] - before >= 3, f"{ticks[0] - before} ticks in {elapsed:.3f} s"
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_a_torch_other_than_the_one_built_against_is_an_import_error():
+    import subprocess
+    import sys
+    code = ("import torch; torch.__version__ = '0.0.1'\n"
+            "try:\n    import shardema\nexcept ImportError as e:\n    print('IMPORT ERROR:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "IMPORT ERROR" in out.stdout, out.stdout + out.stderr
+    assert "built against torch" in out.stdout and "0.0.1" in out.stdout

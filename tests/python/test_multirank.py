@@ -1,0 +1,129 @@
+"""shardema.EMA over W = 1, 2, 3 processes on Gloo (loopback), each started
+here with a timeout: a replicated (DDP) model and FSDP2-style local rows.
+The union of the ranks' EMAs equals the single-process EMA bit for bit."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import shardema
+from conftest import python_for_workers
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import multirank_worker as worker  # noqa: E402
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario, world, out, timeout=120, env=None):
+    """Starts `world` ranks; returns their exit codes and error texts."""
+    port = free_port()
+    environment = dict(os.environ, **(env or {}))
+    procs = [subprocess.Popen([python_for_workers(), os.path.join(HERE, "multirank_worker.py"),
+                               scenario, str(r), str(world), str(port), str(out)],
+                              env=environment) for r in range(world)]
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"{scenario} on {world} ranks hung past {timeout} s")
+    errors = {}
+    for r in range(world):
+        path = os.path.join(out, f"error{r}.txt")
+        if os.path.exists(path):
+            errors[r] = open(path).read()
+    return codes, errors
+
+
+def single_process_ema():
+    model = worker.make_model()
+    ema = shardema.EMA(model, schedule=worker.schedule())
+    for step in range(1, worker.STEPS + 1):
+        ema.fence()
+        worker.train_step(model, step)
+        ema.update()
+    ema.wait()
+    return ema.full_state_dict()
+
+
+def assert_union_is(full, locals_by_rank, world):
+    for name, tensor in full.items():
+        pieces = [locals_by_rank[r][name].reshape(-1) for r in range(world)]
+        assert torch.equal(torch.cat(pieces), tensor.reshape(-1)), name
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_replicated_model_union_equals_single_process(world, tmp_path):
+    codes, errors = launch("replicated", world, tmp_path)
+    assert codes == [0] * world, errors
+    expected = single_process_ema()
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    assert_union_is(expected, [r["local"] for r in results], world)
+    exported = shardema.read_safetensors(str(tmp_path / "export.safetensors"))["tensors"]
+    for r, result in enumerate(results):
+        for name, tensor in expected.items():
+            assert torch.equal(result["full_all"][name], tensor), (r, name)
+            # the swap put the gathered EMA into every rank's whole model
+            assert torch.equal(result["swapped"][name].to(tensor.dtype), tensor), (r, name)
+        assert (result["full_rank0"] == {}) == (r != 0)
+    assert list(exported) == list(expected)
+    assert all(torch.equal(exported[k], results[0]["full_rank0"][k]) for k in expected)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_fsdp2_rows_union_equals_single_process(world, tmp_path):
+    codes, errors = launch("rows", world, tmp_path)
+    assert codes == [0] * world, errors
+    expected = single_process_ema()
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    assert_union_is(expected, [r["local"] for r in results], world)
+    assert all(torch.equal(results[0]["full"][k], v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dtensor_parameters_union_equals_single_process(world, tmp_path):
+    codes, errors = launch("dtensor", world, tmp_path)
+    assert codes == [0] * world, errors
+    expected = single_process_ema()
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    # buffers are replicated (rows of the whole), parameters fsdp2 rows:
+    # both split dim 0 the same way, so the union is the full EMA.
+    assert_union_is(expected, [r["local"] for r in results], world)
+    assert all(torch.equal(results[0]["full"][k], v) for k, v in expected.items())
+
+
+def test_checkpoint_of_three_ranks_on_two_points_to_reshard(tmp_path):
+    codes, errors = launch("rows_save", 3, tmp_path)
+    assert codes == [0] * 3, errors
+    load_dir = tmp_path / "load"
+    load_dir.mkdir()
+    codes, errors = launch("rows_load", 2, load_dir,
+                           env={"SHARDEMA_TEST_CHECKPOINT": str(tmp_path / "ckpt")})
+    assert codes == [3, 3]
+    for r in (0, 1):
+        assert errors[r].startswith("ValueError"), errors[r]
+        assert "reshard" in errors[r], errors[r]
+
+
+def test_rank_that_raises_before_a_collective_fails_the_others_in_time(tmp_path):
+    start = time.monotonic()
+    codes, errors = launch("rank_raises", 3, tmp_path, timeout=90)
+    assert codes == [3, 3, 3], errors
+    assert "rank 1 fails" in errors[1]
+    for r in (0, 2):
+        assert errors[r].startswith("RuntimeError"), errors[r]
+    assert time.monotonic() - start < 90
+    assert not os.path.exists(tmp_path / "ckpt" / "manifest.json")
