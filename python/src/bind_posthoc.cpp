@@ -14,7 +14,7 @@
 #include "dtype.h"
 #include "process_group.h"
 #include "shardema/posthoc_callback.h"
-#include "shardema/posthoc_folder_synthesis.h"
+#include "shardema/synthesis.h"
 #include "shardema/tensor_file.h"
 
 namespace py = pybind11;
@@ -157,7 +157,7 @@ void bindPostHoc(py::module_& m) {
       "synthesize_folder",
       [](const std::string& folder, const std::string& path, double sigmaRel, int64_t step,
          bool normalize, py::handle dtype, int64_t bufferBytes) {
-        FolderSynthesisOptions o;
+        SnapshotSynthesisOptions o;
         o.sigmaRel = sigmaRel;
         o.step = step;
         o.normalize = normalize;

@@ -133,7 +133,7 @@ void PythonEma::loadStateDict(const RankState& state) {
 }
 
 void PythonEma::save(const std::string& folder) {
-  saveShardedCheckpoint(*comm_, folder, *averager_);
+  saveCheckpoint(*comm_, folder, *averager_);
 }
 
 void PythonEma::load(const std::string& folder) {
@@ -143,7 +143,7 @@ void PythonEma::load(const std::string& folder) {
   for (auto& entry : before.tensors) entry.second = entry.second.clone();
   std::string error;
   try {
-    loadRankState(folder, *averager_);
+    loadCheckpoint(folder, *averager_);
   } catch (const std::exception& e) {
     error = e.what();
   }

@@ -217,6 +217,7 @@ TEST(AveragerMisuseTest, EveryCallOnAMovedFromAveragerSaysSo) {
   EXPECT_FALSE(std::filesystem::exists(dir.file("moved.safetensors")));
   taken.update(2);  // the new owner goes on
   taken.wait();
+}
 
 // Check (c), direct path: the worker checks a chunk's sources before its
 // math (the only worker is held until the write is done, so the write
