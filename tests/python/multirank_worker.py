@@ -63,6 +63,20 @@ def copy_rows(model, locals_, rank, world):
         locals_[name].copy_(local_rows(tensor, rank, world))
 
 
+def train_rows(ema, model, locals_, rank, world, out):
+    """STEPS steps of the whole model, each rank's rows copied into its
+    local shards (what the sharded optimizer would write), then this rank's
+    results saved for the test."""
+    for step in range(1, STEPS + 1):
+        ema.fence()
+        train_step(model, step)
+        copy_rows(model, locals_, rank, world)
+        ema.update()
+    ema.wait()
+    torch.save({"local": ema.local_state(), "full": ema.full_state_dict()},
+               os.path.join(out, f"rank{rank}.pt"))
+
+
 def run(scenario, rank, world, out):
     model = make_model()
     if scenario == "replicated":
@@ -83,14 +97,7 @@ def run(scenario, rank, world, out):
     elif scenario in ("rows", "rows_save"):
         shards, locals_ = fsdp2_rows(model, rank, world)
         ema = shardema.EMA.from_local_shards(shards, schedule=schedule(), timeout=60)
-        for step in range(1, STEPS + 1):
-            ema.fence()
-            train_step(model, step)
-            copy_rows(model, locals_, rank, world)
-            ema.update()
-        ema.wait()
-        torch.save({"local": ema.local_state(), "full": ema.full_state_dict()},
-                   os.path.join(out, f"rank{rank}.pt"))
+        train_rows(ema, model, locals_, rank, world, out)
         if scenario == "rows_save":
             ema.save(os.path.join(out, "ckpt"))
     elif scenario == "dtensor":
@@ -108,14 +115,7 @@ def run(scenario, rank, world, out):
                                                           mesh=mesh)
         ema = shardema.EMA(sharded, schedule=schedule(), policy="versatil", timeout=60)
         assert ema.layout == "fsdp2"
-        for step in range(1, STEPS + 1):
-            ema.fence()
-            train_step(model, step)
-            copy_rows(model, locals_, rank, world)
-            ema.update()
-        ema.wait()
-        torch.save({"local": ema.local_state(), "full": ema.full_state_dict()},
-                   os.path.join(out, f"rank{rank}.pt"))
+        train_rows(ema, model, locals_, rank, world, out)
     elif scenario == "rows_load":
         shards, _ = fsdp2_rows(model, rank, world)
         ema = shardema.EMA.from_local_shards(shards, schedule=schedule(), timeout=60)

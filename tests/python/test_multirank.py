@@ -65,13 +65,20 @@ def assert_union_is(full, locals_by_rank, world):
         assert torch.equal(torch.cat(pieces), tensor.reshape(-1)), name
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_replicated_model_union_equals_single_process(world, tmp_path):
-    codes, errors = launch("replicated", world, tmp_path)
+def run_and_compare(scenario, world, tmp_path):
+    """Runs `scenario` on `world` ranks, checks that the union of their EMAs
+    is the single-process EMA bit for bit; returns (expected, per-rank results)."""
+    codes, errors = launch(scenario, world, tmp_path)
     assert codes == [0] * world, errors
     expected = single_process_ema()
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     assert_union_is(expected, [r["local"] for r in results], world)
+    return expected, results
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_replicated_model_union_equals_single_process(world, tmp_path):
+    expected, results = run_and_compare("replicated", world, tmp_path)
     exported = shardema.read_safetensors(str(tmp_path / "export.safetensors"))["tensors"]
     for r, result in enumerate(results):
         for name, tensor in expected.items():
@@ -85,23 +92,15 @@ def test_replicated_model_union_equals_single_process(world, tmp_path):
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_fsdp2_rows_union_equals_single_process(world, tmp_path):
-    codes, errors = launch("rows", world, tmp_path)
-    assert codes == [0] * world, errors
-    expected = single_process_ema()
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    assert_union_is(expected, [r["local"] for r in results], world)
+    expected, results = run_and_compare("rows", world, tmp_path)
     assert all(torch.equal(results[0]["full"][k], v) for k, v in expected.items())
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_dtensor_parameters_union_equals_single_process(world, tmp_path):
-    codes, errors = launch("dtensor", world, tmp_path)
-    assert codes == [0] * world, errors
-    expected = single_process_ema()
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     # buffers are replicated (rows of the whole), parameters fsdp2 rows:
     # both split dim 0 the same way, so the union is the full EMA.
-    assert_union_is(expected, [r["local"] for r in results], world)
+    expected, results = run_and_compare("dtensor", world, tmp_path)
     assert all(torch.equal(results[0]["full"][k], v) for k, v in expected.items())
 
 
