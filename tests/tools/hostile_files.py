@@ -223,6 +223,24 @@ def folder_cases(corpus, good, rng):
         n, _ = header_of(data)
         write(rank_file(path, r), flip(data, 8 + n + rng.randrange(len(data) - 8 - n), rng))
         corpus.folder(f"rank{r}_data_flip", path, export=True)
+    # A rank file that claims another rank (or world size), with the
+    # manifest's size and checksum made to match, so only the rank-metadata
+    # check can catch it.
+    import xxhash
+    for key, value in (("shardema.rank", "0"), ("shardema.world_size", "3")):
+        name = f"rank_metadata_{key.split('.')[1]}"
+        path = fresh(name)
+        data = read(rank_file(path, 1))
+        _, header = header_of(data)
+        header["__metadata__"][key] = value
+        data = with_header(data, header)
+        write(rank_file(path, 1), data)
+        m = json.loads(json.dumps(manifest))
+        m["files"][1].update(size=len(data), xxh64=xxhash.xxh64(data).hexdigest())
+        write(os.path.join(path, "manifest.json"), json.dumps(m).encode())
+        out = os.path.join(corpus.work, f"export_{name}.safetensors")
+        corpus.run(name + " (inspect)", ["inspect", path], key)
+        corpus.run(name + " (export)", ["export", "--checkpoint", path, "--out", out], key)
     path = fresh("rank_fifo")
     os.remove(rank_file(path, 1))
     os.mkfifo(rank_file(path, 1))
