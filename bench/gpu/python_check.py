@@ -31,6 +31,20 @@ def reference_step(ref, full, first):
         ref[name] = v.clone() if first else ref[name] * DECAY + v * (1 - DECAY)
 
 
+def train(model, optimizer, ema, ref, full_weights):
+    """STEPS optimizer steps with the EMA fenced before and updated after
+    each, and the float64 reference following the full weights."""
+    reference_step(ref, full_weights(), True)
+    for step in range(STEPS):
+        model(torch.randn(8, 96, device="cuda")).square().mean().backward()
+        ema.fence()
+        optimizer.step()
+        optimizer.zero_grad()
+        ema.update()
+        reference_step(ref, full_weights(), False)
+    ema.wait()
+
+
 def check(ema_full, ref, what):
     worst = max((ema_full[k].double() - ref[k]).abs().max().item() for k in ref)
     ok = worst < 1e-5
@@ -43,15 +57,7 @@ def cuda_engine_check():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ema = shardema.EMA(model, schedule=shardema.ConstantSchedule(DECAY), engine="cuda")
     ref = {}
-    reference_step(ref, dict(model.named_parameters()), True)
-    for step in range(STEPS):
-        model(torch.randn(8, 96, device="cuda")).square().mean().backward()
-        ema.fence()
-        optimizer.step()
-        optimizer.zero_grad()
-        ema.update()
-        reference_step(ref, dict(model.named_parameters()), False)
-    ema.wait()
+    train(model, optimizer, ema, ref, lambda: dict(model.named_parameters()))
     free_before = torch.cuda.mem_get_info()[0]
     ok = check(ema.full_state_dict(), ref, "CUDA engine, pinned-host EMA")
     with ema.swap(model):
@@ -77,16 +83,8 @@ def fsdp2_gpu_check():
     ema = shardema.EMA(model, schedule=shardema.ConstantSchedule(DECAY))
     assert ema.layout == "fsdp2", ema.layout
     ref = {}
-    full = {n: p.full_tensor() for n, p in model.named_parameters()}
-    reference_step(ref, full, True)
-    for step in range(STEPS):
-        model(torch.randn(8, 96, device="cuda")).square().mean().backward()
-        ema.fence()
-        optimizer.step()
-        optimizer.zero_grad()
-        ema.update()
-        reference_step(ref, {n: p.full_tensor() for n, p in model.named_parameters()}, False)
-    ema.wait()
+    train(model, optimizer, ema, ref,
+          lambda: {n: p.full_tensor() for n, p in model.named_parameters()})
     ok = check(ema.full_state_dict(), ref, "FSDP2 on the GPU (NCCL, 1 rank)")
     dist.destroy_process_group()
     return ok

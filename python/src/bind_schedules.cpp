@@ -19,24 +19,11 @@ BetaConvention parseConvention(const std::string& name) {
                     "'");
 }
 
-const char* kindName(ScheduleKind kind) {
-  switch (kind) {
-    case ScheduleKind::kConstant:
-      return "constant";
-    case ScheduleKind::kWarmup:
-      return "warmup";
-    case ScheduleKind::kPower:
-      return "power";
-  }
-  return "unknown";
-}
-
 }  // namespace
 
 void bindSchedules(py::module_& m) {
   py::class_<DecaySchedule>(m, "DecaySchedule",
                             "The EMA decay as a pure function of the 1-based optimizer step")
-      .def_property_readonly("kind", [](const DecaySchedule& s) { return kindName(s.kind()); })
       .def("decay_at", &DecaySchedule::decayAt, py::arg("step"),
            "Decay at 1-based step `step` (float64)")
       .def("is_due_at", &DecaySchedule::isDueAt, py::arg("step"))

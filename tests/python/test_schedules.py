@@ -52,6 +52,9 @@ def test_constant_schedule_and_update_every():
                                                              False, True]
     assert schedule.decay_at(5) == 0.9
     assert shardema.DecaySchedule.from_json(schedule.to_json()) == schedule
+    assert schedule.kind == "constant"
+    assert shardema.WarmupSchedule().kind == "warmup"
+    assert shardema.PowerSchedule(sigma_rel=0.1).kind == "power"
 
 
 @pytest.mark.parametrize("make, message", [
