@@ -181,7 +181,12 @@ TEST(ProcessFaultTest, RankThatNeverJoinsTimesOutAtRendezvous) {
     ASSERT_NE(at, std::string::npos) << log;
     const double waited = std::stod(log.substr(at + 15));
     const double timeout = std::chrono::duration<double>(kTimeout).count();
-    EXPECT_GE(waited, 0.9 * timeout) << "rank " << rank << " gave up early\n" << log;
+    // A joined rank may fail before its own deadline when the store's host
+    // (started first) reaches its deadline and closes the store: that is
+    // the host's timeout, not an early give-up, and says so.
+    if (log.find("Connection reset by peer") == std::string::npos) {
+      EXPECT_GE(waited, 0.9 * timeout) << "rank " << rank << " gave up early\n" << log;
+    }
     EXPECT_LE(waited, timeout + 1.0) << "rank " << rank << " waited past its timeout\n" << log;
   }
   EXPECT_LT(seconds, 20.0);
