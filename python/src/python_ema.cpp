@@ -10,6 +10,7 @@
 #include "shardema/detail/file_metadata.h"
 #include "shardema/shard/agreement.h"
 #include "shardema/sharded_checkpoint.h"
+#include "shardema/sharded_averager.h"
 
 namespace shardema::python {
 namespace {

@@ -13,6 +13,7 @@
 #include "shardema/detail/checksum.h"
 #include "shardema/detail/rank_manifest.h"
 #include "shardema/sharded_checkpoint.h"
+#include "shardema/sharded_averager.h"
 #include "shardema/tensor_file.h"
 #include "support/file_bytes.h"
 #include "support/temp_dir.h"

@@ -2,6 +2,7 @@
 // independent readers (nlohmann, std::filesystem, xxhsum), resharding to
 // other world sizes and export, each against the single-process EMA.
 #include "shardema/sharded_checkpoint.h"
+#include "shardema/sharded_averager.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>

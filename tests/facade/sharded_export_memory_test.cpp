@@ -12,6 +12,7 @@
 
 #include "shardema/detail/rank_manifest.h"
 #include "shardema/sharded_checkpoint.h"
+#include "shardema/sharded_averager.h"
 #include "support/temp_dir.h"
 
 namespace shardema {

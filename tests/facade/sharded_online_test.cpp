@@ -10,6 +10,7 @@
 
 #include "facade/sharded_fixture.h"
 #include "shardema/sharded_checkpoint.h"
+#include "shardema/sharded_averager.h"
 #include "support/file_bytes.h"
 #include "support/temp_dir.h"
 #include "support/thread_ranks.h"

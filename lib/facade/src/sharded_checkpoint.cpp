@@ -2,6 +2,7 @@
 // saving all ranks of an in-process job (saveCheckpoint), and loading one
 // rank's state (loadCheckpoint).
 #include "shardema/sharded_checkpoint.h"
+#include "shardema/sharded_averager.h"
 
 #include <c10/util/Exception.h>
 

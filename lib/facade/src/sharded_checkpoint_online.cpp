@@ -12,6 +12,7 @@
 #include "shardema/shard/agreement.h"
 #include "shardema/shard/communicator.h"
 #include "shardema/sharded_checkpoint.h"
+#include "shardema/sharded_averager.h"
 
 namespace shardema {
 namespace {

@@ -27,13 +27,14 @@
 
 #include "shardema/decay_schedule.h"
 #include "shardema/shard/shard_layout.h"
-#include "shardema/sharded_averager.h"
 
 namespace shardema {
 
 namespace shard {
 class Communicator;
 }  // namespace shard
+// Declared only: the manifest parser (and its fuzz target) needs no ATen.
+class ShardedAverager;
 
 /// One rank's committed file as the manifest records it.
 struct RankFileRecord {

@@ -10,7 +10,6 @@
 #include <string>
 #include <vector>
 
-#include "shardema/sharded_averager.h"
 #include "shardema/sharded_checkpoint.h"
 
 namespace shardema {
