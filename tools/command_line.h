@@ -1,0 +1,19 @@
+#pragma once
+// The whole `shardema` command line as a function: main() passes its
+// arguments and the standard streams; the CLI tests call it in-process
+// (LibTorch's start-up, about 0.5 s a process and 2 s under ASan, would
+// otherwise be most of their time), and run the binary itself only to
+// check what main adds: the exit status and the real streams.
+#include <ostream>
+#include <string>
+#include <vector>
+
+namespace shardema::cli {
+
+/// Runs `shardema ARGS...` (ARGS without the program name), writing results
+/// to `out` and errors to `err`. Returns the exit status: 0 success, 2 a
+/// usage or input error (one line on `err`, "shardema <command>: <message>"),
+/// 1 anything unexpected.
+int runCommandLine(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);
+
+}  // namespace shardema::cli
