@@ -11,16 +11,16 @@ namespace shardema {
 namespace shard {
 namespace {
 
-constexpr const char* kApi = "FlatParamLayout";
+constexpr const char* kFlatLayoutApi = "FlatParamLayout";
 // FSDP1 aligns every original parameter to 16 bytes with use_orig_params.
 constexpr int64_t kAlignmentBytes = 16;
 
 int64_t memberNumel(const FlatParamMember& member) {
   int64_t numel = 1;
   for (size_t d = 0; d < member.shape.size(); ++d) {
-    TORCH_CHECK_VALUE(member.shape[d] >= 0, kApi, ": member '", member.name, "' has negative dim ",
+    TORCH_CHECK_VALUE(member.shape[d] >= 0, kFlatLayoutApi, ": member '", member.name, "' has negative dim ",
                       d, " (", member.shape[d], ")");
-    TORCH_CHECK_VALUE(!__builtin_mul_overflow(numel, member.shape[d], &numel), kApi, ": member '",
+    TORCH_CHECK_VALUE(!__builtin_mul_overflow(numel, member.shape[d], &numel), kFlatLayoutApi, ": member '",
                       member.name, "' has more elements than int64 can count");
   }
   return numel;
@@ -29,22 +29,22 @@ int64_t memberNumel(const FlatParamMember& member) {
 void checkNames(const std::vector<FlatParamMember>& members) {
   std::unordered_set<std::string> seen;
   for (const FlatParamMember& member : members) {
-    TORCH_CHECK_VALUE(!member.name.empty(), kApi, ": a member has an empty name");
-    TORCH_CHECK_VALUE(seen.insert(member.name).second, kApi, ": member '", member.name,
+    TORCH_CHECK_VALUE(!member.name.empty(), kFlatLayoutApi, ": a member has an empty name");
+    TORCH_CHECK_VALUE(seen.insert(member.name).second, kFlatLayoutApi, ": member '", member.name,
                       "' appears twice (a shared parameter counts once, at its first owner)");
   }
 }
 
 int64_t alignmentElements(c10::ScalarType dtype) {
   const int64_t size = static_cast<int64_t>(c10::elementSize(dtype));
-  TORCH_CHECK_VALUE(size > 0 && kAlignmentBytes % size == 0, kApi, ": dtype ", dtype, " has ", size,
+  TORCH_CHECK_VALUE(size > 0 && kAlignmentBytes % size == 0, kFlatLayoutApi, ": dtype ", dtype, " has ", size,
                     "-byte elements, which do not divide the 16-byte alignment");
   return kAlignmentBytes / size;
 }
 
 int64_t checkedAdd(int64_t a, int64_t b) {
   int64_t sum = 0;
-  TORCH_CHECK_VALUE(!__builtin_add_overflow(a, b, &sum), kApi,
+  TORCH_CHECK_VALUE(!__builtin_add_overflow(a, b, &sum), kFlatLayoutApi,
                     ": the flat parameter has more elements than int64 can count");
   return sum;
 }
@@ -54,7 +54,7 @@ int64_t checkedAdd(int64_t a, int64_t b) {
 FlatParamLayout::FlatParamLayout(std::vector<FlatParamMember> members, c10::ScalarType dtype,
                                  int64_t worldSize, FlatParamOptions options)
     : members_(std::move(members)), dtype_(dtype), worldSize_(worldSize) {
-  TORCH_CHECK_VALUE(worldSize_ >= 1, kApi, ": world size must be >= 1, got ", worldSize_);
+  TORCH_CHECK_VALUE(worldSize_ >= 1, kFlatLayoutApi, ": world size must be >= 1, got ", worldSize_);
   checkNames(members_);
   const int64_t align = options.useOrigParams ? alignmentElements(dtype_) : 1;
   int64_t length = 0;
@@ -72,7 +72,7 @@ FlatParamLayout::FlatParamLayout(std::vector<FlatParamMember> members, c10::Scal
 }
 
 int64_t FlatParamLayout::memberOffset(size_t i) const {
-  TORCH_CHECK_INDEX(i < members_.size(), kApi, "::memberOffset: member ", i, " of ",
+  TORCH_CHECK_INDEX(i < members_.size(), kFlatLayoutApi, "::memberOffset: member ", i, " of ",
                     members_.size());
   return offsets_[i];
 }
@@ -102,9 +102,9 @@ std::vector<ShardSpec> FlatParamLayout::specs() const {
 }
 
 int64_t FlatParamLayout::localOffset(size_t i, int64_t rank) const {
-  TORCH_CHECK_INDEX(i < members_.size(), kApi, "::localOffset: member ", i, " of ",
+  TORCH_CHECK_INDEX(i < members_.size(), kFlatLayoutApi, "::localOffset: member ", i, " of ",
                     members_.size());
-  TORCH_CHECK_INDEX(rank >= 0 && rank < worldSize_, kApi, "::localOffset: rank ", rank,
+  TORCH_CHECK_INDEX(rank >= 0 && rank < worldSize_, kFlatLayoutApi, "::localOffset: rank ", rank,
                     " outside [0, ", worldSize_, ")");
   const int64_t shard = shardNumel();
   const int64_t numel = memberNumel(members_[i]);

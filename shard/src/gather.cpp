@@ -19,21 +19,21 @@ namespace shardema {
 namespace shard {
 namespace {
 
-constexpr const char* kApi = "gatherStreaming";
+constexpr const char* kStreamingApi = "gatherStreaming";
 
 std::string checkLocals(const ShardLayout& layout, const std::vector<at::Tensor>& locals,
                         int64_t rank) {
   try {
     layout.check();
-    TORCH_CHECK_VALUE(locals.size() == layout.specs.size(), kApi, ": rank ", rank, " passed ",
+    TORCH_CHECK_VALUE(locals.size() == layout.specs.size(), kStreamingApi, ": rank ", rank, " passed ",
                       locals.size(), " local tensors for a layout of ", layout.specs.size());
     for (size_t i = 0; i < locals.size(); ++i) {
       const ShardSpec& spec = layout.specs[i];
       const at::Tensor& local = locals[i];
-      TORCH_CHECK_VALUE(local.defined() && local.device().is_cpu() && local.is_contiguous(), kApi,
+      TORCH_CHECK_VALUE(local.defined() && local.device().is_cpu() && local.is_contiguous(), kStreamingApi,
                         ": local '", spec.name, "' on rank ", rank,
                         " must be a defined, contiguous CPU tensor");
-      TORCH_CHECK_VALUE(local.numel() == spec.rangeOf(rank).size(), kApi, ": local '", spec.name,
+      TORCH_CHECK_VALUE(local.numel() == spec.rangeOf(rank).size(), kStreamingApi, ": local '", spec.name,
                         "' on rank ", rank, " has ", local.numel(),
                         " elements but the layout gives "
                         "this rank ",
@@ -65,11 +65,11 @@ void explainDtypes(Communicator& comm, const ShardLayout& layout,
     codes[i] = static_cast<uint8_t>(locals[static_cast<size_t>(i)].scalar_type());
   }
   at::Tensor all = detail::newBytes(count * comm.worldSize());
-  comm.allGather(mine, all, std::string(kApi) + " dtypes");
+  comm.allGather(mine, all, std::string(kStreamingApi) + " dtypes");
   const auto* allCodes = all.data_ptr<uint8_t>();
   for (int64_t r = 0; r < comm.worldSize(); ++r) {
     for (int64_t i = 0; i < count; ++i) {
-      TORCH_CHECK_VALUE(allCodes[r * count + i] == codes[i], kApi, ": local '",
+      TORCH_CHECK_VALUE(allCodes[r * count + i] == codes[i], kStreamingApi, ": local '",
                         layout.specs[static_cast<size_t>(i)].name, "' is ",
                         c10::toString(static_cast<c10::ScalarType>(codes[i])), " on rank ",
                         comm.rank(), " but ",
@@ -77,7 +77,7 @@ void explainDtypes(Communicator& comm, const ShardLayout& layout,
                         " on rank ", r, "; every rank must pass one dtype per tensor");
     }
   }
-  TORCH_CHECK_VALUE(false, kApi, ": the ranks passed different dtypes (rank ", comm.rank(),
+  TORCH_CHECK_VALUE(false, kStreamingApi, ": the ranks passed different dtypes (rank ", comm.rank(),
                     "'s agree with every other's; another pair differs)");
 }
 
@@ -264,7 +264,7 @@ Blocks moveRound(Communicator& comm, const detail::Round& round, const ShardLayo
   if (comm.worldSize() == 1 || total == 0 || rootOnly) {
     return Blocks(static_cast<size_t>(comm.worldSize()));  // nothing moves (every rank knows)
   }
-  const std::string tag = detail::roundTag(kApi, layout, round);
+  const std::string tag = detail::roundTag(kStreamingApi, layout, round);
   if (root < 0) {
     return moveToAll(comm, round, layout, locals, tag, scratch, direct);
   }
@@ -310,12 +310,12 @@ void gatherInto(Communicator& comm, const ShardLayout& layout,
   // the dtypes themselves move only when the hashes differ.
   std::string localError = options.localError;
   if (localError.empty()) {
-    localError = detail::checkCall(kApi, comm, layout, options.root, true, options.bufferBytes);
+    localError = detail::checkCall(kStreamingApi, comm, layout, options.root, true, options.bufferBytes);
   }
   if (localError.empty()) {
     localError = checkLocals(layout, locals, comm.rank());
   }
-  if (detail::agree(kApi, comm, layout, localError,
+  if (detail::agree(kStreamingApi, comm, layout, localError,
                     {options.root, options.bufferBytes, dtypeHash(locals)})) {
     explainDtypes(comm, layout, locals);
   }

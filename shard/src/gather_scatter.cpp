@@ -13,18 +13,18 @@ namespace shardema {
 namespace shard {
 namespace {
 
-constexpr const char* kApi = "scatterFull";
+constexpr const char* kScatterApi = "scatterFull";
 
 std::string checkFull(const ShardLayout& layout, const std::vector<at::Tensor>& full) {
   try {
     layout.check();
-    TORCH_CHECK_VALUE(full.size() == layout.specs.size(), kApi, ": root passed ", full.size(),
+    TORCH_CHECK_VALUE(full.size() == layout.specs.size(), kScatterApi, ": root passed ", full.size(),
                       " full tensors for a layout of ", layout.specs.size());
     for (size_t i = 0; i < full.size(); ++i) {
       const ShardSpec& spec = layout.specs[i];
-      TORCH_CHECK_VALUE(full[i].defined() && full[i].device().is_cpu(), kApi, ": full '", spec.name,
+      TORCH_CHECK_VALUE(full[i].defined() && full[i].device().is_cpu(), kScatterApi, ": full '", spec.name,
                         "' must be a defined CPU tensor");
-      TORCH_CHECK_VALUE(full[i].sizes().vec() == spec.globalShape, kApi, ": full '", spec.name,
+      TORCH_CHECK_VALUE(full[i].sizes().vec() == spec.globalShape, kScatterApi, ": full '", spec.name,
                         "' has shape ", full[i].sizes(), " but the layout says ",
                         c10::IntArrayRef(spec.globalShape));
     }
@@ -46,7 +46,7 @@ std::vector<c10::ScalarType> rootDtypes(Communicator& comm, const ShardLayout& l
   for (int64_t i = 0; comm.rank() == root && i < count; ++i) {
     codes.data_ptr<uint8_t>()[i] = static_cast<uint8_t>(full[static_cast<size_t>(i)].scalar_type());
   }
-  comm.broadcast(codes, root, std::string(kApi) + " dtypes");
+  comm.broadcast(codes, root, std::string(kScatterApi) + " dtypes");
   for (int64_t i = 0; i < count; ++i) {
     dtypes.push_back(static_cast<c10::ScalarType>(codes.data_ptr<uint8_t>()[i]));
   }
@@ -93,7 +93,7 @@ at::Tensor scatterRound(Communicator& comm, const ShardLayout& layout, const det
   }
   outSplits[static_cast<size_t>(root)] = mine;
   at::Tensor block = detail::newBytes(mine);
-  comm.allToAll(send, block, inSplits, outSplits, detail::roundTag(kApi, layout, round));
+  comm.allToAll(send, block, inSplits, outSplits, detail::roundTag(kScatterApi, layout, round));
   return block;
 }
 
@@ -105,12 +105,12 @@ std::vector<at::Tensor> scatterFull(Communicator& comm, const ShardLayout& layou
   const int64_t root = options.root;
   std::string localError = options.localError;
   if (localError.empty()) {
-    localError = detail::checkCall(kApi, comm, layout, root, false, options.bufferBytes);
+    localError = detail::checkCall(kScatterApi, comm, layout, root, false, options.bufferBytes);
   }
   if (localError.empty() && me == root) {
     localError = checkFull(layout, full);
   }
-  detail::agree(kApi, comm, layout, localError, {root, options.bufferBytes});
+  detail::agree(kScatterApi, comm, layout, localError, {root, options.bufferBytes});
   const std::vector<c10::ScalarType> dtypes = rootDtypes(comm, layout, full, root);
   std::vector<int64_t> elementBytes;
   std::vector<at::Tensor> result;

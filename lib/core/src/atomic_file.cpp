@@ -11,12 +11,13 @@
 #include <utility>
 
 #include "shardema/detail/regular_file.h"
+#include "os_error.h"
 
 namespace shardema {
 namespace {
 
 // Thread-safe strerror.
-std::string osError(int error) { return std::generic_category().message(error); }
+using detail::osError;
 
 // One write() may move at most about 2 GiB on Linux; larger buffers loop.
 constexpr size_t kMaxWriteChunk = size_t{1} << 30;

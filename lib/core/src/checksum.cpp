@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "shardema/detail/regular_file.h"
+#include "os_error.h"
 
 namespace shardema {
 namespace {
@@ -21,7 +22,7 @@ constexpr XXH64_hash_t kSeed = 0;
 // modest buffer whatever the file size.
 constexpr size_t kFileChunk = size_t{4} << 20;
 
-std::string osError(int error) { return std::generic_category().message(error); }
+using detail::osError;
 
 int hexValue(char c) {
   if (c >= '0' && c <= '9') return c - '0';

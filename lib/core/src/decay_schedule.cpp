@@ -11,6 +11,7 @@
 
 #include "shardema/detail/file_metadata.h"
 #include "shardema/power_function.h"
+#include "step_check.h"
 
 namespace shardema {
 namespace {
@@ -32,10 +33,7 @@ void checkUpdateEvery(const char* api, int64_t updateEvery) {
                     ") must be >= 1 (1 updates on every step)");
 }
 
-void checkStep(const char* api, int64_t n) {
-  TORCH_CHECK_VALUE(n >= 1, api, ": n (", n,
-                    ") must be >= 1; steps are 1-based (the first optimizer step is n = 1)");
-}
+using detail::checkStep;
 
 const char* kindName(ScheduleKind kind) {
   switch (kind) {

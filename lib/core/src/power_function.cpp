@@ -4,6 +4,8 @@
 
 #include <cmath>
 
+#include "step_check.h"
+
 namespace shardema {
 namespace {
 
@@ -29,10 +31,7 @@ void checkGamma(const char* api, double gamma) {
                     ") must be finite and > 0");
 }
 
-void checkStep(const char* api, int64_t n) {
-  TORCH_CHECK_VALUE(n >= 1, api, ": n (", n,
-                    ") must be >= 1; steps are 1-based (the first optimizer step is n = 1)");
-}
+using detail::checkStep;
 
 }  // namespace
 

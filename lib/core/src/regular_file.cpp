@@ -8,10 +8,10 @@
 #include <cerrno>
 #include <system_error>
 
+#include "os_error.h"
+
 namespace shardema::detail {
 namespace {
-
-std::string osError(int error) { return std::generic_category().message(error); }
 
 const char* kindOf(mode_t mode) {
   if (S_ISLNK(mode)) return "a symbolic link";

@@ -12,14 +12,13 @@
 #include <vector>
 
 #include "shardema/tensor_file.h"
+#include "os_error.h"
 
 namespace shardema {
 namespace detail {
 namespace {
 
 constexpr size_t kMaxReadChunk = size_t{1} << 30;
-
-std::string osError(int error) { return std::generic_category().message(error); }
 
 }  // namespace
 

@@ -26,7 +26,7 @@
 namespace shardema {
 namespace {
 
-constexpr const char* kApi = "PostHocCallback";
+constexpr const char* kFinishApi = "PostHocCallback";
 
 SnapshotSynthesisOptions synthesisOptions(const PostHocCallbackOptions& o, int64_t step,
                                           c10::ScalarType dtype) {
@@ -94,7 +94,7 @@ std::vector<at::Tensor> PostHocCallback::piecesInLayoutOrder(
   std::vector<at::Tensor> pieces;
   for (const shard::ShardSpec& spec : averager_->layout().specs) {
     const auto found = values.find(spec.name);
-    TORCH_CHECK_VALUE(found != values.end(), kApi, ": the snapshots in ", snapshotFolder(),
+    TORCH_CHECK_VALUE(found != values.end(), kFinishApi, ": the snapshots in ", snapshotFolder(),
                       " hold no '", spec.name, "'");
     pieces.push_back(found->second.reshape({-1}));
   }
@@ -102,8 +102,8 @@ std::vector<at::Tensor> PostHocCallback::piecesInLayoutOrder(
 }
 
 bool PostHocCallback::onValidationStart() {
-  TORCH_CHECK(averager_ != nullptr, kApi, "::onValidationStart: called before onFitStart");
-  TORCH_CHECK(!emaSwappedIn(), kApi, "::onValidationStart: the EMA is already swapped in");
+  TORCH_CHECK(averager_ != nullptr, kFinishApi, "::onValidationStart: called before onFitStart");
+  TORCH_CHECK(!emaSwappedIn(), kFinishApi, "::onValidationStart: the EMA is already swapped in");
   if (options_.placement == PostHocPlacement::kSharded) return swapInSharded();
   return swapInRankZero();
 }
@@ -133,7 +133,7 @@ void PostHocCallback::swapInValues(const std::unordered_map<std::string, at::Ten
   for (const TrackedTensor& target : swapTargets_) {
     if (!at::isFloatingType(target.source.scalar_type())) continue;
     const auto found = values.find(target.name);
-    TORCH_CHECK_VALUE(found != values.end() && found->second.numel() == target.source.numel(), kApi,
+    TORCH_CHECK_VALUE(found != values.end() && found->second.numel() == target.source.numel(), kFinishApi,
                       "::onValidationStart: the synthesized EMA holds no '", target.name, "' of ",
                       target.source.numel(), " elements");
   }
@@ -170,7 +170,7 @@ bool PostHocCallback::swapInSharded() {
   }
   if (collective) {
     shard::AgreementRequest request;
-    request.api = std::string(kApi) + "::onValidationStart";
+    request.api = std::string(kFinishApi) + "::onValidationStart";
     request.consequence = "the EMA was not swapped in";
     agreeOnSolves(*ranks_.comm, synth ? &synth->weights : nullptr, ownError, request);
   }
@@ -195,7 +195,7 @@ bool PostHocCallback::swapInSharded() {
 
 bool PostHocCallback::swapInRankZero() {
   const bool collective = ranks_.worldSize > 1;
-  TORCH_CHECK_VALUE(!collective || ranks_.comm != nullptr, kApi,
+  TORCH_CHECK_VALUE(!collective || ranks_.comm != nullptr, kFinishApi,
                     "::onValidationStart: with worldSize ", ranks_.worldSize,
                     " the rank-0 placement broadcasts the synthesized weights and needs "
                     "ranks.comm");
@@ -217,7 +217,7 @@ bool PostHocCallback::swapInRankZero() {
           if (!at::isFloatingType(target.source.scalar_type())) continue;
           const auto found = values.find(target.name);
           TORCH_CHECK_VALUE(found != values.end() && found->second.numel() == target.source.numel(),
-                            kApi, "::onValidationStart: the snapshots in ",
+                            kFinishApi, "::onValidationStart: the snapshots in ",
                             options_.checkpointFolder, " hold no '", target.name, "' of ",
                             target.source.numel(), " elements");
         }
@@ -229,7 +229,7 @@ bool PostHocCallback::swapInRankZero() {
   }
   if (collective) {
     shard::AgreementRequest request;
-    request.api = std::string(kApi) + "::onValidationStart";
+    request.api = std::string(kFinishApi) + "::onValidationStart";
     request.consequence = "the EMA was not swapped in";
     request.words = {decision};
     request.localError = failure ? detail::errorMessage(failure) : std::string();
@@ -264,10 +264,10 @@ bool PostHocCallback::swapInRankZero() {
 }
 
 std::string PostHocCallback::onTrainEnd() {
-  TORCH_CHECK(averager_ != nullptr, kApi, "::onTrainEnd: called before onFitStart");
-  TORCH_CHECK(!emaSwappedIn(), kApi, "::onTrainEnd: call onValidationEnd() first");
+  TORCH_CHECK(averager_ != nullptr, kFinishApi, "::onTrainEnd: called before onFitStart");
+  TORCH_CHECK(!emaSwappedIn(), kFinishApi, "::onTrainEnd: call onValidationEnd() first");
   if (calls_ == 0) {
-    detail::warn(std::string(kApi) + "::onTrainEnd: no call was counted (startIter " +
+    detail::warn(std::string(kFinishApi) + "::onTrainEnd: no call was counted (startIter " +
                  std::to_string(options_.startIter) + "); nothing to synthesize");
     return "";
   }
@@ -286,7 +286,7 @@ std::string PostHocCallback::finishRankZero() {
   wait();
   if (calls_ != newestSnapshot_) writeSnapshots();
   const std::string path = deployablePath();
-  detail::ensureDirectory(std::filesystem::path(path).parent_path().string(), kApi);
+  detail::ensureDirectory(std::filesystem::path(path).parent_path().string(), kFinishApi);
   synthesizeSnapshotFolder(options_.checkpointFolder, path,
                            synthesisOptions(options_, calls_, options_.outputDtype));
   return path;
@@ -307,7 +307,7 @@ std::string PostHocCallback::finishSharded() {
                                 synthesisOptions(options_, calls_, at::kFloat));
     pieces = piecesInLayoutOrder(synth->tensors);
     if (ranks_.rank == 0) {
-      detail::ensureDirectory(std::filesystem::path(path).parent_path().string(), kApi);
+      detail::ensureDirectory(std::filesystem::path(path).parent_path().string(), kFinishApi);
     }
   } catch (...) {
     if (ranks_.worldSize == 1) throw;
@@ -330,7 +330,7 @@ std::string PostHocCallback::finishSharded() {
     return path;
   }
   shard::AgreementRequest request;
-  request.api = std::string(kApi) + "::onTrainEnd";
+  request.api = std::string(kFinishApi) + "::onTrainEnd";
   request.consequence = "no deployable weights were written";
   // A gather's checks failed so before: keep the type callers saw.
   request.failureIsValueError = true;

@@ -10,24 +10,24 @@
 namespace shardema {
 namespace {
 
-constexpr const char* kApi = "ShardedAverager";
+constexpr const char* kShardedApi = "ShardedAverager";
 
 void checkShard(const LocalShard& shard, int64_t rank, int64_t worldSize) {
   const shard::ShardSpec& spec = shard.spec;
   shard::checkShardSpec(spec);
-  TORCH_CHECK_VALUE(spec.worldSize() == worldSize, kApi, ": tensor '", spec.name,
+  TORCH_CHECK_VALUE(spec.worldSize() == worldSize, kShardedApi, ": tensor '", spec.name,
                     "' has a spec for ", spec.worldSize(), " ranks but the world size is ",
                     worldSize, "; every spec must describe the same job");
-  TORCH_CHECK_VALUE(rank >= 0 && rank < worldSize, kApi, ": rank ", rank,
+  TORCH_CHECK_VALUE(rank >= 0 && rank < worldSize, kShardedApi, ": rank ", rank,
                     " is outside the world size ", worldSize, " of tensor '", spec.name, "'");
-  TORCH_CHECK_VALUE(shard.local.defined(), kApi, ": tensor '", spec.name,
+  TORCH_CHECK_VALUE(shard.local.defined(), kShardedApi, ": tensor '", spec.name,
                     "' has an undefined local shard");
   const int64_t expected = spec.rangeOf(rank).size();
-  TORCH_CHECK_VALUE(shard.local.numel() == expected, kApi, ": tensor '", spec.name,
+  TORCH_CHECK_VALUE(shard.local.numel() == expected, kShardedApi, ": tensor '", spec.name,
                     "' has a local shard of ", shard.local.numel(), " elements but rank ", rank,
                     " owns ", expected, " (range [", spec.rangeOf(rank).begin, ", ",
                     spec.rangeOf(rank).end, ") of ", spec.numel(), ")");
-  TORCH_CHECK_VALUE(shard.local.scalar_type() == spec.dtype, kApi, ": tensor '", spec.name,
+  TORCH_CHECK_VALUE(shard.local.scalar_type() == spec.dtype, kShardedApi, ": tensor '", spec.name,
                     "' has a local shard of dtype ", shard.local.scalar_type(),
                     " but its spec says ", spec.dtype);
 }
@@ -39,7 +39,7 @@ std::vector<LocalShard> checkedShards(int64_t rank, std::vector<LocalShard> shar
   std::unordered_set<std::string> names;
   for (const LocalShard& shard : shards) {
     checkShard(shard, rank, worldSize);
-    TORCH_CHECK_VALUE(names.insert(shard.spec.name).second, kApi, ": tensor '", shard.spec.name,
+    TORCH_CHECK_VALUE(names.insert(shard.spec.name).second, kShardedApi, ": tensor '", shard.spec.name,
                       "' is given twice; names must be unique");
   }
   return shards;
@@ -108,7 +108,7 @@ ShardedAverager::ShardedAverager(int64_t rank, int64_t worldSize, std::vector<Lo
       shards_(checkedShards(rank, std::move(shards), worldSize)),
       layout_(layoutOf(shards_)),
       averager_(trackedOf(shards_), std::move(options)) {
-  TORCH_CHECK_VALUE(rank >= 0 && rank < worldSize, kApi, ": rank ", rank,
+  TORCH_CHECK_VALUE(rank >= 0 && rank < worldSize, kShardedApi, ": rank ", rank,
                     " is outside the world size ", worldSize);
 }
 

@@ -17,14 +17,14 @@
 namespace shardema {
 namespace {
 
-constexpr const char* kApi = "saveCheckpoint";
+constexpr const char* kSaveApi = "saveCheckpoint";
 
 // What each rank reports after writing its file, in this order.
 enum RecordWord : size_t { kSize, kChecksum, kStep, kFingerprint, kRecordWords };
 
 shard::AgreementRequest requestFor(const std::string& dir) {
   shard::AgreementRequest request;
-  request.api = kApi;
+  request.api = kSaveApi;
   request.consequence = "no checkpoint was written at " + dir;
   return request;
 }
@@ -37,9 +37,9 @@ uint64_t prepareSave(shard::Communicator& comm, const std::string& dir,
   shard::AgreementRequest request = requestFor(dir);
   try {
     TORCH_CHECK_VALUE(comm.rank() == averager.rank() && comm.worldSize() == averager.worldSize(),
-                      kApi, ": communicator is rank ", comm.rank(), " of ", comm.worldSize(),
+                      kSaveApi, ": communicator is rank ", comm.rank(), " of ", comm.worldSize(),
                       " but the averager is rank ", averager.rank(), " of ", averager.worldSize());
-    if (comm.rank() == 0) detail::ensureDirectory(dir, kApi);
+    if (comm.rank() == 0) detail::ensureDirectory(dir, kSaveApi);
   } catch (...) {
     request.localError = detail::currentErrorMessage();
   }
@@ -77,7 +77,7 @@ void checkSameStepAndLayout(const std::string& dir, const shard::Agreement& reco
   if (r < 0) return;
   const std::vector<uint64_t>& theirs = records.words[static_cast<size_t>(r)];
   const std::vector<uint64_t>& rankZero = records.words[0];
-  TORCH_CHECK(false, kApi, ": no checkpoint was written at ", dir, ": rank ", r, " is at step ",
+  TORCH_CHECK(false, kSaveApi, ": no checkpoint was written at ", dir, ": rank ", r, " is at step ",
               static_cast<int64_t>(theirs[kStep]), " with layout fingerprint ",
               checksumHex(theirs[kFingerprint]), " but rank 0 at step ",
               static_cast<int64_t>(rankZero[kStep]), " with ", checksumHex(rankZero[kFingerprint]));
