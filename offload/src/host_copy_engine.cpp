@@ -43,7 +43,7 @@ void HostCopyEngine::enqueue(const void* src, void* dst, size_t bytes, DoneCallb
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(!stop_, "HostCopyEngine: copy queued while the engine is being destroyed");
-    queue_.push_back(Copy{src, dst, bytes, std::move(onDone)});
+    queue_.push_back(QueuedCopy{src, dst, bytes, std::move(onDone)});
     ++submitted_;
   }
   queued_.notify_one();
@@ -79,7 +79,7 @@ void HostCopyEngine::run() {
   for (;;) {
     queued_.wait(lock, [this] { return stop_ || !queue_.empty(); });
     if (queue_.empty()) return;  // stop_ and drained
-    Copy copy = std::move(queue_.front());
+    QueuedCopy copy = std::move(queue_.front());
     queue_.pop_front();
     lock.unlock();
     std::exception_ptr error;

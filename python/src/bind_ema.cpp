@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "conversions.h"
 #include "dtype.h"
 #include "process_group.h"
 #include "python_ema.h"
@@ -23,29 +24,8 @@ namespace {
 
 using Release = py::call_guard<py::gil_scoped_release>;
 
-EmaPlacement parseEmaPlacement(const std::string& name) {
-  if (name == "pinned_host") return EmaPlacement::kPinnedHost;
-  if (name == "device") return EmaPlacement::kDevice;
-  TORCH_CHECK_VALUE(false, "placement must be 'pinned_host' or 'device', got '", name, "'");
-}
 
-offload::EngineChoice parseEngine(const std::string& name) {
-  if (name == "auto") return offload::EngineChoice::kAuto;
-  if (name == "host") return offload::EngineChoice::kHost;
-  if (name == "cuda") return offload::EngineChoice::kCuda;
-  TORCH_CHECK_VALUE(false, "engine must be 'auto', 'host' or 'cuda', got '", name, "'");
-}
 
-py::dict toPython(const RankState& state) {
-  py::dict tensors;
-  for (const auto& [name, tensor] : state.tensors) tensors[py::str(name)] = tensor;
-  py::dict metadata;
-  for (const auto& [key, value] : state.metadata) metadata[py::str(key)] = value;
-  py::dict out;
-  out["tensors"] = tensors;
-  out["metadata"] = metadata;
-  return out;
-}
 
 RankState fromPython(const py::dict& state) {
   TORCH_CHECK_VALUE(state.contains("tensors") && state.contains("metadata"),
@@ -141,7 +121,7 @@ void bindEma(py::module_& m) {
                py::gil_scoped_release release;
                state = e.stateDict();
              }
-             return toPython(state);
+             return tensorsAndMetadata(state.tensors, state.metadata);
            })
       .def(
           "load_state_dict",

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "conversions.h"
 #include "dtype.h"
 #include "process_group.h"
 #include "shardema/posthoc_callback.h"
@@ -30,22 +31,7 @@ struct PythonPostHoc {
   std::unique_ptr<PostHocCallback> callback;
 };
 
-PostHocPlacement parsePostHocPlacement(const std::string& name) {
-  if (name == "rank0") return PostHocPlacement::kRankZeroFullCopy;
-  if (name == "sharded") return PostHocPlacement::kSharded;
-  TORCH_CHECK_VALUE(false, "placement must be 'rank0' or 'sharded', got '", name, "'");
-}
 
-py::dict toPython(const TensorFile& file) {
-  py::dict tensors;
-  for (const auto& [name, tensor] : file.tensors) tensors[py::str(name)] = tensor;
-  py::dict metadata;
-  for (const auto& [key, value] : file.metadata) metadata[py::str(key)] = value;
-  py::dict out;
-  out["tensors"] = tensors;
-  out["metadata"] = metadata;
-  return out;
-}
 
 }  // namespace
 
@@ -66,10 +52,7 @@ void bindPostHoc(py::module_& m) {
              o.defaultOutputSigma = defaultOutputSigma;
              o.stepSizeCorrection = stepSizeCorrection;
              o.placement = parsePostHocPlacement(placement);
-             TORCH_CHECK_VALUE(policy == "versatil" || policy == "ema_pytorch",
-                               "policy must be 'versatil' or 'ema_pytorch', got '", policy, "'");
-             o.policy = policy == "versatil" ? TrackingPolicy::kVersatil
-                                             : TrackingPolicy::kEmaPytorch;
+             o.policy = parsePolicy(policy);
              o.outputFolder = std::move(outputFolder);
              o.outputPrefix = std::move(outputPrefix);
              o.outputDtype = scalarTypeOf(outputDtype, "output_dtype");
@@ -187,7 +170,7 @@ void bindPostHoc(py::module_& m) {
           py::gil_scoped_release release;
           file = readTensorFile(path);
         }
-        return toPython(file);
+        return tensorsAndMetadata(file.tensors, file.metadata);
       },
       py::arg("path"), "A safetensors file we wrote, validated (sizes, checksums)");
 }

@@ -5,21 +5,12 @@
 #include <string>
 
 #include "bindings.h"
+#include "conversions.h"
 #include "shardema/decay_schedule.h"
 
 namespace py = pybind11;
 
 namespace shardema::python {
-namespace {
-
-BetaConvention parseConvention(const std::string& name) {
-  if (name == "nitrous") return BetaConvention::kNitrous;
-  if (name == "edm2") return BetaConvention::kEdm2;
-  TORCH_CHECK_VALUE(false, "PowerSchedule: convention must be 'nitrous' or 'edm2', got '", name,
-                    "'");
-}
-
-}  // namespace
 
 void bindSchedules(py::module_& m) {
   py::class_<DecaySchedule>(m, "DecaySchedule",

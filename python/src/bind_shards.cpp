@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "conversions.h"
 #include "dtype.h"
 #include "shardema/shard/flat_param_layout.h"
 #include "shardema/shard/shard_spec.h"
@@ -18,12 +19,6 @@ namespace py = pybind11;
 
 namespace shardema::python {
 namespace {
-
-TrackingPolicy parsePolicy(const std::string& name) {
-  if (name == "versatil") return TrackingPolicy::kVersatil;
-  if (name == "ema_pytorch") return TrackingPolicy::kEmaPytorch;
-  TORCH_CHECK_VALUE(false, "policy must be 'versatil' or 'ema_pytorch', got '", name, "'");
-}
 
 // ranges: [(begin, end), ...], one per rank.
 std::vector<shard::ElementRange> toRanges(const std::vector<std::pair<int64_t, int64_t>>& pairs) {

@@ -27,17 +27,7 @@ namespace {
 namespace fs = std::filesystem;
 
 TensorFile sampleFile() {
-  TensorFile file = testing::tensorFileOfRows({{at::kFloat, {7, 3}},
-                                               {at::kBFloat16, {13}},
-                                               {at::kFloat, {}},
-                                               {at::kHalf, {0, 4}},
-                                               {at::kDouble, {5}},
-                                               {at::kLong, {2, 2}},
-                                               {at::kBool, {9}},
-                                               {at::kByte, {0}},
-                                               {at::kInt, {31}},
-                                               {at::kShort, {3}},
-                                               {at::kChar, {1, 1}}});
+  TensorFile file = testing::everyDtypeFile();
   file.metadata = {{"shardema.kind", "test"}, {"note", "streamed"}};
   return file;
 }

@@ -16,6 +16,7 @@
 #include <functional>
 #include <future>
 #include <string>
+#include <vector>
 
 #include "offload/fake_copy_engine.h"
 #include "shardema/averager.h"
@@ -47,6 +48,58 @@ AveragerOptions hostOptions(offload::WorkerPool& pool) {
   options.offload.chunkBytes = 256;  // 64 chunks for 4096 floats
   options.offload.engine = offload::EngineChoice::kHost;
   return options;
+}
+
+// A bare pipeline over `pool` and the fake engine, chunks of `chunkBytes`.
+offload::UpdatePipelineOptions pipelineOptions(offload::WorkerPool& pool,
+                                               testing::FakeCopyEngine& engine,
+                                               int64_t chunkBytes) {
+  offload::UpdatePipelineOptions options;
+  options.pool = &pool;
+  options.engine = &engine;
+  options.chunkBytes = chunkBytes;
+  return options;
+}
+
+std::vector<offload::PipelineJob> lerpJob(const at::Tensor& ema, const at::Tensor& source,
+                                          const std::string& name) {
+  return {offload::PipelineJob{ema, source, UpdateOp::kLerp, false, name, {}}};
+}
+
+// Holds a pool's only worker until release(), so a test decides what
+// happens before the worker reads anything.
+class HeldWorker {
+ public:
+  explicit HeldWorker(offload::WorkerPool& pool) {
+    pool.post([released = released_] { released.wait(); });
+  }
+  ~HeldWorker() { release(); }
+  void release() {
+    if (!done_) release_.set_value();
+    done_ = true;
+  }
+
+ private:
+  std::promise<void> release_;
+  std::shared_future<void> released_ = release_.get_future().share();
+  bool done_ = false;
+};
+
+// The refusal of a write to "enc.w" (640 floats in chunks of 256 bytes)
+// at step 9, and then: fresh updates with the write after fence() are
+// never mistaken for misuse.
+void expectRefusedThenRecovers(offload::UpdatePipeline& pipeline, const at::Tensor& ema,
+                               const at::Tensor& source, const std::string& message) {
+  EXPECT_NE(message.find("step 9"), std::string::npos) << message;
+  EXPECT_NE(message.find("'enc.w' (chunk 0 of 10)"), std::string::npos) << message;
+  EXPECT_NE(message.find(kAdvice), std::string::npos) << message;
+  EXPECT_TRUE(at::equal(ema, at::zeros({640}))) << "a refused chunk is not folded in";
+  for (int64_t step = 10; step < 60; ++step) {
+    pipeline.submit(lerpJob(ema, source, "enc.w"), {0.5f}, step);
+    pipeline.fence();
+    source.add_(1.0f);
+  }
+  pipeline.wait();
 }
 
 TEST(AveragerMisuseTest, TheAsynchronousUpdateIsTheDefault) {
@@ -156,33 +209,17 @@ TEST(AveragerMisuseTest, TheWorkerRefusesAChunkWhoseSourceWasWrittenBeforeItLand
   offload::WorkerPool pool(2);
   testing::FakeCopyEngine engine;
   engine.setDelay(std::chrono::milliseconds(30));  // the write wins the race
-  offload::UpdatePipelineOptions options;
-  options.pool = &pool;
-  options.engine = &engine;
-  options.chunkBytes = 256;
+  offload::UpdatePipelineOptions options = pipelineOptions(pool, engine, 256);
   options.numSlots = 1;
   options.stageHostSources = true;  // the staged path: the check after landing
   offload::UpdatePipeline pipeline(options);
   at::Tensor source = at::arange(640, at::kFloat);
   at::Tensor ema = at::zeros({640});
-  pipeline.submit({offload::PipelineJob{ema, source, UpdateOp::kLerp, false, "enc.w", {}}}, {0.5f},
-                  9);
+  pipeline.submit(lerpJob(ema, source, "enc.w"), {0.5f}, 9);
   source.add_(1.0f);  // before the first copy has even started
   const std::string message = errorOf([&] { pipeline.wait(); });
-  EXPECT_NE(message.find("step 9"), std::string::npos) << message;
-  EXPECT_NE(message.find("'enc.w' (chunk 0 of 10)"), std::string::npos) << message;
-  EXPECT_NE(message.find(kAdvice), std::string::npos) << message;
-  EXPECT_TRUE(at::equal(ema, at::zeros({640}))) << "a refused chunk is not folded in";
-  // A fresh update after the error works, and a write after fence() is not
-  // mistaken for misuse however late the worker checks.
-  engine.setDelay(std::chrono::microseconds(0));
-  for (int64_t step = 10; step < 60; ++step) {
-    pipeline.submit({offload::PipelineJob{ema, source, UpdateOp::kLerp, false, "enc.w", {}}},
-                    {0.5f}, step);
-    pipeline.fence();
-    source.add_(1.0f);
-  }
-  pipeline.wait();
+  engine.setDelay(std::chrono::microseconds(0));  // however late the worker checks
+  expectRefusedThenRecovers(pipeline, ema, source, message);
 }
 
 // A moved-from Averager holds no EMA: every call that would read, change,
@@ -226,33 +263,16 @@ TEST(AveragerMisuseTest, EveryCallOnAMovedFromAveragerSaysSo) {
 TEST(AveragerMisuseTest, TheWorkerRefusesADirectChunkWhoseSourceWasWrittenBeforeItsMath) {
   offload::WorkerPool pool(1);
   testing::FakeCopyEngine engine;
-  offload::UpdatePipelineOptions options;
-  options.pool = &pool;
-  options.engine = &engine;
-  options.chunkBytes = 256;
-  offload::UpdatePipeline pipeline(options);
+  offload::UpdatePipeline pipeline(pipelineOptions(pool, engine, 256));
   at::Tensor source = at::arange(640, at::kFloat);
   at::Tensor ema = at::zeros({640});
-  std::promise<void> release;
-  std::shared_future<void> released = release.get_future().share();
-  pool.post([released] { released.wait(); });
-  pipeline.submit({offload::PipelineJob{ema, source, UpdateOp::kLerp, false, "enc.w", {}}}, {0.5f},
-                  9);
+  HeldWorker held(pool);
+  pipeline.submit(lerpJob(ema, source, "enc.w"), {0.5f}, 9);
   source.add_(1.0f);  // before the worker has read anything
-  release.set_value();
+  held.release();
   const std::string message = errorOf([&] { pipeline.wait(); });
-  EXPECT_NE(message.find("step 9"), std::string::npos) << message;
-  EXPECT_NE(message.find("'enc.w' (chunk 0 of 10)"), std::string::npos) << message;
-  EXPECT_NE(message.find(kAdvice), std::string::npos) << message;
-  EXPECT_TRUE(at::equal(ema, at::zeros({640}))) << "a refused chunk is not folded in";
   EXPECT_EQ(engine.copies(), 0) << "the direct path never calls the engine";
-  for (int64_t step = 10; step < 60; ++step) {
-    pipeline.submit({offload::PipelineJob{ema, source, UpdateOp::kLerp, false, "enc.w", {}}},
-                    {0.5f}, step);
-    pipeline.fence();
-    source.add_(1.0f);
-  }
-  pipeline.wait();
+  expectRefusedThenRecovers(pipeline, ema, source, message);
 }
 
 // Forgotten fence on the direct path: the next submit() completes the
@@ -261,26 +281,20 @@ TEST(AveragerMisuseTest, TheWorkerRefusesADirectChunkWhoseSourceWasWrittenBefore
 TEST(AveragerMisuseTest, ADirectUpdateWrittenBeforeFenceFailsAtTheNextSubmit) {
   offload::WorkerPool pool(1);
   testing::FakeCopyEngine engine;
-  offload::UpdatePipelineOptions options;
-  options.pool = &pool;
-  options.engine = &engine;
-  offload::UpdatePipeline pipeline(options);
+  offload::UpdatePipeline pipeline(
+      pipelineOptions(pool, engine, offload::UpdatePipelineOptions{}.chunkBytes));
   at::Tensor source = at::ones({1000});
   at::Tensor ema = at::zeros({1000});
-  auto jobs = [&] {
-    return std::vector<offload::PipelineJob>{{ema, source, UpdateOp::kLerp, false, "dec.b", {}}};
-  };
-  std::promise<void> release;
-  std::shared_future<void> released = release.get_future().share();
-  pool.post([released] { released.wait(); });
-  pipeline.submit(jobs(), {0.5f}, 4);
+  HeldWorker held(pool);
+  pipeline.submit(lerpJob(ema, source, "dec.b"), {0.5f}, 4);
   source.mul_(2.0f);  // the optimizer step, without fence()
-  release.set_value();
-  const std::string message = errorOf([&] { pipeline.submit(jobs(), {0.5f}, 5); });
+  held.release();
+  const std::string message =
+      errorOf([&] { pipeline.submit(lerpJob(ema, source, "dec.b"), {0.5f}, 5); });
   EXPECT_NE(message.find("step 4"), std::string::npos) << message;
   EXPECT_NE(message.find("'dec.b'"), std::string::npos) << message;
   EXPECT_NE(message.find(kAdvice), std::string::npos) << message;
-  pipeline.submit(jobs(), {0.5f}, 6);
+  pipeline.submit(lerpJob(ema, source, "dec.b"), {0.5f}, 6);
   pipeline.fence();
   source.mul_(2.0f);
   pipeline.wait();

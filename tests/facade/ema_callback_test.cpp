@@ -76,10 +76,9 @@ TEST(EmaCallbackTest, AveragesTrainableWeightsAndCopiesTheRest) {
 
 TEST(EmaCallbackTest, CheckpointWeightsAreTheEmaAndRawWeightsAreKept) {
   TrainingRun run(2);
-  run.fitStart();
+  run.fit(1);
   TestNet& net = run.net;
   EmaCallback& callback = run.callback;
-  run.epoch(0);
   TrainingCheckpoint checkpoint = TrainingCheckpoint::capture(*net);
   callback.onSaveCheckpoint(checkpoint);
   ASSERT_EQ(checkpoint.rawWeights.size(), testing::testNetNames().size());
@@ -143,11 +142,9 @@ TEST(EmaCallbackTest, InterruptedAndResumedRunIsBitIdentical) {
 
 TEST(EmaCallbackTest, ValidationSwapsTheEmaInAndRawBackEvenWhenItThrows) {
   TrainingRun run(4);
-  run.fitStart();
+  run.fit(2);
   TestNet& net = run.net;
   EmaCallback& callback = run.callback;
-  run.epoch(0);
-  run.epoch(1);
   const NamedTensors raw = cloneModuleTensors(*net);
   try {
     EmaValidationScope scope(callback);
@@ -169,8 +166,7 @@ TEST(EmaCallbackTest, ValidationSwapsTheEmaInAndRawBackEvenWhenItThrows) {
 // is copied from then on, and averaged again once unfrozen.
 TEST(EmaCallbackTest, FreezingAndUnfreezingChangesTreatmentAtTheNextUpdate) {
   TrainingRun run(6);
-  run.fitStart();
-  run.epoch(0);
+  run.fit(1);
   TestNet& net = run.net;
   net->fc1->weight.requires_grad_(false);
   run.callback.onBeforeOptimizerStep();  // fc1.weight changes next

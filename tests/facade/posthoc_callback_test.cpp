@@ -79,8 +79,7 @@ TEST(PostHocCallbackTest, SnapshotsAppearExactlyAtCheckpointBoundaries) {
 TEST(PostHocCallbackTest, SnapshotsHoldTheNitrousPowerFunctionEma) {
   TempDir dir;
   PostHocRun run(2, smallOptions(dir.path(), 4));
-  run.fitStart();
-  for (int64_t epoch = 0; epoch < 3; ++epoch) run.epoch(epoch, stepEveryBatch(4));
+  run.fit(3, 4);
   ASSERT_EQ(run.callback().calls(), 12);
   for (const int64_t step : {4, 8, 12}) expectSnapshotsMatchReference(run, dir.path(), step);
   // The EMA lags the weights: a snapshot that merely copied them would
@@ -126,8 +125,7 @@ TEST(PostHocCallbackTest, UpdateEveryTwoUpdatesOnOddCallsWithCorrectedBeta) {
   PostHocCallbackOptions options = smallOptions(dir.path(), 4);
   options.updateEvery = 2;
   PostHocRun run(5, options);
-  run.fitStart();
-  for (int64_t epoch = 0; epoch < 2; ++epoch) run.epoch(epoch, stepEveryBatch(4));
+  run.fit(2, 4);
   // Every optimizer step counts; only calls 1, 3, 5, 7 update.
   EXPECT_EQ(run.callback().calls(), 8);
   for (const int64_t step : {4, 8}) expectSnapshotsMatchReference(run, dir.path(), step, 2);
@@ -137,8 +135,7 @@ TEST(PostHocCallbackTest, TrainEndWritesAFinalSnapshotAndTheRawSynthesis) {
   TempDir dir;
   TempDir out;
   PostHocRun run(6, smallOptions(dir.path(), 4, out.path()));
-  run.fitStart();
-  for (int64_t epoch = 0; epoch < 2; ++epoch) run.epoch(epoch, stepEveryBatch(5));
+  run.fit(2, 5);
   ASSERT_EQ(run.callback().calls(), 10);
   const std::string path = run.callback().onTrainEnd();
   EXPECT_EQ(path, out.file("shardema_ema_final_sigma_0p05_step_000000010.safetensors"));
@@ -164,8 +161,7 @@ TEST(PostHocCallbackTest, TrainEndOnABoundaryDoesNotRewriteTheSnapshot) {
   TempDir dir;
   TempDir out;
   PostHocRun run(7, smallOptions(dir.path(), 4, out.path()));
-  run.fitStart();
-  for (int64_t epoch = 0; epoch < 2; ++epoch) run.epoch(epoch, stepEveryBatch(4));
+  run.fit(2, 4);
   ASSERT_EQ(run.callback().calls(), 8);
   const auto before0 = posthoc_test::fileIdentity(dir.file("0.8.safetensors"));
   const auto before1 = posthoc_test::fileIdentity(dir.file("1.8.safetensors"));

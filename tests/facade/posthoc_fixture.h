@@ -90,6 +90,11 @@ struct PostHocRun {
   PostHocCallback& callback() { return *callback_; }
   const PostHocCallback& callback() const { return *callback_; }
   void fitStart() { callback_->onFitStart(*net); }
+  /// fitStart, then `epochs` epochs of `batches` batches, a step each.
+  void fit(int64_t epochs, int64_t batches) {
+    fitStart();
+    for (int64_t e = 0; e < epochs; ++e) epoch(e, stepEveryBatch(batches));
+  }
   /// A fresh callback on the same module and optimizer (what a resumed
   /// job builds); the old one is destroyed first.
   void replaceCallback(PostHocCallbackOptions options, PostHocRanks ranks = {}) {

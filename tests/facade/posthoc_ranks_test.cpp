@@ -47,8 +47,7 @@ std::vector<RankResult> runTwoRanks(PostHocPlacement placement, const std::strin
     options.placement = placement;
     options.emaPlacement = ema;
     PostHocRun run(kSeed, options, PostHocRanks{comm.rank(), kWorld, &comm});
-    run.fitStart();
-    for (int64_t epoch = 0; epoch < 2; ++epoch) run.epoch(epoch, posthoc_test::stepEveryBatch(5));
+    run.fit(2, 5);
     RankResult& result = results[comm.rank()];
     result.calls = run.callback().calls();
     result.holdsEma = run.callback().holdsEma();
@@ -140,16 +139,26 @@ TEST(PostHocRanksTest, ShardedPlacementWritesOneFolderPerRank) {
   EXPECT_EQ(scan.worldSize, kWorld);
 }
 
-// Both placements on the given EMA placement, then the offline merge of the
-// sharded folder.
-void expectTheSameDeployableWeights(EmaPlacement ema) {
+// The two-rank run of each post-hoc placement on the given EMA placement,
+// each with its own snapshot and output folders.
+struct BothPlacements {
+  explicit BothPlacements(EmaPlacement ema)
+      : full(runTwoRanks(PostHocPlacement::kRankZeroFullCopy, folderA.path(), outputA.path(), ema)),
+        sharded(runTwoRanks(PostHocPlacement::kSharded, folderB.path(), outputB.path(), ema)) {}
   TempDir folderA;
   TempDir outputA;
   TempDir folderB;
   TempDir outputB;
-  const auto full =
-      runTwoRanks(PostHocPlacement::kRankZeroFullCopy, folderA.path(), outputA.path(), ema);
-  const auto sharded = runTwoRanks(PostHocPlacement::kSharded, folderB.path(), outputB.path(), ema);
+  std::vector<RankResult> full;
+  std::vector<RankResult> sharded;
+};
+
+// Both placements on the given EMA placement, then the offline merge of the
+// sharded folder.
+void expectTheSameDeployableWeights(EmaPlacement ema) {
+  const BothPlacements runs(ema);
+  const auto& full = runs.full;
+  const auto& sharded = runs.sharded;
   ASSERT_FALSE(full[0].deployable.empty());
   ASSERT_FALSE(sharded[0].deployable.empty());
   const TensorFile fromFull = readTensorFile(full[0].deployable);
@@ -160,8 +169,9 @@ void expectTheSameDeployableWeights(EmaPlacement ema) {
   // Offline: rank folders synthesized one by one and merged into full tensors.
   SnapshotSynthesisOptions offline;
   offline.sigmaRel = 0.05;
-  synthesizeSnapshotFolder(folderB.path(), outputB.file("offline.safetensors"), offline);
-  const TensorFile merged = readTensorFile(outputB.file("offline.safetensors"));
+  const std::string offlineFile = runs.outputB.file("offline.safetensors");
+  synthesizeSnapshotFolder(runs.folderB.path(), offlineFile, offline);
+  const TensorFile merged = readTensorFile(offlineFile);
   posthoc_test::expectFileMatches(merged,
                                   Values(fromShards.tensors.begin(), fromShards.tensors.end()),
                                   1e-6, "offline merge vs callback");
@@ -178,13 +188,9 @@ TEST(PostHocRanksTest, BothPlacementsGiveTheSameWeightsOnTheDevicePlacement) {
 // Both placements on the given EMA placement: the values each rank's module
 // held during the validation swap.
 void expectTheSameSwapInEveryRank(EmaPlacement ema) {
-  TempDir folderA;
-  TempDir outputA;
-  TempDir folderB;
-  TempDir outputB;
-  const auto full =
-      runTwoRanks(PostHocPlacement::kRankZeroFullCopy, folderA.path(), outputA.path(), ema);
-  const auto sharded = runTwoRanks(PostHocPlacement::kSharded, folderB.path(), outputB.path(), ema);
+  const BothPlacements runs(ema);
+  const auto& full = runs.full;
+  const auto& sharded = runs.sharded;
   for (int64_t r = 0; r < kWorld; ++r) {
     ASSERT_TRUE(full[r].swapped) << "full rank " << r << ": " << full[r].swapError;
     ASSERT_TRUE(sharded[r].swapped) << "sharded rank " << r << ": " << sharded[r].swapError;
@@ -197,7 +203,7 @@ void expectTheSameSwapInEveryRank(EmaPlacement ema) {
   at8.sigmaRel = 0.05;
   at8.step = 8;
   const SynthesizedTensors synthesized =
-      synthesizeSnapshots(scanSnapshotFolder(folderA.path()).snapshots, at8);
+      synthesizeSnapshots(scanSnapshotFolder(runs.folderA.path()).snapshots, at8);
   for (const auto& [name, want] : synthesized.tensors) {
     if (!at::isFloatingType(want.scalar_type())) continue;
     // Rank-0 full copy: rank 0 synthesizes and broadcasts, so both ranks

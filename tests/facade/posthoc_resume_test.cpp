@@ -37,15 +37,13 @@ void expectSameFile(const std::string& expectedPath, const std::string& actualPa
 // The uninterrupted reference: 12 calls, snapshots at 4, 8, 12.
 void trainTwelveSteps(const std::string& folder) {
   PostHocRun run(kSeed, smallOptions(folder, 4));
-  run.fitStart();
-  for (int64_t epoch = 0; epoch < 3; ++epoch) run.epoch(epoch, stepEveryBatch(4));
+  run.fit(3, 4);
   ASSERT_EQ(run.callback().calls(), 12);
 }
 
 // Calls saved by the first 8 steps of the same run.
 TrainingCheckpoint saveAfterEightSteps(PostHocRun& run) {
-  run.fitStart();
-  for (int64_t epoch = 0; epoch < 2; ++epoch) run.epoch(epoch, stepEveryBatch(4));
+  run.fit(2, 4);
   TrainingCheckpoint checkpoint = TrainingCheckpoint::capture(*run.net);
   run.callback().onSaveCheckpoint(checkpoint);
   return checkpoint;
@@ -159,8 +157,7 @@ TEST(PostHocResumeTest, ValidationBeforeTheFirstSnapshotChangesNothing) {
 TEST(PostHocResumeTest, ValidationSwapsInTheSynthesisAtTheNewestSnapshot) {
   TempDir dir;
   PostHocRun run(kSeed, smallOptions(dir.path(), 4));
-  run.fitStart();
-  for (int64_t epoch = 0; epoch < 2; ++epoch) run.epoch(epoch, stepEveryBatch(5));
+  run.fit(2, 5);
   ASSERT_EQ(run.callback().calls(), 10);
   const NamedTensors raw = cloneModuleTensors(*run.net);
 

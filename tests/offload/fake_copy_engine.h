@@ -70,17 +70,11 @@ class FakeCopyEngine : public offload::CopyEngine {
   }
 
  private:
-  struct Copy {
-    const void* src;
-    void* dst;
-    size_t bytes;
-    DoneCallback onDone;
-  };
 
   void push(const void* src, void* dst, size_t bytes, DoneCallback onDone) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      queue_.push_back(Copy{src, dst, bytes, std::move(onDone)});
+      queue_.push_back(QueuedCopy{src, dst, bytes, std::move(onDone)});
       ++queued_;
       maxQueued_ = std::max(maxQueued_, queued_ - done_);
     }
@@ -96,7 +90,7 @@ class FakeCopyEngine : public offload::CopyEngine {
   }
   void run() {
     for (;;) {
-      Copy copy;
+      QueuedCopy copy;
       std::chrono::microseconds delay;
       bool fail = false;
       {
@@ -125,7 +119,7 @@ class FakeCopyEngine : public offload::CopyEngine {
 
   mutable std::mutex mutex_;
   std::condition_variable changed_;
-  std::deque<Copy> queue_;  // all guarded by mutex_
+  std::deque<QueuedCopy> queue_;  // all guarded by mutex_
   int64_t queued_ = 0;
   int64_t done_ = 0;
   int64_t started_ = 0;

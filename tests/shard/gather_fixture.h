@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "shardema/shard/communicator.h"
 #include "shardema/shard/flat_param_layout.h"
 #include "shardema/shard/gather.h"
 #include "shardema/shard/shard_layout.h"
@@ -104,6 +105,23 @@ inline void expectSame(const std::vector<at::Tensor>& expected,
     EXPECT_EQ(actual[i].first, layout.specs[i].name) << where;
     EXPECT_EQ(firstMismatch(expected[i], actual[i].second), "")
         << where << " tensor " << layout.specs[i].name;
+  }
+}
+
+// gatherFull to `root` through a buffer of `bufferBytes`: the root (every
+// rank for -1) gets `full` back bit for bit, the other ranks nothing.
+inline void expectGathered(Communicator& comm, const ShardLayout& layout,
+                           const std::vector<at::Tensor>& locals,
+                           const std::vector<at::Tensor>& full, int64_t root, int64_t bufferBytes,
+                           const std::string& where) {
+  GatherOptions options;
+  options.root = root;
+  options.bufferBytes = bufferBytes;
+  const auto gathered = gatherFull(comm, layout, locals, options);
+  if (root < 0 || root == comm.rank()) {
+    expectSame(full, gathered, layout, where);
+  } else {
+    EXPECT_TRUE(gathered.empty()) << where;
   }
 }
 }  // namespace shardema::shard::gather_fixture

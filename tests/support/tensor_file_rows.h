@@ -26,4 +26,22 @@ inline TensorFile tensorFileOfRows(const std::vector<TensorRow>& rows) {
   return file;
 }
 
+/// One tensor of every dtype a safetensors file holds, with a scalar, a
+/// 0-element and a multi-dimensional shape among them: the sample of the
+/// reader and writer tests.
+inline TensorFile everyDtypeFile() {
+  return tensorFileOfRows({{at::kFloat, {7, 3}},
+                           {at::kBFloat16, {13}},
+                           {at::kFloat, {}},
+                           {at::kHalf, {0, 4}},
+                           {at::kDouble, {5}},
+                           {at::kLong, {2, 2}},
+                           {at::kBool, {9}},
+                           {at::kByte, {0}},
+                           {at::kInt, {31}},
+                           {at::kShort, {3}},
+                           {at::kChar, {1, 1}},
+                           {at::kByte, {17}}});
+}
+
 }  // namespace shardema::testing

@@ -68,6 +68,11 @@ struct TrainingRun {
       : net(seededNet(seed)), sgd(net->parameters(), torch::optim::SGDOptions(0.05)) {}
   /// onFitStart on the model; separate so a test can load a checkpoint first.
   void fitStart() { callback.onFitStart(*net); }
+  /// fitStart, then epochs 0 .. epochs - 1 of the default shape.
+  void fit(int64_t epochs) {
+    fitStart();
+    for (int64_t e = 0; e < epochs; ++e) epoch(e);
+  }
   std::vector<int64_t> epoch(int64_t index, const LoopShape& shape = {}) {
     return trainEpoch(net, sgd, callback, index, globalStep, shape);
   }

@@ -4,9 +4,9 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <sstream>
-#include <unordered_set>
 
 #include "ema_store.h"
+#include "load_matching.h"
 #include "shardema/averager.h"
 #include "shardema/detail/file_metadata.h"
 
@@ -73,23 +73,20 @@ LoadReport Averager::loadEmaValues(const std::vector<std::pair<std::string, at::
 
 LoadReport Averager::loadValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
                                 LoadStrictness strictness, int profile) {
-  LoadReport report;
-  std::unordered_set<std::string> given;
+  std::vector<std::string> trackedNames;
+  for (const TrackedTensor& t : tracked_) trackedNames.push_back(t.name);
+  const LoadReport report = detail::matchLoadTargets(
+      values, trackedNames,
+      [&](const std::string& name) -> const at::Tensor* {
+        const auto it = index_.find(name);
+        return it == index_.end() ? nullptr : &store_->storage(it->second, 0);
+      },
+      "Averager::loadEmaValues", "the tracked tensor");
   for (const auto& [name, tensor] : values) {
-    given.insert(name);
     const auto it = index_.find(name);
-    if (it == index_.end()) {
-      report.unexpected.push_back(name);
-      continue;
+    if (it != index_.end()) {
+      checkLoadableType(name, tensor.scalar_type(), store_->storage(it->second, 0).scalar_type());
     }
-    const at::Tensor& ema = store_->storage(it->second, 0);
-    TORCH_CHECK_VALUE(tensor.sizes() == ema.sizes(), "Averager::loadEmaValues: tensor '", name,
-                      "' has shape ", tensor.sizes(), " but the tracked tensor has shape ",
-                      ema.sizes());
-    checkLoadableType(name, tensor.scalar_type(), ema.scalar_type());
-  }
-  for (const TrackedTensor& t : tracked_) {
-    if (!given.count(t.name)) report.missing.push_back(t.name);
   }
   if (strictness == LoadStrictness::kStrict) {
     TORCH_CHECK_VALUE(report.missing.empty(), "Averager::loadEmaValues: missing tensors ",

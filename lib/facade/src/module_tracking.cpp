@@ -8,6 +8,8 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "load_matching.h"
+
 namespace shardema {
 namespace {
 
@@ -82,22 +84,15 @@ LoadReport loadIntoModule(torch::nn::Module& module, const NamedTensors& values,
                           LoadStrictness strictness) {
   NamedTensors targets = moduleTensors(module);
   std::unordered_map<std::string, at::Tensor> byName(targets.begin(), targets.end());
-  LoadReport report;
-  std::unordered_set<std::string> given;
-  for (const auto& [name, value] : values) {
-    given.insert(name);
-    const auto it = byName.find(name);
-    if (it == byName.end()) {
-      report.unexpected.push_back(name);
-      continue;
-    }
-    TORCH_CHECK_VALUE(value.sizes() == it->second.sizes(), "loadIntoModule: tensor '", name,
-                      "' has shape ", value.sizes(), " but the module's has shape ",
-                      it->second.sizes());
-  }
-  for (const auto& entry : targets) {
-    if (!given.count(entry.first)) report.missing.push_back(entry.first);
-  }
+  std::vector<std::string> targetNames;
+  for (const auto& entry : targets) targetNames.push_back(entry.first);
+  const LoadReport report = detail::matchLoadTargets(
+      values, targetNames,
+      [&](const std::string& name) -> const at::Tensor* {
+        const auto it = byName.find(name);
+        return it == byName.end() ? nullptr : &it->second;
+      },
+      "loadIntoModule", "the module's");
   TORCH_CHECK_VALUE(
       strictness == LoadStrictness::kNonStrict ||
           (report.missing.empty() && report.unexpected.empty()),

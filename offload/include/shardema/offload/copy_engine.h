@@ -63,6 +63,15 @@ class CopyEngine {
   virtual void fenceProducer() = 0;
   /// Blocks until every queued copy is done and its onDone has returned.
   virtual void synchronize() = 0;
+
+ protected:
+  /// One copy as a host-timeline engine queues it until its thread runs it.
+  struct QueuedCopy {
+    const void* src;
+    void* dst;
+    size_t bytes;
+    DoneCallback onDone;
+  };
 };
 
 /// A new engine of the chosen kind.
