@@ -33,7 +33,8 @@ class EMA:
     all of it) or "fsdp2".
     process_group: the group of the collectives (default: the mesh's for
     FSDP2, the default group otherwise).
-    chunk_mib, num_slots: the staging of the offload pipeline.
+    chunk_mib, num_slots: the staging of the offload pipeline (default: the
+    engine's, shardema._C.default_chunk_bytes and default_num_slots).
 
     Call update() after optimizer.step() and fence() before the next one
     (or attach(optimizer) on torch >= 2).
@@ -41,7 +42,8 @@ class EMA:
 
     def __init__(self, model_or_named_tensors: Any, schedule: Optional["_C.DecaySchedule"] = None,
                  policy: str = "versatil", placement: str = "pinned_host", layout: str = "auto",
-                 process_group: Any = None, chunk_mib: float = 32, num_slots: int = 2, *,
+                 process_group: Any = None, chunk_mib: Optional[float] = None,
+                 num_slots: Optional[int] = None, *,
                  copy_on_first_update: bool = True, fence_in_update: bool = False,
                  engine: str = "auto", timeout: Union[float, timedelta] = 300.0,
                  more_schedules: Sequence["_C.DecaySchedule"] = ()) -> None:
@@ -65,7 +67,8 @@ class EMA:
     @classmethod
     def from_local_shards(cls, shards: Sequence[Any], schedule: Optional["_C.DecaySchedule"] = None,
                           placement: str = "pinned_host", process_group: Any = None,
-                          chunk_mib: float = 32, num_slots: int = 2, **kwargs: Any) -> "EMA":
+                          chunk_mib: Optional[float] = None, num_slots: Optional[int] = None,
+                          **kwargs: Any) -> "EMA":
         """The EMA of this rank's local shards, each a shardema.LocalShard, a
         dict {local, spec[, role]} or a tuple (local, spec[, role]) with spec
         a shardema.ShardSpec, a dict or a (name, global_shape, dtype, kind,
@@ -94,12 +97,15 @@ class EMA:
         if not isinstance(schedule, _C.DecaySchedule):
             raise TypeError("schedule must be a shardema schedule (WarmupSchedule, "
                             f"ConstantSchedule, PowerSchedule), got {type(schedule).__name__}")
-        if not chunk_mib > 0:
+        chunk_bytes = (_C.default_chunk_bytes if chunk_mib is None
+                       else int(chunk_mib * (1 << 20)) if chunk_mib > 0 else 0)
+        if chunk_bytes <= 0:
             raise ValueError(f"chunk_mib must be > 0, got {chunk_mib}")
+        num_slots = _C.default_num_slots if num_slots is None else num_slots
         self._hooks: list = []
         self._engine = _C.Ema(plan.group, _seconds(timeout), plan.shards, plan.whole, schedule,
                               list(more_schedules), bool(copy_on_first_update), placement,
-                              int(chunk_mib * (1 << 20)), int(num_slots), bool(fence_in_update),
+                              chunk_bytes, int(num_slots), bool(fence_in_update),
                               engine, plan.layout)
 
     # --- stepping -------------------------------------------------------

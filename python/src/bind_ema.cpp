@@ -16,6 +16,7 @@
 #include "process_group.h"
 #include "python_ema.h"
 #include "shardema/offload/engine_choice.h"
+#include "shardema/offload/update_pipeline.h"
 
 namespace py = pybind11;
 
@@ -44,6 +45,10 @@ RankState fromPython(const py::dict& state) {
 }  // namespace
 
 void bindEma(py::module_& m) {
+  // The offload pipeline's staging defaults, so shardema.EMA uses the
+  // engine's instead of numbers of its own.
+  m.attr("default_chunk_bytes") = offload::kDefaultChunkBytes;
+  m.attr("default_num_slots") = offload::kDefaultNumSlots;
   py::class_<PythonEma>(m, "Ema", "The engine under shardema.EMA (one rank's shards)")
       .def(py::init([](const py::object& group, double timeoutSeconds,
                        std::vector<LocalShard> shards,

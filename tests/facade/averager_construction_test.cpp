@@ -167,6 +167,13 @@ struct MetaNet : torch::nn::Module {
   }
 };
 
+// onFitStart on `net`, then one counted optimizer step `step`, waited for.
+void fitAndStep(EmaCallback& callback, testing::TestNet& net, int64_t step) {
+  callback.onFitStart(*net);
+  callback.onTrainBatchEnd(step, 0, 1, false);
+  callback.wait();
+}
+
 TEST(EmaCallbackConstructionTest, MetaParameterIsRefusedNamingIt) {
   MetaNet net;
   EmaCallback callback;
@@ -181,9 +188,7 @@ TEST(EmaCallbackConstructionTest, MetaParameterIsRefusedNamingIt) {
 TEST(EmaCallbackConstructionTest, FailedResumeLeavesNoEma) {
   testing::TestNet net;
   EmaCallback first;
-  first.onFitStart(*net);
-  first.onTrainBatchEnd(1, 0, 1, false);
-  first.wait();
+  fitAndStep(first, net, 1);
   TrainingCheckpoint checkpoint = TrainingCheckpoint::capture(*net);
   first.onSaveCheckpoint(checkpoint);
   checkpoint.metadata.at("shardema.ema.step") = "one";
@@ -199,9 +204,7 @@ TEST(EmaCallbackConstructionTest, FailedResumeLeavesNoEma) {
 TEST(EmaCallbackConstructionTest, FailurePartWayKeepsThePreviousEma) {
   testing::TestNet net;
   EmaCallback callback;
-  callback.onFitStart(*net);
-  callback.onTrainBatchEnd(3, 0, 1, false);
-  callback.wait();
+  fitAndStep(callback, net, 3);
   AveragerFaultInjection::failStorageAllocation(4);
   EXPECT_THROW(callback.onFitStart(*net), c10::Error);
   ASSERT_TRUE(callback.hasEma());

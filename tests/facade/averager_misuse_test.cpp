@@ -109,6 +109,8 @@ TEST(AveragerMisuseTest, TheAsynchronousUpdateIsTheDefault) {
   // number rather than include the pipeline's header for it).
   EXPECT_EQ(AveragerOffloadOptions{}.chunkBytes, offload::kDefaultChunkBytes);
   EXPECT_EQ(offload::UpdatePipelineOptions{}.chunkBytes, offload::kDefaultChunkBytes);
+  EXPECT_EQ(AveragerOffloadOptions{}.numSlots, offload::kDefaultNumSlots);
+  EXPECT_EQ(offload::UpdatePipelineOptions{}.numSlots, offload::kDefaultNumSlots);
   EXPECT_FALSE(offload::UpdatePipelineOptions{}.stageHostSources);
 }
 

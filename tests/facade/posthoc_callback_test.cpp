@@ -226,8 +226,7 @@ TEST(PostHocCallbackTest, TrainEndWithoutCountedCallsWritesNothing) {
   PostHocCallbackOptions options = smallOptions(dir.path(), 3);
   options.startIter = 100;
   PostHocRun run(10, options);
-  run.fitStart();
-  run.epoch(0, stepEveryBatch(3));
+  run.fit(1, 3);
   EXPECT_EQ(run.callback().calls(), 0);
   EXPECT_EQ(run.callback().onTrainEnd(), "");
   EXPECT_TRUE(posthoc_test::filesIn(dir.path()).empty());

@@ -76,18 +76,18 @@ enum class EmaPlacement {
 
 /// The pipeline of the kPinnedHost placement.
 struct AveragerOffloadOptions {
-  /// Bytes per staging slot and per direct chunk (default 4 MiB,
+  /// Bytes per staging slot and per direct chunk (default 8 MiB,
   /// offload::kDefaultChunkBytes, >= 64). Larger chunks cost fewer copy
   /// calls and hand-offs per update but fill the pipeline later (the first
   /// math waits for the first whole chunk), hold more staging memory and,
   /// once two no longer fit in the last-level cache, are read back from
   /// memory instead of the cache (see kDefaultChunkBytes for the trade-off).
-  int64_t chunkBytes = int64_t{4} << 20;
-  /// Staging slots (default 2: one chunk copied while the previous one's
-  /// math runs). More slots let copies run further ahead of the math when
+  int64_t chunkBytes = int64_t{8} << 20;
+  /// Staging slots (default 4, offload::kDefaultNumSlots; 2 is double
+  /// buffering). More slots let copies run further ahead of the math when
   /// their rates vary, each for chunkBytes more staging (numSlots x
-  /// chunkBytes, held for the Averager's life).
-  int numSlots = 2;
+  /// chunkBytes, held for the Averager's life; 32 MiB by default).
+  int numSlots = 4;
   /// false (default, DESIGN section 2): update() returns at once and the
   /// caller calls fence() before the sources change (update after the
   /// optimizer step, fence before the next one), so the copies overlap the

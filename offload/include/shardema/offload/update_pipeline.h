@@ -79,19 +79,24 @@ class WorkerPool;
 
 class PinnedArena;
 
-/// Default UpdatePipelineOptions::chunkBytes (and the Averager's): 4 MiB,
-/// so 2 x 4 MiB of staging. The CPU reads each staged chunk right after it
-/// lands; a chunk that is still in the last-level cache is read from there,
-/// not from memory, which saves the staged path's second pass over DRAM.
-/// Two slots of 4 MiB stay within the cache share a server core pair (or
-/// DDIO, where a DMA lands) has, where 2 x 32 MiB (the old default) did
-/// not. Smaller chunks cost a copy call and a hand-off each (a CUDA copy
-/// about 10 us: at 1 MiB that is a quarter of the copy's time on PCIe 4,
-/// at 4 MiB under a tenth). The host-engine sweep of offload_bench (README,
-/// Performance) is the measurement to redo on a quiet machine and with the
-/// CUDA engine; on the shared 2-vCPU VM it did not rank the sizes beyond
-/// its noise.
-constexpr int64_t kDefaultChunkBytes = int64_t{4} << 20;
+/// Default UpdatePipelineOptions::chunkBytes and numSlots (and the
+/// Averager's): 4 slots of 8 MiB, 32 MiB of staging. Chosen from
+/// offload_bench's staging sweep on a quiet run (2026-12-03 22:30 UTC, host
+/// engine, f32, 64 Mi elements; fraction of the traffic limit):
+///   slots \ chunk   1 MiB  4 MiB  8 MiB  32 MiB
+///   2               0.47   0.56   0.63   0.78
+///   4               0.54   0.79   1.03   1.12
+/// More slots let the copies run ahead of the math when their rates vary;
+/// larger chunks cost fewer copy calls and hand-offs (a CUDA copy about
+/// 10 us: at 1 MiB a quarter of the copy's time on PCIe 4, at 8 MiB under a
+/// twentieth) and, on the direct path, fewer per-chunk source checks. 32 MiB
+/// chunks gained 9% more for 4x the staging and a longer pipeline fill (the
+/// first math waits for a whole chunk), so 8 MiB it is. The cache argument
+/// for small slots (a chunk read back while still in the last-level cache)
+/// did not show on this VM, whose cache is shared with other guests; redo
+/// the sweep with the CUDA engine, where the copy is a DMA.
+constexpr int64_t kDefaultChunkBytes = int64_t{8} << 20;
+constexpr int kDefaultNumSlots = 4;
 
 struct UpdatePipelineOptions {
   /// Bytes per staging slot and per direct chunk, >= 64 (default
@@ -100,9 +105,9 @@ struct UpdatePipelineOptions {
   /// than the last-level cache is evicted before the worker reads it back,
   /// so its bytes cross the memory bus twice more (see kDefaultChunkBytes).
   int64_t chunkBytes = kDefaultChunkBytes;
-  /// Staging slots, >= 1 (default 2: double buffering). Staging memory is
+  /// Staging slots, >= 1 (default kDefaultNumSlots). Staging memory is
   /// numSlots x chunkBytes, allocated once, whatever the model size.
-  int numSlots = 2;
+  int numSlots = kDefaultNumSlots;
   /// Threads for the math; not owned, must outlive the pipeline and have
   /// at least one worker (the engine's thread must not run the math).
   /// nullptr (default): WorkerPool::shared().
