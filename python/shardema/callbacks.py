@@ -103,8 +103,12 @@ class EMACallback(_Callback):
         for name, value in ema_state.items():
             key = self._prefix() + name
             if key in state:
+                # The raw entry aliases the live parameter (state_dict()
+                # views): clone it, or async checkpoint IO would save the
+                # weights of a later step. The gathered EMA is already a
+                # fresh tensor of this dict's own: no copy beyond the cast.
                 raw[key] = state[key].clone()
-                state[key] = value.to(dtype=state[key].dtype).clone()
+                state[key] = value.to(dtype=state[key].dtype)
         checkpoint[self.RAW_STATE_KEY] = raw
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Dict[str, Any]) -> None:

@@ -2,7 +2,7 @@
 // sources overwritten right after fence), errors, fence vs wait, swap-in;
 // on the staged path (host sources through the engine, as device sources
 // go), the direct path (host sources read in place) and both in one update.
-// Runs under ThreadSanitizer too. Six lines over the 400-line guideline:
+// Runs under ThreadSanitizer too. A few lines over the 400-line guideline:
 // the three paths share one fixture and its reference, which a split would
 // copy.
 #include "shardema/offload/update_pipeline.h"
