@@ -44,6 +44,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
+#include <future>
 #include <string>
 #include <vector>
 
@@ -91,6 +93,16 @@ std::vector<offload::PipelineJob> Model::jobs() const {
 void Model::ema(offload::UpdatePipeline& pipeline) {
   pipeline.submit(jobs(), {kWeight}, ++step);
   pipeline.wait();
+}
+
+std::vector<UpdateSpan> Model::spans() const {
+  std::vector<UpdateSpan> out;
+  for (int t = 0; t < kTensors; ++t) {
+    out.push_back({emas[t].data_ptr<float>(), sources[t].data_ptr(),
+                   dtype == at::kFloat ? SourceType::kFloat32 : SourceType::kBFloat16,
+                   emas[t].numel(), UpdateOp::kLerp});
+  }
+  return out;
 }
 
 const std::vector<at::Tensor>& Model::addends() {
@@ -156,12 +168,7 @@ void BM_Copy(benchmark::State& state, at::ScalarType dtype) {
 
 void BM_Update(benchmark::State& state, at::ScalarType dtype) {
   Model& m = model(dtype, state.range(0));
-  std::vector<UpdateSpan> spans;
-  for (int t = 0; t < kTensors; ++t) {
-    spans.push_back({m.emas[t].data_ptr<float>(), m.sources[t].data_ptr(),
-                     dtype == at::kFloat ? SourceType::kFloat32 : SourceType::kBFloat16,
-                     m.emas[t].numel(), UpdateOp::kLerp});
-  }
+  const std::vector<UpdateSpan> spans = m.spans();
   double total = 0;
   for (auto _ : state) {
     const auto start = Clock::now();
@@ -199,12 +206,19 @@ void BM_InPlace(benchmark::State& state, at::ScalarType dtype) {
 }
 
 // Times `pipeline` over `m` and reports the rate and the traffic limit.
-double timePipeline(benchmark::State& state, Model& m, offload::UpdatePipeline& pipeline) {
+// `paired`, when given, runs untimed here once per pass, before and after it
+// in turn, so that neither side always meets the other's cache leftovers.
+double timePipeline(benchmark::State& state, Model& m, offload::UpdatePipeline& pipeline,
+                    const std::function<void()>& paired = {}) {
   double total = 0;
+  bool pairedFirst = false;
   for (auto _ : state) {
+    pairedFirst = !pairedFirst;
+    if (paired && pairedFirst) paired();
     const auto start = Clock::now();
     m.ema(pipeline);
     total += seconds(Clock::now() - start);
+    if (paired && !pairedFirst) paired();
   }
   const double gbps = m.sourceBytes * state.iterations() / total / 1e9;
   counters(state, m, gbps);
@@ -238,14 +252,33 @@ void BM_Pipeline(benchmark::State& state, at::ScalarType dtype) {
   }
 }
 
+// The direct path, each pass paired with a pass of the update alone over the
+// same model, in alternating order. On a shared VM the memory rate drifts
+// by 20% between rows a second apart, more than the gap measured here, so
+// frac_of_update divides two times taken under the same load. The paired
+// pass runs on the pool's worker, the thread the direct path's math runs
+// on: on this 2-vCPU VM the main thread's vCPU was up to 15% faster than
+// the worker's in some runs, and pinned to one vCPU (taskset) both ways of
+// pairing gave the same 0.96-0.98.
 void BM_Direct(benchmark::State& state, at::ScalarType dtype) {
   Model& m = model(dtype, state.range(0));
-  const double gbps = timePipeline(state, m, *m.direct);
-  const Rates& r = rates()[{dtype, state.range(0)}];
-  if (r.update > 0) {
-    state.counters["update_GBps"] = r.update;
-    state.counters["frac_of_update"] = gbps / r.update;
-  }
+  const std::vector<UpdateSpan> spans = m.spans();
+  double alone = 0;
+  const double gbps = timePipeline(state, m, *m.direct, [&] {
+    std::promise<double> seconds;
+    m.pool.post([&] {
+      const auto start = Clock::now();
+      updateSpans(spans, kWeight, nullptr);
+      seconds.set_value(offload_bench::seconds(Clock::now() - start));
+    });
+    alone += seconds.get_future().get();
+  });
+  const double pairedUpdate = m.sourceBytes * state.iterations() / alone / 1e9;
+  state.counters["update_GBps"] = pairedUpdate;
+  state.counters["frac_of_update"] = gbps / pairedUpdate;
+  const offload::PipelineStats stats = m.direct->stats();
+  state.counters["waiter_share"] =
+      static_cast<double>(stats.waiterChunks) / static_cast<double>(std::max<int64_t>(stats.chunks, 1));
 }
 
 // The staged path with chunk_MiB x slots staging, over the model of the

@@ -37,6 +37,8 @@ struct Model {
   std::vector<shardema::offload::PipelineJob> jobs() const;
   // One update through `pipeline`, submit to wait.
   void ema(shardema::offload::UpdatePipeline& pipeline);
+  // The update-alone row's spans: every source into its EMA, lerp.
+  std::vector<shardema::UpdateSpan> spans() const;
   // A fp32 addend per EMA tensor for the in-place row, made on first use.
   const std::vector<at::Tensor>& addends();
 

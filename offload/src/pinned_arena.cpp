@@ -19,7 +19,10 @@
 
 namespace shardema::offload {
 
-namespace {
+// A named namespace, not an anonymous one: PinnedArena::Accounts derives
+// from Ledger, and a class with external linkage must not have a base
+// without it (g++ warns once this file is part of a unity batch).
+namespace arena_accounting {
 
 // Shared by the arena and every slab it handed out, so a tensor that
 // outlives the arena still has somewhere to report its release.
@@ -40,7 +43,9 @@ struct Ledger {
   }
 };
 
-}  // namespace
+}  // namespace arena_accounting
+
+using arena_accounting::Ledger;
 
 struct PinnedArena::Accounts : Ledger {};
 

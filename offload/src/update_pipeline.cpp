@@ -161,7 +161,9 @@ void UpdatePipeline::submit(std::vector<PipelineJob> jobs, std::vector<float> we
     stats_.sourceBytes += sourceBytes;
     stats_.stagedBytes += stagedBytes;
   }
-  for (int64_t d = 0; d < drainers; ++d) pool_->post([this, d] { runDirectChunks(d); });
+  for (int64_t d = 0; d < drainers; ++d) {
+    pool_->post([this, d] { runDirectChunks(d, /*onWaiter=*/false); });
+  }
   if (staged == 0) return;  // nothing for the engine
   options_.engine->recordProducerPoint();
   for (int64_t c = 0; c < first; ++c) issueChunk(directChunks_ + c, static_cast<int>(c));
@@ -237,8 +239,10 @@ void UpdatePipeline::runChunk(int slot) {
   finishChunk(slot, failure.empty() ? nullptr : chunkError(chunk, failure));
 }
 
-// Worker: direct chunks, starting with `chunk` (claimed for it by
-// submit()), then the next unclaimed one, in order, each read in place.
+// Worker (or the thread in fence()/wait(), see helpWithDirectChunks):
+// direct chunks, starting with `chunk` (claimed for this thread by submit()
+// or by the helper), then the next unclaimed one, in order, each read in
+// place.
 // Check (c) runs before the math (a source already written: the chunk is
 // refused, its EMA untouched) and after it (written while read: the EMA
 // holds torn values), the second in the same critical section that counts
@@ -246,7 +250,7 @@ void UpdatePipeline::runChunk(int slot) {
 // next chunk is claimed in that section too: a drainer touches the shared
 // state only while it holds an unfinished chunk, so once the last chunk is
 // done nothing of this update reads what the next submit() writes.
-void UpdatePipeline::runDirectChunks(int64_t chunk) {
+void UpdatePipeline::runDirectChunks(int64_t chunk, bool onWaiter) {
   std::string failure;
   bool skip = false;
   {
@@ -269,6 +273,7 @@ void UpdatePipeline::runDirectChunks(int64_t chunk) {
       firstError_ = chunkError(chunk, failure);
     }
     ++directDone_;
+    if (onWaiter) ++stats_.waiterChunks;
     const bool more = directClaimed_ < directChunks_;
     if (more) {
       chunk = directClaimed_++;
@@ -279,6 +284,22 @@ void UpdatePipeline::runDirectChunks(int64_t chunk) {
     changed_.notify_all();
     if (!more) return;
   }
+}
+
+// fence()/wait(): rather than sleep until the workers have done every
+// direct chunk, the waiting thread takes the unclaimed ones itself. The
+// thread is blocked either way; this way the wait ends sooner (on a 2-core
+// machine the one worker and the waiter share the math) and a small update
+// does not wait for a worker to wake up at all. Chunks a worker has
+// claimed stay its own: the waiter then sleeps as before.
+void UpdatePipeline::helpWithDirectChunks() {
+  int64_t chunk = -1;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!inFlight_ || directClaimed_ >= directChunks_) return;
+    chunk = directClaimed_++;
+  }
+  runDirectChunks(chunk, /*onWaiter=*/true);
 }
 
 std::exception_ptr UpdatePipeline::chunkError(int64_t chunk, const std::string& failure) const {
@@ -386,6 +407,7 @@ void UpdatePipeline::finishChunk(int slot, std::exception_ptr&& error) {
 
 void UpdatePipeline::fence() {
   const auto start = std::chrono::steady_clock::now();
+  helpWithDirectChunks();
   {
     std::unique_lock<std::mutex> lock(mutex_);
     changed_.wait(lock, [this] {
@@ -405,6 +427,7 @@ void UpdatePipeline::fence() {
 }
 
 void UpdatePipeline::wait() {
+  helpWithDirectChunks();
   std::exception_ptr error;
   {
     std::unique_lock<std::mutex> lock(mutex_);

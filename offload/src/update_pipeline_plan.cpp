@@ -17,6 +17,15 @@ int64_t alignUp(int64_t value, int64_t alignment) {
   return (value + alignment - 1) / alignment * alignment;
 }
 
+// Direct chunks are taken by the workers and by the thread waiting in
+// fence()/wait() (helpWithDirectChunks). Cut into chunkBytes, an update
+// smaller than one chunk would run on one thread, after a worker's wake-up
+// (tens of microseconds on a VM, as long as the math of a few MiB); a few
+// chunks per thread let whoever is free share it. Below kMinDirectChunkBytes
+// a chunk's checks and hand-off would cost more than the sharing saves.
+constexpr int64_t kDirectChunksPerThread = 4;
+constexpr int64_t kMinDirectChunkBytes = int64_t{64} << 10;
+
 }  // namespace
 
 bool UpdatePipeline::readsInPlace(const PipelineJob& job, size_t index) const {
@@ -30,7 +39,15 @@ void UpdatePipeline::plan(const std::vector<PipelineJob>& jobs,
   // nothing here.
   pieces_.clear();
   chunks_.clear();
-  const int64_t capacity = options_.chunkBytes;
+  int64_t directBytes = 0;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    if (readsInPlace(jobs[j], j)) directBytes += static_cast<int64_t>(jobs[j].source.nbytes());
+  }
+  const int64_t threads = pool_->size() + 1;
+  int64_t capacity = std::min(
+      options_.chunkBytes,
+      std::max(kMinDirectChunkBytes,
+               alignUp(directBytes / (kDirectChunksPerThread * threads), kPieceAlign)));
   int64_t used = capacity;  // the first piece opens a chunk
   const auto cut = [&](size_t j) {
     const int64_t srcSize = jobs[j].source.element_size();
@@ -56,6 +73,7 @@ void UpdatePipeline::plan(const std::vector<PipelineJob>& jobs,
     if (readsInPlace(jobs[j], j)) cut(j);
   }
   directChunks_ = static_cast<int64_t>(chunks_.size());
+  capacity = options_.chunkBytes;  // a staged chunk fills a slot
   used = capacity;  // staged chunks never share one with direct pieces
   for (size_t j = 0; j < jobs.size(); ++j) {
     if (!readsInPlace(jobs[j], j)) cut(j);

@@ -218,3 +218,14 @@ class EMA:
     def local_state(self) -> Dict[str, torch.Tensor]:
         """This rank's EMA pieces (1-D clones), the elements it owns."""
         return dict(self._engine.local_ema())
+
+    def offload_stats(self) -> Dict[str, Any]:
+        """What the background pipeline has done so far, all updates:
+        updates, chunks, source_bytes (read from the parameters), staged_bytes
+        (of those, copied through pinned staging: device parameters),
+        staging_bytes (held), fence_wait_seconds / last_fence_wait_seconds
+        (time the training loop blocked in fence()) and waiter_chunks (chunks
+        whose math ran on the thread blocked in fence()/wait() because no
+        worker had started them). A fence wait near zero means the EMA was
+        hidden behind the training step."""
+        return dict(self._engine.offload_stats())

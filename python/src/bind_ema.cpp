@@ -151,7 +151,13 @@ void bindEma(py::module_& m) {
         const auto stats = e.averager().averager().offloadStats();
         py::dict out;
         out["updates"] = stats.updates;
+        out["chunks"] = stats.chunks;
+        out["source_bytes"] = stats.sourceBytes;
+        out["staged_bytes"] = stats.stagedBytes;
+        out["staging_bytes"] = stats.stagingBytes;
         out["fence_wait_seconds"] = stats.fenceWaitSeconds;
+        out["last_fence_wait_seconds"] = stats.lastFenceWaitSeconds;
+        out["waiter_chunks"] = stats.waiterChunks;
         return out;
       });
 }

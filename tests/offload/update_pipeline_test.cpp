@@ -179,7 +179,9 @@ void orderingSweep(Path path, uint32_t seed) {
                              : path == Path::kDirect ? 0
                                                      : oddBytes * kSteps;
     EXPECT_EQ(stats.stagedBytes, expected) << where;
-    if (path == Path::kDirect) EXPECT_EQ(fake.copies(), 0) << where << ": the engine is not used";
+    if (path == Path::kDirect) {
+      EXPECT_EQ(fake.copies(), 0) << where << ": the engine is not used";
+    }
   }
 }
 

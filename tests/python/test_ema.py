@@ -169,6 +169,24 @@ def test_named_tensors_and_device_placement():
     assert torch.equal(ema.full_state_dict()["a"], torch.full((5,), 4.0))
 
 
+def test_offload_stats_count_the_bytes_read_in_place():
+    model = torch.nn.Linear(64, 256)  # no buffers: every tensor every update
+    ema = shardema.EMA(model, schedule=shardema.ConstantSchedule(0.5), chunk_mib=0.01)
+    for _ in range(3):
+        ema.fence()
+        ema.update()
+    ema.wait()
+    stats = ema.offload_stats()
+    assert set(stats) == {"updates", "chunks", "source_bytes", "staged_bytes", "staging_bytes",
+                          "fence_wait_seconds", "last_fence_wait_seconds", "waiter_chunks"}
+    assert stats["updates"] == 3
+    assert stats["source_bytes"] == 3 * (64 * 256 + 256) * 4
+    assert stats["staged_bytes"] == 0  # CPU parameters are read in place
+    assert stats["chunks"] >= 3 * 7  # 65 KiB in chunks of at most 10 KiB
+    assert 0 <= stats["waiter_chunks"] <= stats["chunks"]
+    assert stats["fence_wait_seconds"] >= stats["last_fence_wait_seconds"] >= 0.0
+
+
 # --- misuse ---------------------------------------------------------------
 def test_float64_parameter_is_refused_naming_it():
     model = torch.nn.Linear(2, 2).double()

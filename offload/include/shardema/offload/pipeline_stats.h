@@ -20,6 +20,11 @@ struct PipelineStats {
   /// Seconds fence() blocked, all updates: time the training loop waited
   /// for the EMA instead of overlapping with it.
   double fenceWaitSeconds = 0.0;
+  /// Direct chunks the thread blocked in fence() or wait() took on because
+  /// no worker had started them (counted whether their math ran or was
+  /// skipped after a failure): the part of the EMA that was not hidden
+  /// behind the training step (0 when the step is longer than the update).
+  int64_t waiterChunks = 0;
   /// Seconds the last fence() blocked.
   double lastFenceWaitSeconds = 0.0;
   /// Staging memory held for the pipeline's life: numSlots x chunkBytes.

@@ -20,7 +20,9 @@
 //
 // Threads: submit/fence/wait/copyToDestinations are for one user thread
 // (the training loop); the math runs on the WorkerPool, copy completions on
-// the engine's thread. No user code runs on either. The engine's
+// the engine's thread. A thread blocked in fence() or wait() runs the direct
+// chunks no worker has claimed yet instead of sleeping (counted in
+// PipelineStats::waiterChunks). No user code runs on either. The engine's
 // copyToHost is called from the submitting thread and from workers, several
 // at once (one per slot being refilled); never while this thread is inside
 // recordProducerPoint/fenceProducer/synchronize for the same update, and
@@ -99,8 +101,10 @@ constexpr int64_t kDefaultChunkBytes = int64_t{8} << 20;
 constexpr int kDefaultNumSlots = 4;
 
 struct UpdatePipelineOptions {
-  /// Bytes per staging slot and per direct chunk, >= 64 (default
-  /// kDefaultChunkBytes). Larger chunks cost fewer copy calls and hand-offs
+  /// Bytes per staging slot and the most per direct chunk, >= 64 (default
+  /// kDefaultChunkBytes). Direct updates under 4 chunks per thread (workers
+  /// and the waiter) are cut finer, down to 64 KiB, so that every thread
+  /// gets a share. Larger chunks cost fewer copy calls and hand-offs
   /// but a longer pipeline fill and more staging memory, and a chunk larger
   /// than the last-level cache is evicted before the worker reads it back,
   /// so its bytes cross the memory bus twice more (see kDefaultChunkBytes).
@@ -179,7 +183,8 @@ class UpdatePipeline {
   /// TypeError naming the tensor); the copies and the math trust it.
   void submit(std::vector<PipelineJob> jobs, std::vector<float> weights, int64_t step);
   /// Blocks until every chunk of the update in flight has been read out of
-  /// its source: a direct chunk once its math is done, a staged one once
+  /// its source: a direct chunk once its math is done (the direct chunks no
+  /// worker has started yet run on this thread meanwhile), a staged one once
   /// it is copied (with the CUDA engine: until every copy is queued, then
   /// the training stream waits on them). Late staged chunks' copies wait
   /// for early chunks' math (bounded staging), so this waits for all but
@@ -188,7 +193,8 @@ class UpdatePipeline {
   /// change from now on. Records the time waited. Never throws for a worker
   /// error or a written source (wait() reports it).
   void fence();
-  /// Blocks until the update in flight is done; rethrows its first error
+  /// Blocks until the update in flight is done, running the direct chunks
+  /// no worker has started yet on this thread; rethrows its first error
   /// (c10::Error naming the tensor, chunk and step) once. Without a fence()
   /// since submit() it checks the sources as fence() does, and releases them.
   void wait();
@@ -234,8 +240,11 @@ class UpdatePipeline {
   void issueChunk(int64_t chunk, int slot);
   void onPieceLanded(int slot, std::exception_ptr error);
   void runChunk(int slot);
-  // Worker: direct chunk `chunk`, then the next unclaimed ones in order.
-  void runDirectChunks(int64_t chunk);
+  // Worker (onWaiter: the thread in fence()/wait()): direct chunk `chunk`,
+  // then the next unclaimed ones in order.
+  void runDirectChunks(int64_t chunk, bool onWaiter);
+  // fence()/wait(): runs the direct chunks no worker has claimed yet.
+  void helpWithDirectChunks();
   // The math of one chunk; staging == nullptr for a direct chunk (its
   // pieces read their sources in place).
   void applyChunk(int64_t chunk, const char* staging);

@@ -1,0 +1,172 @@
+// UpdatePipeline: the thread blocked in fence() or wait() runs the direct
+// chunks no worker has claimed. Each test holds the pool's only worker, so
+// the pipeline can finish the unclaimed chunks only on the waiting thread:
+// without that help these tests fail on their deadline instead of hanging.
+// Runs under ThreadSanitizer too.
+#include <ATen/ops/arange.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <future>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "offload/fake_copy_engine.h"
+#include "shardema/detail/pipeline_fault_injection.h"
+#include "shardema/detail/update_kernels.h"
+#include "shardema/offload/update_pipeline.h"
+#include "shardema/offload/worker_pool.h"
+
+namespace shardema {
+namespace {
+
+using offload::PipelineJob;
+using offload::UpdatePipeline;
+
+constexpr int64_t kElements = 640;  // 10 direct chunks of 64 floats
+constexpr int64_t kChunkBytes = 256;
+constexpr int64_t kChunks = 10;
+
+// The pool's only worker, busy until release() (or the end of the test).
+class HeldWorker {
+ public:
+  explicit HeldWorker(offload::WorkerPool& pool) {
+    pool.post([released = released_] { released.wait(); });
+  }
+  ~HeldWorker() { release(); }
+  void release() {
+    if (done_) return;
+    done_ = true;
+    release_.set_value();
+  }
+
+ private:
+  std::promise<void> release_;
+  std::shared_future<void> released_ = release_.get_future().share();
+  bool done_ = false;
+};
+
+struct Fixture {
+  offload::WorkerPool pool{1};
+  testing::FakeCopyEngine engine;
+  UpdatePipeline pipeline{[this] {
+    offload::UpdatePipelineOptions options;
+    options.chunkBytes = kChunkBytes;
+    options.pool = &pool;
+    options.engine = &engine;
+    return options;
+  }()};
+  at::Tensor source = at::arange(kElements, at::kFloat);
+  at::Tensor ema = at::zeros({kElements});
+
+  std::vector<PipelineJob> jobs() const {
+    return {PipelineJob{ema, source, UpdateOp::kLerp, false, "enc.w", {}}};
+  }
+  // Releases `held` once the waiter has run `chunks` chunks, or after 10 s
+  // (then the expectations below fail instead of the test hanging).
+  std::thread releaseAfterWaiterRuns(HeldWorker& held, int64_t chunks) {
+    return std::thread([this, &held, chunks] {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (pipeline.stats().waiterChunks < chunks && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      held.release();
+    });
+  }
+};
+
+// The EMA of the fixture after one lerp of weight 0.5 from zero, by the
+// plain kernel on this thread.
+at::Tensor referenceAfterOneLerp(const at::Tensor& source) {
+  at::Tensor reference = at::zeros({kElements});
+  lerpRange(reference.data_ptr<float>(), source.data_ptr(), SourceType::kFloat32, kElements, 0.5f);
+  return reference;
+}
+
+// submit() gave chunk 0 to the held worker; fence() runs chunks 1-9 on this
+// thread, then waits for chunk 0 like before.
+TEST(UpdatePipelineWaiterTest, FenceRunsTheChunksNoWorkerHasStarted) {
+  Fixture f;
+  HeldWorker held(f.pool);
+  f.pipeline.submit(f.jobs(), {0.5f}, 1);
+  std::thread releaser = f.releaseAfterWaiterRuns(held, kChunks - 1);
+  f.pipeline.fence();
+  releaser.join();
+  EXPECT_EQ(f.pipeline.stats().waiterChunks, kChunks - 1)
+      << "fence() slept while the worker was held instead of running chunks 1-9";
+  const at::Tensor reference = referenceAfterOneLerp(f.source);
+  f.source.fill_(-1.0f);  // the optimizer step, after the fence
+  f.pipeline.wait();
+  EXPECT_TRUE(at::equal(f.ema, reference)) << "bitwise as one thread would have done it";
+  EXPECT_EQ(f.engine.copies(), 0);
+}
+
+// The same through wait() without fence() (it checks and releases the
+// sources as fence() would), then an update the worker runs alone: the
+// waiter's count only moves when a waiter ran chunks.
+TEST(UpdatePipelineWaiterTest, WaitRunsThemTooAndOnlyThoseCount) {
+  Fixture f;
+  {
+    HeldWorker held(f.pool);
+    f.pipeline.submit(f.jobs(), {0.5f}, 1);
+    std::thread releaser = f.releaseAfterWaiterRuns(held, kChunks - 1);
+    f.pipeline.wait();
+    releaser.join();
+  }
+  EXPECT_EQ(f.pipeline.stats().waiterChunks, kChunks - 1);
+  EXPECT_TRUE(f.pipeline.sourcesReleased());
+  EXPECT_TRUE(at::equal(f.ema, referenceAfterOneLerp(f.source)));
+
+  // An idle worker given time drains every chunk before anyone waits.
+  f.pipeline.submit(f.jobs(), {0.5f}, 2);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (f.pipeline.busy() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  f.pipeline.wait();
+  EXPECT_EQ(f.pipeline.stats().waiterChunks, kChunks - 1) << "the worker ran update 2 alone";
+  EXPECT_EQ(f.pipeline.stats().chunks, 2 * kChunks);
+}
+
+// A chunk that fails on the waiting thread fails the update as a worker's
+// would: fence() does not throw, wait() rethrows once naming the tensor,
+// chunk and step, the chunks after it are skipped, and the next update
+// goes through.
+TEST(UpdatePipelineWaiterTest, AFailureOnTheWaiterIsReportedByWait) {
+  Fixture f;
+  detail::PipelineFaultInjection::inject(f.pipeline, {/*step=*/3, /*chunk=*/4});
+  {
+    HeldWorker held(f.pool);
+    f.pipeline.submit(f.jobs(), {0.5f}, 3);
+    std::thread releaser = f.releaseAfterWaiterRuns(held, kChunks - 1);
+    f.pipeline.fence();  // chunks 1-9 on this thread, chunk 4 throws
+    releaser.join();
+  }
+  EXPECT_EQ(f.pipeline.stats().waiterChunks, kChunks - 1) << "skipped chunks count as run";
+  try {
+    f.pipeline.wait();
+    FAIL() << "expected the injected fault";
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    EXPECT_NE(message.find("step 3"), std::string::npos) << message;
+    EXPECT_NE(message.find("'enc.w' (chunk 4 of 10)"), std::string::npos) << message;
+    EXPECT_NE(message.find("injected fault"), std::string::npos) << message;
+  }
+  EXPECT_NO_THROW(f.pipeline.wait()) << "reported once";
+  // Chunks 1-3 ran before the fault, 5-9 were skipped after it; chunk 0 is
+  // the worker's and may have run either way.
+  const at::Tensor reference = referenceAfterOneLerp(f.source);
+  EXPECT_TRUE(at::equal(f.ema.slice(0, 64, 256), reference.slice(0, 64, 256)));
+  EXPECT_TRUE(at::equal(f.ema.slice(0, 256, kElements), at::zeros({kElements - 256})));
+
+  f.pipeline.submit(f.jobs(), {1.0f}, 4);
+  f.pipeline.wait();
+  EXPECT_TRUE(at::equal(f.ema, f.source));
+}
+
+}  // namespace
+}  // namespace shardema
