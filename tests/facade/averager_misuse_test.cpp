@@ -306,5 +306,33 @@ TEST(AveragerMisuseTest, ADirectUpdateWrittenBeforeFenceFailsAtTheNextSubmit) {
   EXPECT_TRUE(at::equal(ema, at::ones({1000}))) << "step 6 lerped 2.0 into 0.0 at weight 0.5";
 }
 
+// The pipeline keeps a source's version handle from update to update while
+// the job holds the same tensor; a new tensor in the same place gets its
+// own. Otherwise a write to the new one before fence() would go unseen
+// (the old tensor's counter never moves).
+TEST(AveragerMisuseTest, ANewSourceTensorInAJobsPlaceIsCheckedByItsOwnCounter) {
+  offload::WorkerPool pool(1);
+  testing::FakeCopyEngine engine;
+  offload::UpdatePipeline pipeline(
+      pipelineOptions(pool, engine, offload::UpdatePipelineOptions{}.chunkBytes));
+  at::Tensor ema = at::zeros({1000});
+  at::Tensor first = at::ones({1000});
+  for (int64_t step = 1; step <= 3; ++step) {  // the same tensor: handle kept
+    pipeline.submit(lerpJob(ema, first, "dec.b"), {0.5f}, step);
+    pipeline.fence();
+    first.add_(1.0f);
+  }
+  at::Tensor second = first.clone();  // e.g. a re-materialised parameter
+  pipeline.submit(lerpJob(ema, second, "dec.b"), {0.5f}, 4);
+  second.add_(1.0f);  // before fence()
+  const std::string message = errorOf([&] { pipeline.wait(); });
+  EXPECT_NE(message.find("step 4"), std::string::npos) << message;
+  EXPECT_NE(message.find("source tensor 'dec.b' was written"), std::string::npos) << message;
+  // And back to the first tensor: its handle is taken afresh and checked.
+  pipeline.submit(lerpJob(ema, first, "dec.b"), {0.5f}, 5);
+  first.add_(1.0f);
+  EXPECT_NE(errorOf([&] { pipeline.wait(); }).find("step 5"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace shardema

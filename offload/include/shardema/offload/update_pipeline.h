@@ -259,7 +259,9 @@ class UpdatePipeline {
   void queueSwapCopies(const std::vector<SwapJob>& jobs, SwapState& state);
   // The error a failed update reports from wait(), naming its step.
   std::exception_ptr updateError(const std::string& what) const;
-  void recordVersions();
+  // Records each source's version counter; `previous` is the last update's
+  // jobs, whose handles are reused for the same tensors.
+  void recordVersions(const std::vector<PipelineJob>& previous);
   // The misuse message for job `job` if its source was written since
   // submit(), else "". Caller holds mutex_ (see the file comment).
   std::string writtenSince(size_t job) const;
