@@ -210,10 +210,14 @@ class EMA:
         tensors (floating ones as `dtype`)."""
         self._engine.export(str(path), dtype)
 
-    def full_state_dict(self, rank0_only: bool = True) -> Dict[str, torch.Tensor]:
+    def full_state_dict(self, rank0_only: bool = True,
+                        names: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:
         """Collective: the full EMA tensors as CPU tensors, on rank 0 (empty
-        dict on the others) or on every rank. For small models and tests."""
-        return dict(self._engine.full_state_dict(rank0_only))
+        dict on the others) or on every rank; `names` (the same on every
+        rank): just those, else all. For small models and tests; export()
+        streams large ones."""
+        chosen = None if names is None else [str(n) for n in names]
+        return dict(self._engine.full_state_dict(rank0_only, chosen))
 
     def local_state(self) -> Dict[str, torch.Tensor]:
         """This rank's EMA pieces (1-D clones), the elements it owns."""

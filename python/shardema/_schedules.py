@@ -1,13 +1,8 @@
 """The three decay schedules. Each returns a ``shardema.DecaySchedule``
 whose ``decay_at(step)`` is the C++ formula (1-based optimizer steps)."""
-import json
 from typing import Optional
 
 from . import _C
-
-# "constant", "warmup" or "power": the kind the schedule's JSON names (the
-# C++ spelling, so there is one table of names).
-_C.DecaySchedule.kind = property(lambda self: json.loads(self.to_json())["kind"])
 
 
 def WarmupSchedule(inv_gamma: float = 1.0, power: float = 0.75, min_value: float = 0.0,

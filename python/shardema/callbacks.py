@@ -15,7 +15,7 @@ import torch
 
 from . import _C
 from ._ema import EMA
-from ._model import _default_group, module_tensors, unwrap
+from ._model import _default_group, is_dtensor, module_tensors, unwrap
 from ._schedules import WarmupSchedule
 
 try:  # pragma: no cover - depends on what is installed
@@ -75,7 +75,13 @@ class EMACallback(_Callback):
                        placement=self._placement, layout=self._layout,
                        process_group=self._process_group, copy_on_first_update=False)
         if self._resume_ema_state is not None:
-            self.ema._engine.load_full_values(list(self._resume_ema_state.items()))
+            # What on_save_checkpoint wrote: DTensors hold this rank's rows,
+            # plain tensors the full EMA.
+            resume = self._resume_ema_state.items()
+            self.ema._engine.load_local_values(
+                [(name, value.to_local()) for name, value in resume if is_dtensor(value)])
+            self.ema._engine.load_full_values(
+                [(name, value) for name, value in resume if not is_dtensor(value)])
             self._resume_ema_state = None
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -97,18 +103,33 @@ class EMACallback(_Callback):
         if self.ema._engine.swapped:
             raise RuntimeError("EMACallback.on_save_checkpoint: the EMA is swapped in for "
                                "validation; save outside validation so the raw weights are kept")
-        ema_state = self.ema.full_state_dict(rank0_only=False)
         state = checkpoint["state_dict"]
+        prefix = self._prefix()
+        keys = {name: prefix + name for name in self.ema._engine.names() if prefix + name in state}
+        # A sharded state dict (FSDP2 under Lightning's ModelParallelStrategy)
+        # holds DTensors: their EMA is this rank's own rows, no communication.
+        # Plain entries (a DDP model, FSDP2's replicated buffers) need the
+        # full EMA: only those are gathered, so a sharded model's EMA is never
+        # assembled on one rank. Every rank has the same keys, so all agree
+        # on whether to gather.
+        whole = [name for name, key in keys.items() if not is_dtensor(state[key])]
+        full = self.ema.full_state_dict(rank0_only=False, names=whole) if whole else {}
         raw: Dict[str, torch.Tensor] = {}
-        for name, value in ema_state.items():
-            key = self._prefix() + name
-            if key in state:
-                # The raw entry aliases the live parameter (state_dict()
-                # views): clone it, or async checkpoint IO would save the
-                # weights of a later step. The gathered EMA is already a
-                # fresh tensor of this dict's own: no copy beyond the cast.
-                raw[key] = state[key].clone()
-                state[key] = value.to(dtype=state[key].dtype)
+        for name, key in keys.items():
+            value = state[key]
+            # The raw entry aliases the live parameter (state_dict() views):
+            # clone it, or async checkpoint IO would save the weights of a
+            # later step.
+            raw[key] = value.clone()
+            if is_dtensor(value):
+                ema = value.clone()  # same mesh and placements, own storage
+                with torch.no_grad():
+                    ema.to_local().copy_(self.ema._engine.ema(name).view(ema.to_local().shape))
+                state[key] = ema
+            else:
+                # The gathered EMA is a fresh tensor of this dict's own: no
+                # copy beyond the cast.
+                state[key] = full[name].to(dtype=value.dtype)
         checkpoint[self.RAW_STATE_KEY] = raw
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Dict[str, Any]) -> None:

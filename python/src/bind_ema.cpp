@@ -116,6 +116,13 @@ void bindEma(py::module_& m) {
             e.loadFullValues(full);
           },
           py::arg("full"))
+      .def(
+          "load_local_values",
+          [](PythonEma& e, const std::vector<std::pair<std::string, at::Tensor>>& local) {
+            py::gil_scoped_release release;
+            e.loadLocalValues(local);
+          },
+          py::arg("local"))
       .def("copy_to", &PythonEma::copyTo, Release())
       .def("swap_in", &PythonEma::swapIn, Release())
       .def("swap_out", &PythonEma::swapOut, Release())
@@ -146,7 +153,8 @@ void bindEma(py::module_& m) {
             e.exportTo(path, type);
           },
           py::arg("path"), py::arg("dtype"))
-      .def("full_state_dict", &PythonEma::fullStateDict, py::arg("rank0_only"), Release())
+      .def("full_state_dict", &PythonEma::fullStateDict, py::arg("rank0_only"),
+           py::arg("names") = py::none(), Release())
       .def("offload_stats", [](const PythonEma& e) {
         const auto stats = e.averager().averager().offloadStats();
         py::dict out;

@@ -21,6 +21,9 @@ void bindSchedules(py::module_& m) {
       .def_property_readonly("update_every", &DecaySchedule::updateEvery)
       .def_property_readonly("gamma", &DecaySchedule::gamma)
       .def_property_readonly("sigma_rel", &DecaySchedule::sigmaRel)
+      .def_property_readonly(
+          "kind", [](const DecaySchedule& s) { return scheduleKindName(s.kind()); },
+          "\"constant\", \"warmup\" or \"power\"")
       .def("to_json", &DecaySchedule::toJson)
       .def_static("from_json", &DecaySchedule::fromJson, py::arg("json"))
       .def(py::self == py::self)

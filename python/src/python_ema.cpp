@@ -72,8 +72,16 @@ void PythonEma::swapIn() {
   std::vector<at::Tensor> raw;
   for (const LocalShard& s : averager_->shards()) raw.push_back(s.local.detach().clone());
   for (const TrackedTensor& t : wholeTensors_) raw.push_back(t.source.detach().clone());
-  writeEmaIntoModel();
+  // Kept before anything is written: a replicated swap writes this rank's
+  // rows and then gathers the others', and a gather that fails (a rank
+  // gone, a timeout) must not leave the model half EMA, half raw.
   raw_ = std::move(raw);
+  try {
+    writeEmaIntoModel();
+  } catch (...) {
+    swapOut();
+    throw;
+  }
 }
 
 void PythonEma::swapOut() {
@@ -87,22 +95,46 @@ void PythonEma::swapOut() {
   raw_.clear();
 }
 
+namespace {
+
+// The two loads below: every tracked shard named in `values` takes the
+// piece `pieceOf` cuts from its value (shard, value -> local-shaped piece);
+// the other shards keep their EMA, untracked names are ignored.
+template <typename PieceOf>
+LoadReport loadPieces(ShardedAverager& averager,
+                      const std::vector<std::pair<std::string, at::Tensor>>& values,
+                      const PieceOf& pieceOf) {
+  std::map<std::string, const at::Tensor*> byName;
+  for (const auto& entry : values) byName[entry.first] = &entry.second;
+  std::vector<std::pair<std::string, at::Tensor>> pieces;
+  for (const LocalShard& s : averager.shards()) {
+    auto it = byName.find(s.spec.name);
+    if (it != byName.end()) pieces.emplace_back(s.spec.name, pieceOf(s, *it->second));
+  }
+  return averager.averager().loadEmaValues(pieces, LoadStrictness::kNonStrict);
+}
+
+}  // namespace
+
 LoadReport PythonEma::loadFullValues(
     const std::vector<std::pair<std::string, at::Tensor>>& full) {
-  std::map<std::string, const at::Tensor*> byName;
-  for (const auto& entry : full) byName[entry.first] = &entry.second;
-  std::vector<std::pair<std::string, at::Tensor>> pieces;
-  for (const LocalShard& s : averager_->shards()) {
-    auto it = byName.find(s.spec.name);
-    if (it == byName.end()) continue;
-    const at::Tensor& tensor = *it->second;
+  return loadPieces(*averager_, full, [this](const LocalShard& s, const at::Tensor& tensor) {
     TORCH_CHECK_VALUE(tensor.numel() == s.spec.numel(), kApi, ": '", s.spec.name, "' has ",
                       tensor.numel(), " elements, the tracked tensor ", s.spec.numel());
     const shard::ElementRange range = s.spec.rangeOf(rank());
     at::Tensor piece = tensor.detach().reshape({-1}).slice(0, range.begin, range.end);
-    pieces.emplace_back(s.spec.name, piece.reshape(s.local.sizes()));
-  }
-  return averager_->averager().loadEmaValues(pieces, LoadStrictness::kNonStrict);
+    return piece.reshape(s.local.sizes());
+  });
+}
+
+LoadReport PythonEma::loadLocalValues(
+    const std::vector<std::pair<std::string, at::Tensor>>& local) {
+  return loadPieces(*averager_, local, [](const LocalShard& s, const at::Tensor& tensor) {
+    TORCH_CHECK_VALUE(tensor.numel() == s.local.numel(), kApi, ": the local piece of '",
+                      s.spec.name, "' has ", tensor.numel(), " elements, this rank's shard ",
+                      s.local.numel());
+    return tensor.detach().reshape(s.local.sizes());
+  });
 }
 
 RankState PythonEma::stateDict() const {
@@ -165,10 +197,11 @@ void PythonEma::exportTo(const std::string& path, c10::ScalarType dtype) {
   averager_->exportFull(*comm_, path, dtype);
 }
 
-std::vector<std::pair<std::string, at::Tensor>> PythonEma::fullStateDict(bool rank0Only) {
+std::vector<std::pair<std::string, at::Tensor>> PythonEma::fullStateDict(
+    bool rank0Only, const std::optional<std::vector<std::string>>& names) {
   shard::GatherOptions options;
   options.root = rank0Only ? 0 : -1;
-  return averager_->gatherFull(*comm_, options);
+  return averager_->gatherFull(*comm_, options, names);
 }
 
 }  // namespace shardema::python

@@ -53,7 +53,9 @@ class PythonEma {
 
   /// The EMA into the model (local shards, and whole tensors when
   /// replicated; collective then); swapIn keeps the raw values to put back
-  /// with swapOut. swapIn while swapped is an error.
+  /// with swapOut, and puts them back itself before rethrowing when the
+  /// writing fails (a replicated swap's gather). swapIn while swapped is an
+  /// error.
   void copyTo();
   void swapIn();
   void swapOut();
@@ -63,6 +65,11 @@ class PythonEma {
   /// state dict) into this rank's EMA: each shard takes its range. Names
   /// not tracked are ignored, tracked ones missing keep their EMA.
   LoadReport loadFullValues(const std::vector<std::pair<std::string, at::Tensor>>& full);
+  /// Loads this rank's own pieces (global names, local shapes: what a
+  /// Shard(0) DTensor's to_local() holds) into its EMA, no communication.
+  /// Names not tracked are ignored, tracked ones missing keep their EMA;
+  /// a piece of another size is a ValueError naming it.
+  LoadReport loadLocalValues(const std::vector<std::pair<std::string, at::Tensor>>& local);
 
   RankState stateDict() const;
   /// Checks rank, world size and layout before anything changes.
@@ -77,7 +84,10 @@ class PythonEma {
   void exportTo(const std::string& path, c10::ScalarType dtype);
   /// Collective: full EMA tensors on rank 0 (rank0Only) or every rank;
   /// an empty list on the others.
-  std::vector<std::pair<std::string, at::Tensor>> fullStateDict(bool rank0Only);
+  /// Collective: the full EMA tensors (every rank's or rank 0's); `names`:
+  /// just those (every rank the same), None: all.
+  std::vector<std::pair<std::string, at::Tensor>> fullStateDict(
+      bool rank0Only, const std::optional<std::vector<std::string>>& names = std::nullopt);
 
  private:
   void writeEmaIntoModel();

@@ -1,6 +1,6 @@
 """A minimal stand-in for torch 2.x's DTensor with exactly the attributes
 shardema reads (to_local / _local_tensor, placements, device_mesh, shape,
-dtype, requires_grad). torch 1.13 here has no DTensor; the real one is
+dtype, requires_grad, and clone for the callbacks' checkpoints). torch 1.13 here has no DTensor; the real one is
 checked by bench/gpu/run.sh on a machine with torch 2.x."""
 import torch
 
@@ -44,3 +44,7 @@ class StandInDTensor:
 
     def to_local(self):
         return self._local_tensor
+
+    def clone(self):
+        return StandInDTensor(self._local_tensor.clone(), self.shape, self.placements,
+                              self.device_mesh)

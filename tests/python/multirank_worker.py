@@ -77,6 +77,95 @@ def train_rows(ema, model, locals_, rank, world, out):
                os.path.join(out, f"rank{rank}.pt"))
 
 
+def standin_fsdp2(locals_):
+    """A model whose parameters are Shard(0) DTensor stand-ins over
+    `locals_` (what fully_shard leaves on a rank), with a load_state_dict
+    that copies DTensor values shard to shard, as DTensor parameters do."""
+    from dtensor_standin import Mesh, StandInDTensor
+    mesh = Mesh(group=dist.distributed_c10d._get_default_group())
+    sharded = make_model()
+    for module_name, module in sharded.named_modules():
+        for name, tensor in list(module._parameters.items()):
+            full_name = f"{module_name}.{name}" if module_name else name
+            module._parameters[name] = StandInDTensor(locals_[full_name], tensor.shape, mesh=mesh)
+
+    def load_state_dict(state, strict=True):
+        params = {n: p for n, p in sharded.named_parameters()}
+        buffers = dict(sharded.named_buffers())
+        with torch.no_grad():
+            for name, value in state.items():
+                if name in params:
+                    params[name].to_local().copy_(value.to_local())
+                else:
+                    buffers[name].copy_(value)
+    sharded.load_state_dict = load_state_dict
+    return sharded, mesh
+
+
+def sharded_state_dict(sharded, mesh):
+    """Lightning's sharded state dict of `sharded` (ModelParallelStrategy):
+    DTensor parameters, plain buffers, each a copy."""
+    from dtensor_standin import StandInDTensor
+    state = {n: StandInDTensor(p.to_local().clone(), p.shape, mesh=mesh)
+             for n, p in sharded.named_parameters()}
+    state.update({n: b.clone() for n, b in sharded.named_buffers()})
+    return state
+
+
+def dtensor_checkpoint(model, rank, world):
+    """EMACallback over an FSDP2 model: the checkpoint holds the EMA as
+    DTensors of this rank's rows (only the replicated buffers are gathered),
+    the raw weights under RAW_STATE_KEY, and a resume restores both."""
+    from types import SimpleNamespace
+    from dtensor_standin import StandInDTensor
+    from shardema.callbacks import EMACallback
+    _, locals_ = fsdp2_rows(model, rank, world)
+    sharded, mesh = standin_fsdp2(locals_)
+    trainer = SimpleNamespace(global_step=0, accumulate_grad_batches=1, is_last_batch=False)
+    callback = EMACallback(power=0.75)
+    callback.on_fit_start(trainer, sharded)
+    for step in range(1, STEPS + 1):
+        callback.on_before_optimizer_step(trainer, sharded, None)
+        train_step(model, step)
+        copy_rows(model, locals_, rank, world)
+        trainer.global_step += 1
+        callback.on_train_batch_end(trainer, sharded, None, None, 0)
+    ema = callback.ema
+    ema.wait()
+    expected = ema.local_state()
+    buffers = [n for n, _ in sharded.named_buffers()]
+    full_buffers = ema.full_state_dict(rank0_only=False, names=buffers)
+    gathered = []
+    gather = ema.full_state_dict
+    ema.full_state_dict = lambda **kw: gathered.append(list(kw.get("names") or ())) or gather(**kw)
+    checkpoint = {"state_dict": sharded_state_dict(sharded, mesh)}
+    callback.on_save_checkpoint(trainer, sharded, checkpoint)
+    assert gathered == [buffers], f"gathered {gathered}, expected only the buffers {buffers}"
+    state, raw = checkpoint["state_dict"], checkpoint[EMACallback.RAW_STATE_KEY]
+    for name, param in sharded.named_parameters():
+        assert isinstance(state[name], StandInDTensor), name
+        rows = state[name].to_local()
+        assert torch.equal(rows, expected[name].view(rows.shape).to(rows.dtype)), name
+        assert torch.equal(raw[name].to_local(), param.to_local()), name
+    for name in buffers:
+        assert torch.equal(state[name], full_buffers[name].to(state[name].dtype)), name
+
+    # Resume into fresh rows: the module gets the raw weights, the EMA its own.
+    _, fresh = fsdp2_rows(make_model(), rank, world)
+    for rows in fresh.values():
+        rows.zero_()
+    resumed, _ = standin_fsdp2(fresh)
+    callback2 = EMACallback(power=0.75)
+    callback2.on_load_checkpoint(trainer, resumed, checkpoint)
+    callback2.on_fit_start(trainer, resumed)
+    for name, param in resumed.named_parameters():
+        assert torch.equal(param.to_local(), raw[name].to_local()), name
+    got = callback2.ema.local_state()
+    assert list(got) == list(expected)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
 def run(scenario, rank, world, out):
     model = make_model()
     if scenario == "replicated":
@@ -120,6 +209,29 @@ def run(scenario, rank, world, out):
         shards, _ = fsdp2_rows(model, rank, world)
         ema = shardema.EMA.from_local_shards(shards, schedule=schedule(), timeout=60)
         ema.load(os.environ["SHARDEMA_TEST_CHECKPOINT"])
+    elif scenario == "swap_rank_raises":
+        # A replicated swap gathers every rank's rows; rank 1 never joins,
+        # so rank 0's gather times out after it has already written its own
+        # rows into the model: the model must come back as it was.
+        ema = shardema.EMA(model, schedule=schedule(), timeout=5)
+        for step in range(1, 4):
+            ema.fence()
+            train_step(model, step)
+            ema.update()
+        ema.wait()
+        if rank == 1:
+            raise RuntimeError("rank 1 fails before the swap")
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        error = None
+        try:
+            with ema.swap(model):
+                pass
+        except RuntimeError as e:
+            error = str(e)
+        torch.save({"before": before, "after": model.state_dict(), "error": error},
+                   os.path.join(out, f"rank{rank}.pt"))
+    elif scenario == "dtensor_checkpoint":
+        dtensor_checkpoint(model, rank, world)
     elif scenario == "rank_raises":
         ema = shardema.EMA(model, schedule=schedule(), timeout=20)
         if rank == 1:

@@ -126,3 +126,20 @@ def test_rank_that_raises_before_a_collective_fails_the_others_in_time(tmp_path)
         assert errors[r].startswith("RuntimeError"), errors[r]
     assert time.monotonic() - start < 90
     assert not os.path.exists(tmp_path / "ckpt" / "manifest.json")
+
+
+def test_a_swap_whose_gather_fails_leaves_the_model_as_it_was(tmp_path):
+    codes, errors = launch("swap_rank_raises", 2, tmp_path, timeout=60)
+    assert codes[1] == 3 and "rank 1 fails" in errors[1], errors
+    assert codes[0] == 0, errors
+    result = torch.load(tmp_path / "rank0.pt")
+    assert result["error"] is not None, "the gather without rank 1 should have failed"
+    for name, value in result["before"].items():
+        assert torch.equal(result["after"][name], value), name
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_emacallback_checkpoint_of_an_fsdp2_model_keeps_the_ema_sharded(world, tmp_path):
+    # Stand-in DTensors (torch 1.13 has none); the checks are in the worker.
+    codes, errors = launch("dtensor_checkpoint", world, tmp_path)
+    assert codes == [0] * world, errors

@@ -35,18 +35,6 @@ void checkUpdateEvery(const char* api, int64_t updateEvery) {
 
 using detail::checkStep;
 
-const char* kindName(ScheduleKind kind) {
-  switch (kind) {
-    case ScheduleKind::kConstant:
-      return "constant";
-    case ScheduleKind::kWarmup:
-      return "warmup";
-    case ScheduleKind::kPower:
-      return "power";
-  }
-  return "unknown";
-}
-
 const char* conventionName(BetaConvention convention) {
   return convention == BetaConvention::kEdm2 ? "edm2" : "nitrous";
 }
@@ -256,19 +244,19 @@ int64_t DecaySchedule::updateEvery() const {
 double DecaySchedule::gamma() const {
   TORCH_CHECK_VALUE(kind_ == ScheduleKind::kPower,
                     "DecaySchedule::gamma: only power schedules have a gamma; this one is ",
-                    kindName(kind_));
+                    scheduleKindName(kind_));
   return gamma_;
 }
 
 double DecaySchedule::sigmaRel() const {
   TORCH_CHECK_VALUE(kind_ == ScheduleKind::kPower,
                     "DecaySchedule::sigmaRel: only power schedules have a sigma_rel; this one is ",
-                    kindName(kind_));
+                    scheduleKindName(kind_));
   return sigmaRel_;
 }
 
 std::string DecaySchedule::toJson() const {
-  FlatJsonWriter writer(kindName(kind_));
+  FlatJsonWriter writer(scheduleKindName(kind_));
   switch (kind_) {
     case ScheduleKind::kConstant:
       writer.add("decay", constant_.decay);
@@ -347,6 +335,18 @@ std::string DecaySchedule::describe() const {
       break;
   }
   return buffer;
+}
+
+const char* scheduleKindName(ScheduleKind kind) {
+  switch (kind) {
+    case ScheduleKind::kConstant:
+      return "constant";
+    case ScheduleKind::kWarmup:
+      return "warmup";
+    case ScheduleKind::kPower:
+      return "power";
+  }
+  return "unknown";
 }
 
 }  // namespace shardema

@@ -123,7 +123,8 @@ std::vector<at::Tensor> ShardedAverager::localEmaPieces() const {
 }
 
 std::vector<std::pair<std::string, at::Tensor>> ShardedAverager::gatherFull(
-    shard::Communicator& comm, shard::GatherOptions options) const {
+    shard::Communicator& comm, shard::GatherOptions options,
+    const std::optional<std::vector<std::string>>& only) const {
   std::vector<at::Tensor> pieces;
   try {
     pieces = localEmaPieces();
@@ -132,7 +133,17 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedAverager::gatherFull(
     // with it, so every rank fails at once naming this one.
     options.localError = detail::currentErrorMessage();
   }
-  return shard::gatherFull(comm, layout_, pieces, options);
+  if (!only) return shard::gatherFull(comm, layout_, pieces, options);
+  const std::unordered_set<std::string> wanted(only->begin(), only->end());
+  for (const std::string& name : wanted) layout_.at(name);  // IndexError naming it
+  shard::ShardLayout subset;
+  std::vector<at::Tensor> subsetPieces;
+  for (size_t i = 0; i < layout_.specs.size(); ++i) {
+    if (wanted.count(layout_.specs[i].name) == 0) continue;
+    subset.specs.push_back(layout_.specs[i]);
+    if (!pieces.empty()) subsetPieces.push_back(pieces[i]);
+  }
+  return shard::gatherFull(comm, subset, subsetPieces, options);
 }
 
 std::vector<LocalShard> shardsFromFullTensors(const std::vector<TrackedTensor>& full,

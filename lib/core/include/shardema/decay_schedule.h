@@ -13,6 +13,9 @@ namespace shardema {
 
 enum class ScheduleKind { kConstant, kWarmup, kPower };
 
+/// "constant", "warmup" or "power": the names toJson() writes.
+const char* scheduleKindName(ScheduleKind kind);
+
 /// Which off-by-one of the power-function beta to use (spec section 2).
 enum class BetaConvention {
   /// ema-pytorch / nitrous (the default): beta(n) = (1 - 1/(n+1))^(gamma+1);

@@ -10,6 +10,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -88,8 +89,13 @@ class ShardedAverager {
   /// on the receiving rank(s) of `options` (shard::gatherFull). When this
   /// rank's localEmaPieces() throws (e.g. a failed background update), it
   /// joins with GatherOptions::localError, so every rank fails at once.
+  /// `only`: just these tensors (layout order; every rank the same names;
+  /// an untracked name is a c10::IndexError naming it, on every rank before
+  /// any exchange), e.g. the replicated buffers of an FSDP2 model whose
+  /// parameters a caller reads as local shards.
   std::vector<std::pair<std::string, at::Tensor>> gatherFull(
-      shard::Communicator& comm, shard::GatherOptions options = {}) const;
+      shard::Communicator& comm, shard::GatherOptions options = {},
+      const std::optional<std::vector<std::string>>& only = std::nullopt) const;
 
   /// Collective: streams the full EMA to options.root (>= 0), which writes
   /// one deployable safetensors file at `path` tensor by tensor
