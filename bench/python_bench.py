@@ -14,8 +14,10 @@ same way on the same tensors:
   - torch.optim.swa_utils.get_ema_multi_avg_fn (torch >= 2.1).
 Every row prints GB/s (the bytes an fp32 EMA update must move: read the
 source, read and write the EMA) and that rate over the host's in-place
-bandwidth (a.add_(b) on fp32, 12 bytes per element) measured in this run.
-Figures are medians of R timed runs after one warm-up.
+bandwidth (a.add_(b) on fp32, 12 bytes per element) measured in the same
+rounds. Figures are medians of R rounds after one warm-up; each round runs
+every method once (the in-place limit too), in rotating order, so ours, the
+peers and the limit see the same load.
 """
 import argparse
 import json
@@ -40,35 +42,35 @@ def sizes_for(total, count, seed=0):
     return [int(s) for s in scaled]
 
 
-def median_seconds(fn, repeats):
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def interleaved_medians(methods, repeats):
+    """{name: median seconds} of each (name, fn), after one warm-up each, timed
+    in rounds: every round runs every method once, the order rotating, so
+    all see the same load. This VM's memory rate drifts by 2x within a
+    minute; timing the methods one after another would compare the drift."""
+    for _, fn in methods:
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times = {name: [] for name, _ in methods}
+    for r in range(repeats):
+        for name, fn in methods[r % len(methods):] + methods[:r % len(methods)]:
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
-def inplace_bandwidth(elements, repeats):
-    a = torch.ones(elements)
-    b = torch.ones(elements)
-    t = median_seconds(lambda: a.add_(b), repeats)
-    return 12 * elements / t / 1e9
-
-
-def bench_dtype(dtype, sizes, repeats, bw):
+def bench_dtype(dtype, sizes, repeats):
     params = [torch.nn.Parameter(torch.randn(n).to(dtype)) for n in sizes]
     elements = sum(sizes)
     source_bytes = 2 if dtype == torch.bfloat16 else 4
     moved = (source_bytes + 8) * elements  # read source, read + write fp32 EMA
-    rows = []
 
-    def row(name, seconds, returns=None):
-        gbs = moved / seconds / 1e9
-        rows.append({"dtype": str(dtype).replace("torch.", ""), "method": name,
-                     "ms": seconds * 1e3, "returns_ms": None if returns is None else returns * 1e3,
-                     "gb_s": gbs, "fraction_of_inplace": gbs / bw})
+    # The host's in-place bandwidth (a.add_(b) on fp32, 12 bytes per
+    # element), timed in the same rounds as the rest.
+    a = torch.ones(elements)
+    b = torch.ones(elements)
+
+    def inplace():
+        a.add_(b)
 
     ema = shardema.EMA([(f"t{i}", p) for i, p in enumerate(params)],
                        schedule=shardema.ConstantSchedule(0.999), policy="ema_pytorch")
@@ -81,9 +83,6 @@ def bench_dtype(dtype, sizes, repeats, bw):
         returns.append(time.perf_counter() - start)
         ema.wait()
 
-    full = median_seconds(ours, repeats)
-    row("shardema.EMA update+wait", full, statistics.median(returns[1:]))
-
     emas = [p.detach().float().clone() for p in params]
     weight = 1 - 0.999
 
@@ -92,23 +91,22 @@ def bench_dtype(dtype, sizes, repeats, bw):
             for e, p in zip(emas, params):
                 e.lerp_(p if p.dtype == torch.float32 else p.float(), weight)
 
-    row("per-tensor lerp_ (ema-pytorch)", median_seconds(per_tensor_lerp, repeats))
-
     def sources():
         return [p.detach() if p.dtype == torch.float32 else p.detach().float() for p in params]
 
+    methods = [("in-place a.add_(b)", inplace), ("shardema.EMA update+wait", ours),
+               ("per-tensor lerp_ (ema-pytorch)", per_tensor_lerp)]
     if hasattr(torch, "_foreach_lerp_"):
         def foreach():
             with torch.no_grad():
                 torch._foreach_lerp_(emas, sources(), weight)
-        row("torch._foreach_lerp_", median_seconds(foreach, repeats))
+        methods.append(("torch._foreach_lerp_", foreach))
     else:
         def foreach():
             with torch.no_grad():
                 torch._foreach_mul_(emas, 0.999)
                 torch._foreach_add_(emas, sources(), alpha=weight)
-        row("_foreach_mul_+_foreach_add_ (1.13)", median_seconds(foreach, repeats))
-
+        methods.append(("_foreach_mul_+_foreach_add_ (1.13)", foreach))
     swa = getattr(torch.optim.swa_utils, "get_ema_multi_avg_fn", None)
     if swa is not None:
         fn = swa(0.999)
@@ -117,7 +115,18 @@ def bench_dtype(dtype, sizes, repeats, bw):
         def swa_update():
             with torch.no_grad():
                 fn(emas, sources(), steps)
-        row("swa_utils get_ema_multi_avg_fn", median_seconds(swa_update, repeats))
+        methods.append(("swa_utils get_ema_multi_avg_fn", swa_update))
+
+    medians = interleaved_medians(methods, repeats)
+    bw = 12 * elements / medians.pop("in-place a.add_(b)") / 1e9
+    rows = []
+    for name, seconds in medians.items():
+        gbs = moved / seconds / 1e9
+        rows.append({"dtype": str(dtype).replace("torch.", ""), "method": name,
+                     "ms": seconds * 1e3,
+                     "returns_ms": statistics.median(returns[1:]) * 1e3 if name.startswith(
+                         "shardema") else None,
+                     "gb_s": gbs, "fraction_of_inplace": gbs / bw, "inplace_gb_s": bw})
     return rows
 
 
@@ -125,17 +134,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--elements", type=int, default=64 << 20)
     parser.add_argument("--tensors", type=int, default=1000)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     sizes = sizes_for(args.elements, args.tensors)
-    bw = inplace_bandwidth(args.elements, args.repeats)
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
-        rows += bench_dtype(dtype, sizes, args.repeats, bw)
+        rows += bench_dtype(dtype, sizes, args.repeats)
+    bw = {r["dtype"]: r["inplace_gb_s"] for r in rows}
     print(f"python_bench: torch {torch.__version__}, {platform.machine()}, "
           f"{os.cpu_count()} CPUs, {args.tensors} tensors, {args.elements / (1 << 20):.0f} Mi "
-          f"elements; in-place bandwidth {bw:.2f} GB/s (a.add_(b), fp32)")
+          f"elements; in-place bandwidth (a.add_(b), fp32) in the float32 rounds "
+          f"{bw['float32']:.2f} GB/s, in the bfloat16 rounds {bw['bfloat16']:.2f} GB/s")
     print(f"{'dtype':<9}{'method':<38}{'ms':>9}{'returns ms':>12}{'GB/s':>8}{'of limit':>10}"
           f"{'speedup':>9}")
     for dtype in ("float32", "bfloat16"):

@@ -2,7 +2,9 @@
 """The Python package on a GPU machine (run by bench/gpu/run.sh after pip
 install): the CUDA copy engine under shardema.EMA and a real fully_shard
 model on the GPU, each against a float64 recomputation of the EMA from the
-full weights of every step.
+full weights of every step; and EMACallback's checkpoint of that model
+through a real sharded state dict (DTensors: the EMA stays sharded) and
+its resume.
 
     python_check.py            (one process; starts its own NCCL group of 1)
 """
@@ -86,7 +88,69 @@ def fsdp2_gpu_check():
     train(model, optimizer, ema, ref,
           lambda: {n: p.full_tensor() for n, p in model.named_parameters()})
     ok = check(ema.full_state_dict(), ref, "FSDP2 on the GPU (NCCL, 1 rank)")
+    try:
+        ok &= fsdp2_callback_checkpoint_check()
+    except Exception:  # report, and let the other checks' results stand
+        import traceback
+        traceback.print_exc()
+        print("EMACallback checkpoint of a fully_shard model: FAILED")
+        ok = False
     dist.destroy_process_group()
+    return ok
+
+
+def sharded_model():
+    from torch.distributed.fsdp import fully_shard
+    model = model_on("cuda")
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def fsdp2_callback_checkpoint_check():
+    """EMACallback over a fully_shard model: on_save_checkpoint on the
+    sharded state dict Lightning's ModelParallelStrategy saves
+    (get_model_state_dict, DTensor entries) keeps DTensors holding this
+    rank's EMA rows and the raw weights beside them; a fresh model and
+    callback resumed from it get both back."""
+    from types import SimpleNamespace
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from shardema.callbacks import EMACallback
+    model = sharded_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    trainer = SimpleNamespace(global_step=0, accumulate_grad_batches=1, is_last_batch=False)
+    callback = EMACallback(power=0.75)
+    callback.on_fit_start(trainer, model)
+    for batch in range(STEPS):
+        model(torch.randn(8, 96, device="cuda")).square().mean().backward()
+        callback.on_before_optimizer_step(trainer, model, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        trainer.global_step += 1
+        callback.on_train_batch_end(trainer, model, None, None, batch)
+    callback.ema.wait()
+    expected = callback.ema.local_state()
+    checkpoint = {"state_dict": get_model_state_dict(model)}
+    callback.on_save_checkpoint(trainer, model, checkpoint)
+    state, raw = checkpoint["state_dict"], checkpoint[EMACallback.RAW_STATE_KEY]
+    ok = True
+    for name, param in model.named_parameters():
+        rows = state[name].to_local()
+        ok &= type(state[name]).__name__ == "DTensor"
+        ok &= torch.equal(rows.float().cpu().reshape(-1), expected[name])
+        ok &= torch.equal(raw[name].to_local(), param.to_local())
+    resumed = sharded_model()
+    callback2 = EMACallback(power=0.75)
+    callback2.on_load_checkpoint(trainer, resumed, checkpoint)
+    callback2.on_fit_start(trainer, resumed)
+    for name, param in resumed.named_parameters():
+        ok &= torch.equal(param.to_local(), raw[name].to_local())
+    got = callback2.ema.local_state()
+    ok &= all(torch.equal(got[n], v) for n, v in expected.items())
+    print(f"EMACallback checkpoint of a fully_shard model (sharded state dict, resume): "
+          f"{'ok' if ok else 'FAILED'}")
     return ok
 
 

@@ -37,6 +37,22 @@ def synthesize(folder: str, sigma_rel: float, step: Optional[int] = None,
         return dict(read_safetensors(out)["tensors"])
 
 
+def start_engine(model: torch.nn.Module, *, sigma_rels: Sequence[float], update_every: int,
+                 checkpoint_every: int, folder: str, start_iter: int, default_sigma: float,
+                 step_size_correction: bool, placement: str, policy: str,
+                 output_dtype: torch.dtype, group: Any, seconds: float) -> Any:
+    """The C++ post-hoc engine (the PostHocCallback) over `model`'s tensors,
+    started: what PostHocEMA and DDPPostHocEMACallback share."""
+    engine = _C.PostHoc(
+        [float(s) for s in sigma_rels], int(update_every), int(checkpoint_every), str(folder),
+        int(start_iter), float(default_sigma), bool(step_size_correction), placement, policy, "",
+        "shardema_ema_final", output_dtype, group, float(seconds))
+    tracked = module_tensors(model, policy)
+    engine.on_fit_start([(t.name, t.tensor) for t in tracked], [t.role for t in tracked],
+                        [t.is_buffer for t in tracked])
+    return engine
+
+
 class PostHocEMA:
     """Post-hoc EMA of a model: one power-function EMA per sigma_rel, updated
     in one pass, snapshotted every checkpoint_every_num_steps updates into
@@ -60,14 +76,12 @@ class PostHocEMA:
         group = process_group if process_group is not None else _default_group()
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         self.checkpoint_folder = str(checkpoint_folder)
-        self._engine = _C.PostHoc(
-            [float(s) for s in sigma_rels], int(update_every), int(checkpoint_every_num_steps),
-            self.checkpoint_folder, 0, float(sigma_rels[0]) if sigma_rels else 0.05,
-            bool(step_size_correction), placement, policy, "", "shardema_ema_final",
-            output_dtype, group, seconds)
-        tracked = module_tensors(model, policy)
-        self._engine.on_fit_start([(t.name, t.tensor) for t in tracked],
-                                  [t.role for t in tracked], [t.is_buffer for t in tracked])
+        self._engine = start_engine(
+            model, sigma_rels=sigma_rels, update_every=update_every,
+            checkpoint_every=checkpoint_every_num_steps, folder=self.checkpoint_folder,
+            start_iter=0, default_sigma=float(sigma_rels[0]) if sigma_rels else 0.05,
+            step_size_correction=step_size_correction, placement=placement, policy=policy,
+            output_dtype=output_dtype, group=group, seconds=seconds)
         self.sigma_rels = tuple(float(s) for s in sigma_rels)
 
     def update(self) -> bool:

@@ -13,9 +13,9 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from . import _C
 from ._ema import EMA
-from ._model import _default_group, is_dtensor, module_tensors, unwrap
+from ._model import _default_group, is_dtensor, unwrap
+from ._posthoc import start_engine
 from ._schedules import WarmupSchedule
 
 try:  # pragma: no cover - depends on what is installed
@@ -195,14 +195,12 @@ class DDPPostHocEMACallback(_Callback):
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         group = self._process_group if self._process_group is not None else _default_group()
-        self._engine = _C.PostHoc(
-            list(self.sigma_rels), self.update_every, self.checkpoint_every,
-            self._folder(trainer), self.start_iter, self.default_output_sigma,
-            self.step_size_correction, self.placement, "ema_pytorch", "", "shardema_ema_final",
-            self._output_dtype, group, 300.0)
-        tracked = module_tensors(unwrap(pl_module), "ema_pytorch")
-        self._engine.on_fit_start([(t.name, t.tensor) for t in tracked],
-                                  [t.role for t in tracked], [t.is_buffer for t in tracked])
+        self._engine = start_engine(
+            unwrap(pl_module), sigma_rels=self.sigma_rels, update_every=self.update_every,
+            checkpoint_every=self.checkpoint_every, folder=self._folder(trainer),
+            start_iter=self.start_iter, default_sigma=self.default_output_sigma,
+            step_size_correction=self.step_size_correction, placement=self.placement,
+            policy="ema_pytorch", output_dtype=self._output_dtype, group=group, seconds=300.0)
         if self._queued_state is not None:
             self._engine.load_state(self._queued_state)
             self._queued_state = None
