@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "offload/fake_copy_engine.h"
+#include "offload/held_worker.h"
 #include "shardema/averager.h"
 #include "shardema/offload/update_pipeline.h"
 #include "shardema/offload/worker_pool.h"
@@ -65,25 +66,6 @@ std::vector<offload::PipelineJob> lerpJob(const at::Tensor& ema, const at::Tenso
                                           const std::string& name) {
   return {offload::PipelineJob{ema, source, UpdateOp::kLerp, false, name, {}}};
 }
-
-// Holds a pool's only worker until release(), so a test decides what
-// happens before the worker reads anything.
-class HeldWorker {
- public:
-  explicit HeldWorker(offload::WorkerPool& pool) {
-    pool.post([released = released_] { released.wait(); });
-  }
-  ~HeldWorker() { release(); }
-  void release() {
-    if (!done_) release_.set_value();
-    done_ = true;
-  }
-
- private:
-  std::promise<void> release_;
-  std::shared_future<void> released_ = release_.get_future().share();
-  bool done_ = false;
-};
 
 // The refusal of a write to "enc.w" (640 floats in chunks of 256 bytes)
 // at step 9, and then: fresh updates with the write after fence() are
@@ -271,7 +253,7 @@ TEST(AveragerMisuseTest, TheWorkerRefusesADirectChunkWhoseSourceWasWrittenBefore
   offload::UpdatePipeline pipeline(pipelineOptions(pool, engine, 256));
   at::Tensor source = at::arange(640, at::kFloat);
   at::Tensor ema = at::zeros({640});
-  HeldWorker held(pool);
+  testing::HeldWorker held(pool);
   pipeline.submit(lerpJob(ema, source, "enc.w"), {0.5f}, 9);
   source.add_(1.0f);  // before the worker has read anything
   held.release();
@@ -290,7 +272,7 @@ TEST(AveragerMisuseTest, ADirectUpdateWrittenBeforeFenceFailsAtTheNextSubmit) {
       pipelineOptions(pool, engine, offload::UpdatePipelineOptions{}.chunkBytes));
   at::Tensor source = at::ones({1000});
   at::Tensor ema = at::zeros({1000});
-  HeldWorker held(pool);
+  testing::HeldWorker held(pool);
   pipeline.submit(lerpJob(ema, source, "dec.b"), {0.5f}, 4);
   source.mul_(2.0f);  // the optimizer step, without fence()
   held.release();

@@ -10,12 +10,13 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
-#include <future>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "offload/fake_copy_engine.h"
+#include "offload/held_worker.h"
 #include "shardema/detail/pipeline_fault_injection.h"
 #include "shardema/detail/update_kernels.h"
 #include "shardema/offload/update_pipeline.h"
@@ -30,25 +31,6 @@ using offload::UpdatePipeline;
 constexpr int64_t kElements = 640;  // 10 direct chunks of 64 floats
 constexpr int64_t kChunkBytes = 256;
 constexpr int64_t kChunks = 10;
-
-// The pool's only worker, busy until release() (or the end of the test).
-class HeldWorker {
- public:
-  explicit HeldWorker(offload::WorkerPool& pool) {
-    pool.post([released = released_] { released.wait(); });
-  }
-  ~HeldWorker() { release(); }
-  void release() {
-    if (done_) return;
-    done_ = true;
-    release_.set_value();
-  }
-
- private:
-  std::promise<void> release_;
-  std::shared_future<void> released_ = release_.get_future().share();
-  bool done_ = false;
-};
 
 struct Fixture {
   offload::WorkerPool pool{1};
@@ -66,16 +48,24 @@ struct Fixture {
   std::vector<PipelineJob> jobs() const {
     return {PipelineJob{ema, source, UpdateOp::kLerp, false, "enc.w", {}}};
   }
-  // Releases `held` once the waiter has run `chunks` chunks, or after 10 s
-  // (then the expectations below fail instead of the test hanging).
-  std::thread releaseAfterWaiterRuns(HeldWorker& held, int64_t chunks) {
-    return std::thread([this, &held, chunks] {
+  // Submits update `step` while the worker is held, so that it can start
+  // only the chunk submit() gave it, and runs `waitCall` (fence or wait).
+  // The worker is released once the waiter has taken every other chunk
+  // (waiterChunks grew by kChunks - 1), or after 10 s: then the
+  // expectations fail instead of the test hanging.
+  void runWithHeldWorker(float weight, int64_t step, const std::function<void()>& waitCall) {
+    testing::HeldWorker held(pool);
+    const int64_t target = pipeline.stats().waiterChunks + kChunks - 1;
+    pipeline.submit(jobs(), {weight}, step);
+    std::thread releaser([this, &held, target] {
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-      while (pipeline.stats().waiterChunks < chunks && std::chrono::steady_clock::now() < deadline) {
+      while (pipeline.stats().waiterChunks < target && std::chrono::steady_clock::now() < deadline) {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
       held.release();
     });
+    waitCall();
+    releaser.join();
   }
 };
 
@@ -91,11 +81,7 @@ at::Tensor referenceAfterOneLerp(const at::Tensor& source) {
 // thread, then waits for chunk 0 like before.
 TEST(UpdatePipelineWaiterTest, FenceRunsTheChunksNoWorkerHasStarted) {
   Fixture f;
-  HeldWorker held(f.pool);
-  f.pipeline.submit(f.jobs(), {0.5f}, 1);
-  std::thread releaser = f.releaseAfterWaiterRuns(held, kChunks - 1);
-  f.pipeline.fence();
-  releaser.join();
+  f.runWithHeldWorker(0.5f, 1, [&] { f.pipeline.fence(); });
   EXPECT_EQ(f.pipeline.stats().waiterChunks, kChunks - 1)
       << "fence() slept while the worker was held instead of running chunks 1-9";
   const at::Tensor reference = referenceAfterOneLerp(f.source);
@@ -110,13 +96,7 @@ TEST(UpdatePipelineWaiterTest, FenceRunsTheChunksNoWorkerHasStarted) {
 // waiter's count only moves when a waiter ran chunks.
 TEST(UpdatePipelineWaiterTest, WaitRunsThemTooAndOnlyThoseCount) {
   Fixture f;
-  {
-    HeldWorker held(f.pool);
-    f.pipeline.submit(f.jobs(), {0.5f}, 1);
-    std::thread releaser = f.releaseAfterWaiterRuns(held, kChunks - 1);
-    f.pipeline.wait();
-    releaser.join();
-  }
+  f.runWithHeldWorker(0.5f, 1, [&] { f.pipeline.wait(); });
   EXPECT_EQ(f.pipeline.stats().waiterChunks, kChunks - 1);
   EXPECT_TRUE(f.pipeline.sourcesReleased());
   EXPECT_TRUE(at::equal(f.ema, referenceAfterOneLerp(f.source)));
@@ -139,13 +119,8 @@ TEST(UpdatePipelineWaiterTest, WaitRunsThemTooAndOnlyThoseCount) {
 TEST(UpdatePipelineWaiterTest, AFailureOnTheWaiterIsReportedByWait) {
   Fixture f;
   detail::PipelineFaultInjection::inject(f.pipeline, {/*step=*/3, /*chunk=*/4});
-  {
-    HeldWorker held(f.pool);
-    f.pipeline.submit(f.jobs(), {0.5f}, 3);
-    std::thread releaser = f.releaseAfterWaiterRuns(held, kChunks - 1);
-    f.pipeline.fence();  // chunks 1-9 on this thread, chunk 4 throws
-    releaser.join();
-  }
+  // Chunks 1-9 on this thread, chunk 4 throws.
+  f.runWithHeldWorker(0.5f, 3, [&] { f.pipeline.fence(); });
   EXPECT_EQ(f.pipeline.stats().waiterChunks, kChunks - 1) << "skipped chunks count as run";
   try {
     f.pipeline.wait();
