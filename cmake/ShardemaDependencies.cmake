@@ -1,24 +1,69 @@
-# Every dependency comes from a Debian 12 package (scripts/install_deps.sh).
-find_package(Torch REQUIRED)            # libtorch-dev 1.13 here, torch 2.x on GPU machines
+# LibTorch comes from the pinned torch wheel (cmake/ShardemaTorch.cmake); every
+# other dependency from a Debian 12 package (scripts/install_deps.sh).
+include(ShardemaTorch)
 find_package(nlohmann_json 3 REQUIRED)  # nlohmann-json3-dev: safetensors headers
 find_package(Boost 1.74 REQUIRED)       # libboost-dev: header-only Asio
 find_package(Threads REQUIRED)
 
-# CUDA runtime: we only call the runtime API from .cpp files, so the toolkit's
-# libraries are what we need; nvcc is located for the .cu parts of offload/.
+# The Python whose torch this LibTorch is: its headers for shard/'s Gloo
+# seam and the extension, its shared libpython for the C++ programs that
+# make a Gloo group (shard/src/gloo_backend.h).
+if(NOT SHARDEMA_TORCH_PYTHON)
+  message(FATAL_ERROR "shardema: the Python of this LibTorch is unknown: pass "
+                      "-DPython3_EXECUTABLE=<the python whose torch is ${Torch_DIR}>")
+endif()
+find_package(Python3 COMPONENTS Interpreter Development.Module OPTIONAL_COMPONENTS Development.Embed)
+if(NOT Python3_Development.Module_FOUND)
+  message(FATAL_ERROR "shardema: no Python headers for ${Python3_EXECUTABLE} (apt-get install python3-dev)")
+endif()
+set(SHARDEMA_LIBPYTHON "")
+if(Python3_Development.Embed_FOUND)
+  set(SHARDEMA_LIBPYTHON ${Python3_LIBRARIES})
+elseif(NOT SKBUILD)
+  message(FATAL_ERROR "shardema: no shared libpython for ${Python3_EXECUTABLE}: C++ programs "
+                      "embed it to make Gloo groups (apt-get install libpython3-dev)")
+endif()
+
+# CUDA runtime: the engine calls the runtime API from .cpp files, so the
+# toolkit's headers and cudart are what it needs. PyPI's torch is a CUDA
+# build carrying its own runtime (nvidia-cuda-runtime): one process must not
+# load two major versions of libcudart, and the engine hands c10's streams to
+# the runtime it links. So the toolkit's major version must be the wheel's
+# (13 and 13.0 here): with another one, AUTO builds the host engine only and
+# says why, ON stops. The same major version is one libcudart.so.N (SONAME),
+# loaded once, whichever copy the loader finds first.
 set(SHARDEMA_CUDA_ENABLED OFF)
+set(SHARDEMA_TORCH_CUDA_VERSION "")
+if(SHARDEMA_TORCH_PYTHON)
+  execute_process(COMMAND ${SHARDEMA_TORCH_PYTHON} -c "import torch; print(torch.version.cuda or '')"
+                  OUTPUT_VARIABLE SHARDEMA_TORCH_CUDA_VERSION ERROR_QUIET
+                  OUTPUT_STRIP_TRAILING_WHITESPACE)
+endif()
 if(NOT SHARDEMA_WITH_CUDA STREQUAL "OFF")
   if(NOT CUDAToolkit_ROOT AND NOT DEFINED ENV{CUDA_PATH} AND EXISTS /usr/local/cuda)
     set(CUDAToolkit_ROOT /usr/local/cuda)
   endif()
   find_package(CUDAToolkit QUIET)
-  if(CUDAToolkit_FOUND)
+  set(_shardema_cuda_refusal "")
+  if(NOT CUDAToolkit_FOUND)
+    set(_shardema_cuda_refusal "no CUDA toolkit was found (set CUDAToolkit_ROOT)")
+  elseif(SHARDEMA_TORCH_CUDA_VERSION)
+    string(REGEX MATCH "^[0-9]+" _shardema_wheel_major "${SHARDEMA_TORCH_CUDA_VERSION}")
+    if(NOT CUDAToolkit_VERSION_MAJOR STREQUAL _shardema_wheel_major)
+      set(_shardema_cuda_refusal
+          "the CUDA toolkit is ${CUDAToolkit_VERSION} but torch was built with CUDA "
+          "${SHARDEMA_TORCH_CUDA_VERSION}: install a ${_shardema_wheel_major}.x toolkit (or a torch "
+          "for CUDA ${CUDAToolkit_VERSION_MAJOR})")
+    endif()
+  endif()
+  if(NOT _shardema_cuda_refusal)
     set(SHARDEMA_CUDA_ENABLED ON)
-    message(STATUS "shardema: CUDA toolkit ${CUDAToolkit_VERSION} found; CUDA engine enabled")
+    message(STATUS "shardema: CUDA toolkit ${CUDAToolkit_VERSION}, torch's CUDA "
+                   "'${SHARDEMA_TORCH_CUDA_VERSION}': CUDA engine enabled")
   elseif(SHARDEMA_WITH_CUDA STREQUAL "ON")
-    message(FATAL_ERROR "SHARDEMA_WITH_CUDA=ON but no CUDA toolkit was found (set CUDAToolkit_ROOT)")
+    message(FATAL_ERROR "SHARDEMA_WITH_CUDA=ON but ${_shardema_cuda_refusal}")
   else()
-    message(STATUS "shardema: no CUDA toolkit; host engine only")
+    message(STATUS "shardema: host engine only: ${_shardema_cuda_refusal}")
   endif()
 endif()
 

@@ -17,17 +17,31 @@ except ImportError as error:  # pragma: no cover - depends on the install
     ) from error
 
 
+def _abi_of(version: str):
+    """What of a torch version string decides whether our extension loads
+    and runs with it: the minor release (torch's C++ ABI changes between
+    minor releases, not between patch releases) and the CUDA major version
+    of the build (the extension links the same libcudart.so.N as torch);
+    "cpu" builds have none; a version without a local tag does not say."""
+    public, _, local = version.partition("+")
+    major_minor = tuple(public.split(".")[:2])
+    if local.startswith("cu") and local[2:].isdigit() and len(local) > 3:
+        return major_minor, "cuda " + local[2:-1]
+    return major_minor, local or None
+
+
 def _same_torch(built: str, running: str) -> bool:
-    # A local version suffix (+cu121, +cpu) names the same C++ ABI only when
-    # equal, so the whole string is compared.
-    return built == running
+    (built_minor, built_flavor), (running_minor, running_flavor) = _abi_of(built), _abi_of(running)
+    unknown = built_flavor is None or running_flavor is None
+    return built_minor == running_minor and (unknown or built_flavor == running_flavor)
 
 
 if not _same_torch(_C.built_with_torch, torch.__version__):
     raise ImportError(
         f"shardema was built against torch {_C.built_with_torch} but this is torch "
-        f"{torch.__version__}: the extension must be built against the torch it runs with "
-        "(pip install --no-build-isolation . in this environment)."
+        f"{torch.__version__}, whose C++ ABI differs (another minor release or CUDA major "
+        "version): rebuild it in this environment (pip install --no-build-isolation .), "
+        f"or install torch {_C.built_with_torch}."
     )
 
 from ._schedules import ConstantSchedule, PowerSchedule, WarmupSchedule  # noqa: E402

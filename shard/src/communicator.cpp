@@ -1,16 +1,15 @@
 #include "shardema/shard/communicator.h"
 
 #include <c10/util/Exception.h>
-#include <torch/version.h>
 
 #include <cerrno>
 #include <cstdlib>
 #include <limits>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <utility>
 
 #include "communicator_impl.h"
+#include "gloo_backend.h"
 
 namespace shardema {
 namespace shard {
@@ -40,18 +39,6 @@ int64_t envInt(const char* name, int64_t low, int64_t high) {
                     "Communicator::fromEnvironment: ", name, "='", text, "' is not an integer in [",
                     low, ", ", high, "]");
   return value;
-}
-
-c10::intrusive_ptr<detail::Group> makeGloo(const c10::intrusive_ptr<c10d::Store>& store,
-                                           int64_t rank, int64_t worldSize,
-                                           const CommunicatorOptions& options) {
-  auto glooOptions = c10d::ProcessGroupGloo::Options::create(options.timeout);
-  glooOptions->devices.push_back(
-      options.glooHostname.empty()
-          ? c10d::ProcessGroupGloo::createDefaultDevice()
-          : c10d::ProcessGroupGloo::createDeviceForHostname(options.glooHostname));
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, static_cast<int>(rank),
-                                                     static_cast<int>(worldSize), glooOptions);
 }
 
 void waitForEveryRank(c10d::Store& store, int64_t rank, int64_t worldSize,
@@ -92,9 +79,7 @@ Communicator::Communicator(const c10::intrusive_ptr<c10d::Store>& store, int64_t
                     "Communicator: worldSize must be >= 1, got ", worldSize);
   TORCH_CHECK_VALUE(rank >= 0 && rank < worldSize, "Communicator: rank must be in [0, ", worldSize,
                     "), got ", rank);
-  TORCH_CHECK(options.backend != CommBackend::kNccl || detail::ncclCompiled(),
-              "Communicator: CommBackend::kNccl needs a LibTorch built with CUDA; this one is "
-              "CPU-only: use CommBackend::kGloo");
+  if (options.backend == CommBackend::kNccl) detail::requireNccl(rank, worldSize);
   auto impl = std::make_unique<Impl>(rank, worldSize, options);
   store->setTimeout(resolved(options));
   impl->store = store;
@@ -107,7 +92,8 @@ Communicator::Communicator(const c10::intrusive_ptr<c10d::Store>& store, int64_t
       impl->group = detail::makeNccl(store, rank, worldSize, options);
       impl->stageOnCuda = true;
     } else {
-      impl->group = makeGloo(store, rank, worldSize, options);
+      impl->group = detail::makeGlooBackend(store, rank, worldSize, options.glooHostname,
+                                            options.timeout);
     }
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "Communicator rendezvous on ", impl->who(), " failed (timeout ",
@@ -125,13 +111,9 @@ Communicator::Communicator(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
   auto impl = std::make_unique<Impl>(group->getRank(), group->getSize(), options);
   resolved(options);
   impl->stageOnCuda = group->getBackendName() == "nccl";
-#if TORCH_VERSION_MAJOR >= 2
-  // 2.x: collectives go to the device's Backend, which is what we create
+  // Collectives go to the device's Backend, which is what we create
   // ourselves too, so both constructors share one code path.
   impl->group = group->getBackend(impl->stageOnCuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU);
-#else
-  impl->group = group;
-#endif
   impl_ = std::move(impl);
 }
 

@@ -3,36 +3,29 @@
 // every collective is started, waited for and turned into our error.
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
-#include <torch/version.h>
 
 #include <string>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "shardema/shard/communicator.h"
 
-#if TORCH_VERSION_MAJOR >= 2
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-#endif
-
 namespace shardema {
 namespace shard {
 namespace detail {
 
-// 1.13: backends are ProcessGroups. 2.x: they are Backends, wrapped by a
-// ProcessGroup that dispatches through the op registry; we call the Backend
-// directly, which has the same collective methods in both.
-#if TORCH_VERSION_MAJOR >= 2
+// Gloo and NCCL are c10d::Backends, wrapped by a ProcessGroup that
+// dispatches through the op registry; we call the Backend directly: the
+// same collectives, one dispatch less.
 using Group = c10d::Backend;
-#else
-using Group = c10d::ProcessGroup;
-#endif
 
-/// Whether this build can create ProcessGroupNCCL.
-bool ncclCompiled();
+/// Returns when this build and this process can create ProcessGroupNCCL
+/// (a CUDA LibTorch and at least one visible device); c10::Error naming
+/// which is missing otherwise, before any rendezvous.
+void requireNccl(int64_t rank, int64_t worldSize);
 
-/// ProcessGroupNCCL when LibTorch has CUDA (communicator_nccl.cpp);
-/// c10::Error otherwise.
+/// ProcessGroupNCCL (communicator_nccl.cpp); call requireNccl first.
 c10::intrusive_ptr<Group> makeNccl(const c10::intrusive_ptr<c10d::Store>& store, int64_t rank,
                                    int64_t worldSize, const CommunicatorOptions& options);
 

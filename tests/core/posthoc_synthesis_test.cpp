@@ -109,8 +109,8 @@ TEST(PostHocSynthesisTest, TargetStepDefaultsToTheNewestSnapshot) {
   const SynthesisWeights explicitStep = solveSynthesisWeights(profiles, 0.08, 100);
   EXPECT_EQ(byDefault.targetStep, 100);
   EXPECT_EQ(byDefault.weights, explicitStep.weights);
-  // numpy.linalg.cond(A, 1) of the same 20 x 20 Gram matrix (Debian's
-  // python3-numpy, profiles from np.roots as in the references).
+  // numpy.linalg.cond(A, 1) of the same 20 x 20 Gram matrix (numpy,
+  // profiles from np.roots as in the references).
   EXPECT_NEAR(byDefault.conditionNumber, 1661.7425361603516, 1e-6 * 1661.7425361603516);
   EXPECT_FALSE(byDefault.badlyConditioned);
 }

@@ -15,16 +15,16 @@ namespace {
 // Records what reaches c10's handler while it is installed.
 class RecordingHandler : public c10::WarningHandler {
  public:
-  RecordingHandler() : previous_(c10::Warning::get_warning_handler()) {
-    c10::Warning::set_warning_handler(this);
+  RecordingHandler() : previous_(c10::WarningUtils::get_warning_handler()) {
+    c10::WarningUtils::set_warning_handler(this);
   }
-  ~RecordingHandler() override { c10::Warning::set_warning_handler(previous_); }
+  ~RecordingHandler() override { c10::WarningUtils::set_warning_handler(previous_); }
   RecordingHandler(const RecordingHandler&) = delete;
   RecordingHandler& operator=(const RecordingHandler&) = delete;
 
-  void process(const c10::SourceLocation&, const std::string& msg, bool) override {
+  void process(const c10::Warning& warning) override {
     if (throwing) throw std::runtime_error("warnings are errors");
-    messages.push_back(msg);
+    messages.push_back(warning.msg());
   }
 
   std::vector<std::string> messages;

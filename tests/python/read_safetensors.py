@@ -65,7 +65,7 @@ def check(path):
 def check_tensor_checksums(header, metadata, data):
     """shardema.xxh64 recomputed with the xxhash package (README, Files): per
     tensor, XXH64 of "<DTYPE>[<shape>]" followed by the tensor's bytes."""
-    import xxhash  # Debian's python3-xxhash (scripts/install_deps.sh)
+    import xxhash  # xxhash from requirements.lock
     text = metadata.get("shardema.xxh64")
     if text is None:
         return ["no shardema.xxh64 in the metadata"]

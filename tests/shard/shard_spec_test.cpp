@@ -1,5 +1,5 @@
 // ShardSpec arithmetic against independent references: a row-by-row
-// re-statement of torch.chunk, Debian's python3 torch.chunk itself, and the
+// re-statement of torch.chunk, Python's torch.chunk itself, and the
 // hand-worked examples of spec/shard_layouts.md.
 #include "shardema/shard/shard_spec.h"
 
@@ -303,16 +303,12 @@ TEST(ShardSpecTest, EqualityComparesEveryField) {
   EXPECT_NE(base, other);
 }
 
-// Debian's python3 torch.chunk, the split fully_shard uses, row for row.
+// Python torch.chunk, the split fully_shard uses, row for row.
 TEST(ShardSpecTest, Fsdp2MatchesPythonTorchChunk) {
   const std::string python = SHARDEMA_TEST_PYTHON;
-  if (python.empty()) GTEST_SKIP() << "no python3 with numpy found at configure time";
   const std::string command =
       "'" + python + "' '" + SHARDEMA_TEST_SOURCE_DIR + "/python/chunk_ranges.py' 41 8 2>&1";
   const testing::CommandResult result = testing::runCommand(command);
-  if (result.exitCode > 0 && result.output.find("No module named 'torch'") != std::string::npos) {
-    GTEST_SKIP() << python << " has no torch (apt-get install python3-torch)";
-  }
   ASSERT_EQ(result.exitCode, 0) << result.output;
   const nlohmann::json cases = nlohmann::json::parse(result.output);
   ASSERT_EQ(cases.size(), 42u * 8u);

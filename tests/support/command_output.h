@@ -1,6 +1,6 @@
 #pragma once
 // Runs a command through /bin/sh and keeps what it writes to stdout: for the
-// tests that run Debian's python3 (tests/python/) on our files.
+// tests that run the venv's Python (tests/python/) on our files.
 #include <sys/wait.h>
 
 #include <cstdio>
@@ -23,13 +23,6 @@ inline CommandResult runCommand(const std::string& command) {
   const int status = ::pclose(pipe);
   result.exitCode = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return result;
-}
-
-// Whether configure found a python3 with numpy (SHARDEMA_TEST_PYTHON, set
-// by tests/CMakeLists.txt, is empty otherwise).
-inline bool havePython() {
-  const std::string python = SHARDEMA_TEST_PYTHON;
-  return !python.empty() && python.find("NOTFOUND") == std::string::npos;
 }
 
 // python3 tests/python/<script> <path>, with stderr in the output.

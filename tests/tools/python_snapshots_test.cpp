@@ -1,4 +1,4 @@
-// A Python training job writes post-hoc snapshots itself: Debian's python3
+// A Python training job writes post-hoc snapshots itself: the venv's Python
 // with numpy (no shardema code, no safetensors, no torch) writes the lucid_fp32
 // snapshots of tests/data/posthoc_ema_run.json in the documented format
 // (tests/python/write_posthoc_snapshots.py), and `shardema synthesize` must
@@ -45,7 +45,6 @@ std::string decimal17(double value) {
   return text;
 }
 
-using testing::havePython;
 
 // write_posthoc_snapshots.py GOLDEN_JSON DIR [extra]; stdout and stderr.
 testing::CommandResult writeSnapshots(const std::string& dir, const std::string& extra = "") {
@@ -56,9 +55,6 @@ testing::CommandResult writeSnapshots(const std::string& dir, const std::string&
 
 class PythonSnapshotsTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    if (!havePython()) GTEST_SKIP() << "no python3 with numpy found at configure time";
-  }
   testing::TempDir temp_;
   std::string path(const std::string& name) const { return temp_.path() + "/" + name; }
 };
