@@ -1,8 +1,19 @@
 # LibTorch comes from the pinned torch wheel (cmake/ShardemaTorch.cmake); every
 # other dependency from a Debian 12 package (scripts/install_deps.sh).
+# A missing one stops the configure with one line naming the package
+# (pip install . prints it as the reason the build failed).
 include(ShardemaTorch)
-find_package(nlohmann_json 3 REQUIRED)  # nlohmann-json3-dev: safetensors headers
-find_package(Boost 1.74 REQUIRED)       # libboost-dev: header-only Asio
+
+# shardema_require(<package> <version> <Debian package>)
+macro(shardema_require package version debian)
+  find_package(${package} ${version} QUIET)
+  if(NOT ${package}_FOUND)
+    message(FATAL_ERROR "shardema needs ${package} ${version} or newer: apt-get install ${debian} "
+                        "(scripts/install_deps.sh installs every build dependency)")
+  endif()
+endmacro()
+shardema_require(nlohmann_json 3 nlohmann-json3-dev)  # safetensors headers
+shardema_require(Boost 1.74 libboost-dev)             # header-only Asio
 find_package(Threads REQUIRED)
 
 # The Python whose torch this LibTorch is: its headers for shard/'s Gloo
@@ -33,12 +44,6 @@ endif()
 # says why, ON stops. The same major version is one libcudart.so.N (SONAME),
 # loaded once, whichever copy the loader finds first.
 set(SHARDEMA_CUDA_ENABLED OFF)
-set(SHARDEMA_TORCH_CUDA_VERSION "")
-if(SHARDEMA_TORCH_PYTHON)
-  execute_process(COMMAND ${SHARDEMA_TORCH_PYTHON} -c "import torch; print(torch.version.cuda or '')"
-                  OUTPUT_VARIABLE SHARDEMA_TORCH_CUDA_VERSION ERROR_QUIET
-                  OUTPUT_STRIP_TRAILING_WHITESPACE)
-endif()
 if(NOT SHARDEMA_WITH_CUDA STREQUAL "OFF")
   if(NOT CUDAToolkit_ROOT AND NOT DEFINED ENV{CUDA_PATH} AND EXISTS /usr/local/cuda)
     set(CUDAToolkit_ROOT /usr/local/cuda)

@@ -5,58 +5,71 @@
 # scripts/install_deps.sh installs it into .venv/. Where that LibTorch comes
 # from, first match wins:
 #   1. Torch_DIR, given by the user (a torch of their own; pass
-#      Python3_EXECUTABLE too for the extension and the Python tests);
-#   2. pip install . (scikit-build-core): the torch of the Python building
-#      the wheel;
+#      Python3_EXECUTABLE too: the Python whose torch it is);
+#   2. pip install . (scikit-build-core): the torch of the environment being
+#      installed into;
 #   3. the project's venv: $ENV{SHARDEMA_VENV}, else <repo>/.venv.
-# Sets SHARDEMA_TORCH_PYTHON (the interpreter whose torch this LibTorch is,
-# when one is known) and SHARDEMA_TORCH_LIBRARY_DIR.
+# Sets SHARDEMA_TORCH_PYTHON (that Python), SHARDEMA_TORCH_VERSION,
+# SHARDEMA_TORCH_CUDA_VERSION ("" for a CPU build),
+# SHARDEMA_PYBIND11_ABI_DEFINITIONS and SHARDEMA_TORCH_LIBRARY_DIR.
 set(SHARDEMA_MIN_TORCH_VERSION 2.6)
 
-function(_shardema_torch_prefix python out)
-  execute_process(COMMAND ${python} -c "import torch.utils; print(torch.utils.cmake_prefix_path)"
-                  OUTPUT_VARIABLE prefix ERROR_VARIABLE error RESULT_VARIABLE failed
+# _shardema_torch_info(<python>): SHARDEMA_TORCH_INFO_<key> for each line of
+# cmake/torch_info.py, in the caller's scope.
+function(_shardema_torch_info python)
+  execute_process(COMMAND ${python} ${CMAKE_CURRENT_LIST_DIR}/torch_info.py
+                  OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE failed
                   OUTPUT_STRIP_TRAILING_WHITESPACE)
   if(failed)
-    set(${out} "" PARENT_SCOPE)
-  else()
-    set(${out} "${prefix}" PARENT_SCOPE)
+    set(SHARDEMA_TORCH_INFO_error "${python} failed to run cmake/torch_info.py: ${err}" PARENT_SCOPE)
+    return()
   endif()
+  string(REPLACE "\n" ";" lines "${out}")
+  foreach(line IN LISTS lines)
+    if(line MATCHES "^([a-z0-9_]+)=(.*)$")
+      set(SHARDEMA_TORCH_INFO_${CMAKE_MATCH_1} "${CMAKE_MATCH_2}" PARENT_SCOPE)
+    endif()
+  endforeach()
 endfunction()
 
-set(SHARDEMA_TORCH_PYTHON "")
 if(DEFINED ENV{SHARDEMA_VENV} AND NOT "$ENV{SHARDEMA_VENV}" STREQUAL "")
   set(_shardema_venv "$ENV{SHARDEMA_VENV}")
 else()
   set(_shardema_venv "${PROJECT_SOURCE_DIR}/.venv")
 endif()
-
-if(Torch_DIR)
-  if(Python3_EXECUTABLE)
-    set(SHARDEMA_TORCH_PYTHON "${Python3_EXECUTABLE}")
-  endif()
-elseif(SKBUILD AND Python3_EXECUTABLE)
-  _shardema_torch_prefix(${Python3_EXECUTABLE} _shardema_prefix)
-  if(NOT _shardema_prefix)
-    message(FATAL_ERROR
-      "shardema: ${Python3_EXECUTABLE} cannot import torch. shardema._C is built against "
-      "the torch it will run with, which pip's build isolation hides: install torch first, "
-      "then: pip install --no-build-isolation .")
-  endif()
-  set(Torch_DIR "${_shardema_prefix}/Torch" CACHE PATH "LibTorch's CMake package" FORCE)
+set(SHARDEMA_TORCH_PYTHON "")
+if(Torch_DIR OR (NOT SKBUILD AND NOT EXISTS "${_shardema_venv}/bin/python"))
   set(SHARDEMA_TORCH_PYTHON "${Python3_EXECUTABLE}")
-elseif(EXISTS "${_shardema_venv}/bin/python")
-  _shardema_torch_prefix("${_shardema_venv}/bin/python" _shardema_prefix)
-  if(NOT _shardema_prefix)
-    message(FATAL_ERROR "shardema: ${_shardema_venv}/bin/python cannot import torch; "
-                        "run scripts/install_deps.sh (it installs requirements.lock there)")
-  endif()
-  set(Torch_DIR "${_shardema_prefix}/Torch" CACHE PATH "LibTorch's CMake package" FORCE)
+elseif(SKBUILD)
+  set(SHARDEMA_TORCH_PYTHON "${Python3_EXECUTABLE}")
+else()
   set(SHARDEMA_TORCH_PYTHON "${_shardema_venv}/bin/python")
   if(NOT Python3_EXECUTABLE)
-    set(Python3_EXECUTABLE "${SHARDEMA_TORCH_PYTHON}" CACHE FILEPATH "Python of the extension")
+    set(Python3_EXECUTABLE "${SHARDEMA_TORCH_PYTHON}" CACHE FILEPATH "The Python of LibTorch")
   endif()
 endif()
+
+if(SHARDEMA_TORCH_PYTHON)
+  _shardema_torch_info(${SHARDEMA_TORCH_PYTHON})
+  if(SHARDEMA_TORCH_INFO_error)
+    message(FATAL_ERROR "shardema: ${SHARDEMA_TORCH_INFO_error}; run scripts/install_deps.sh "
+                        "(the pinned torch in .venv/), or install torch in that environment")
+  endif()
+  if(NOT Torch_DIR)
+    set(Torch_DIR "${SHARDEMA_TORCH_INFO_cmake_prefix_path}/Torch" CACHE PATH
+        "LibTorch's CMake package" FORCE)
+  endif()
+endif()
+set(SHARDEMA_TORCH_VERSION "${SHARDEMA_TORCH_INFO_version}")
+set(SHARDEMA_TORCH_CUDA_VERSION "${SHARDEMA_TORCH_INFO_cuda}")
+set(SHARDEMA_PYBIND11_ABI_DEFINITIONS "")
+foreach(part compiler_type stdlib build_abi)
+  if(DEFINED SHARDEMA_TORCH_INFO_pybind11_${part})
+    string(TOUPPER ${part} upper)
+    list(APPEND SHARDEMA_PYBIND11_ABI_DEFINITIONS
+         "PYBIND11_${upper}=\"${SHARDEMA_TORCH_INFO_pybind11_${part}}\"")
+  endif()
+endforeach()
 
 # torch's CUDA build asks for the GPU architectures of .cu files; we have
 # none (the CUDA engine calls the runtime from .cpp files), so the list only
@@ -69,7 +82,7 @@ if(NOT Torch_FOUND)
   message(FATAL_ERROR
     "shardema: no LibTorch found. Run scripts/install_deps.sh (a venv with the pinned torch "
     "in .venv/, which this build finds by itself), or pass -DTorch_DIR=<torch>/share/cmake/Torch "
-    "(python -c 'import torch.utils; print(torch.utils.cmake_prefix_path)' prints <...>/share/cmake)")
+    "and -DPython3_EXECUTABLE=<the python of that torch>")
 endif()
 if(Torch_VERSION VERSION_LESS SHARDEMA_MIN_TORCH_VERSION)
   message(FATAL_ERROR "shardema: LibTorch ${Torch_VERSION} at ${Torch_DIR} is older than "

@@ -64,7 +64,8 @@ command -v ninja >/dev/null && generator=(-G Ninja)
 arch=$(timeout 60 "$python" -c 'import torch; m, n = torch.cuda.get_device_capability(0); print(f"{m}.{n}")' 2>/dev/null || echo 9.0)
 timeout 300 cmake -S "$repo/bench/gpu" -B "$build/tree" "${generator[@]}" \
   -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix_path" \
-  -DTorch_DIR="$torch_prefix/Torch" -DCUDAToolkit_ROOT="$cuda_root" \
+  -DTorch_DIR="$torch_prefix/Torch" -DPython3_EXECUTABLE="$(command -v "$python")" \
+  -DCUDAToolkit_ROOT="$cuda_root" \
   -DCMAKE_CUDA_COMPILER="$cuda_root/bin/nvcc" -DCMAKE_CUDA_ARCHITECTURES="${arch/./}" \
   -DTORCH_CUDA_ARCH_LIST="$arch" >"$logs/configure.log" 2>&1 || {
   tail -40 "$logs/configure.log"; echo "run.sh: configure failed"; exit 1; }

@@ -7,7 +7,7 @@ from typing import Any, Dict, Iterable, Iterator, Optional, Sequence, Union
 import torch
 
 from . import _C
-from ._model import Plan, module_tensors, named_tensors, plan_layout, unwrap
+from ._model import Plan, checked_group, module_tensors, named_tensors, plan_layout, unwrap
 from ._schedules import WarmupSchedule
 from ._shards import as_local_shard
 
@@ -37,7 +37,7 @@ class EMA:
     engine's, shardema._C.default_chunk_bytes and default_num_slots).
 
     Call update() after optimizer.step() and fence() before the next one
-    (or attach(optimizer) on torch >= 2).
+    (or attach(optimizer)).
     """
 
     def __init__(self, model_or_named_tensors: Any, schedule: Optional["_C.DecaySchedule"] = None,
@@ -77,7 +77,7 @@ class EMA:
         process) calls it with specs for the group's world size."""
         self = cls.__new__(cls)
         self._model = None
-        group = process_group
+        group = checked_group(process_group)
         if group is None:
             from ._model import _default_group
             group = _default_group()
@@ -126,11 +126,7 @@ class EMA:
 
     def attach(self, optimizer: torch.optim.Optimizer) -> "EMA":
         """Fence before every optimizer step and update after it, through the
-        optimizer's step hooks (torch >= 2)."""
-        if not hasattr(optimizer, "register_step_pre_hook"):
-            raise RuntimeError(f"attach: torch {torch.__version__} has no optimizer step hooks "
-                               "(torch >= 2 has); call ema.fence() before optimizer.step() and "
-                               "ema.update() after it")
+        optimizer's step hooks; returns self. detach() removes them."""
         self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self.fence()))
         self._hooks.append(optimizer.register_step_post_hook(lambda *_: self.update()))
         return self

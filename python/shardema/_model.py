@@ -82,6 +82,17 @@ def is_dtensor(t: Any) -> bool:
     return all(hasattr(t, a) for a in ("to_local", "placements", "device_mesh"))
 
 
+def checked_group(group: Any) -> Any:
+    """`group` itself when it is None or a torch.distributed ProcessGroup;
+    a TypeError saying what is wanted otherwise (before torch's own calls
+    would give a less direct one)."""
+    import torch.distributed as dist
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError("process_group must be a torch.distributed ProcessGroup (e.g. "
+                        f"dist.new_group() or the default group), got {type(group).__name__}")
+    return group
+
+
 def _default_group() -> Optional[Any]:
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
@@ -118,6 +129,7 @@ def plan_layout(tracked: List[Tracked], layout: str, process_group: Any) -> Plan
     not supported."""
     if layout not in _LAYOUTS:
         raise ValueError(f"layout must be one of {_LAYOUTS}, got '{layout}'")
+    checked_group(process_group)
     dtensors = [t for t in tracked if is_dtensor(t.tensor)]
     if dtensors or layout == "fsdp2":
         return _plan_fsdp2(tracked, dtensors, layout, process_group)
@@ -153,6 +165,7 @@ def _plan_fsdp2(tracked: List[Tracked], dtensors: List[Tracked], layout: str,
         raise ValueError(f"'{plain_params[0].name}' is a plain parameter while "
                          f"'{dtensors[0].name}' is a DTensor: a model partly under fully_shard is "
                          "not supported (shard every parameter, or use EMA.from_local_shards)")
+    locals_ = {id(t): _fsdp2_local(t.name, t.tensor) for t in dtensors}
     mesh = dtensors[0].tensor.device_mesh
     group = process_group
     if group is None:
@@ -164,7 +177,7 @@ def _plan_fsdp2(tracked: List[Tracked], dtensors: List[Tracked], layout: str,
     shards, whole = [], []
     for t in tracked:
         if is_dtensor(t.tensor):
-            local = _fsdp2_local(t.name, t.tensor)
+            local = locals_[id(t)]
             spec = layout_spec(t.name, list(t.tensor.shape), local.dtype, "fsdp2", world)
             # requires_grad is the DTensor's, not its local tensor's, so the
             # engine cannot ask it at each update: decided here, once.

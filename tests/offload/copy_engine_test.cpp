@@ -229,6 +229,18 @@ TEST(MakeCopyEngineTest, CudaWithoutDeviceIsAClearError) {
   }
 }
 
+// A build against a CUDA LibTorch (PyPI's torch) compiles the CUDA engine
+// with c10's stream integration, device or not: CI compiles and links what
+// the GPU machine runs.
+TEST(CudaCopyEngineTest, CompiledInWithC10StreamsAgainstACudaLibTorch) {
+#if defined(SHARDEMA_EXPECT_TORCH_CUDA_ENGINE)
+  EXPECT_TRUE(CudaCopyEngine::compiledIn());
+  EXPECT_TRUE(CudaCopyEngine::usesTorchStream());
+#else
+  GTEST_SKIP() << "this build has no CUDA toolkit or a CPU-only LibTorch";
+#endif
+}
+
 // Building the CUDA engine directly fails cleanly too (no abort, no leak).
 TEST(CudaCopyEngineTest, ConstructionFailsCleanlyWithoutDevice) {
   if (CudaCopyEngine::compiledIn() && probeCudaDevices().deviceCount > 0) {

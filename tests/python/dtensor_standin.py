@@ -1,7 +1,9 @@
 """A minimal stand-in for torch 2.x's DTensor with exactly the attributes
 shardema reads (to_local / _local_tensor, placements, device_mesh, shape,
-dtype, requires_grad, and clone for the callbacks' checkpoints). torch 1.13 here has no DTensor; the real one is
-checked by bench/gpu/run.sh on a machine with torch 2.x."""
+dtype, requires_grad, and clone for the callbacks' checkpoints), left only
+in multirank_worker.py's row scenarios until they move to fully_shard;
+test_dtensor_detection.py and test_torch_objects.py run the real
+DTensor."""
 import torch
 
 

@@ -229,17 +229,27 @@ def test_bad_arguments_name_the_parameter():
         shardema.EMA(model).export("/tmp/never.safetensors", dtype="bf16")
 
 
-def test_attach_on_torch_without_step_hooks_says_what_to_do():
-    model = torch.nn.Linear(2, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    ema = shardema.EMA(model)
-    if hasattr(optimizer, "register_step_pre_hook"):
-        ema.attach(optimizer)
-        optimizer.step()
-        assert ema.step == 1
-    else:
-        with pytest.raises(RuntimeError, match="fence"):
-            ema.attach(optimizer)
+def test_attach_fences_before_and_updates_after_every_optimizer_step():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    decay = 0.8
+    ema = shardema.EMA(model, schedule=shardema.ConstantSchedule(decay)).attach(optimizer)
+    reference = None
+    for step in range(1, 5):
+        model(torch.randn(4, 3)).square().mean().backward()
+        optimizer.step()  # the pre-hook fences, the post-hook updates
+        optimizer.zero_grad()
+        now = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+        reference = now if reference is None else \
+            {n: decay * reference[n] + (1 - decay) * now[n] for n in now}
+        assert ema.step == step
+    full = ema.full_state_dict()
+    for name, want in reference.items():
+        torch.testing.assert_close(full[name].double(), want, rtol=1e-6, atol=1e-7)
+    ema.detach()
+    optimizer.step()
+    assert ema.step == 4  # no hook left
 
 
 def test_load_state_dict_of_garbage_is_a_clear_error():

@@ -1,10 +1,8 @@
 """Every ```python block of README.md's "From Python" section runs as a test,
-each in a fresh folder, as a user would paste it. A block's leading comments
-say what it needs: "# ranks: N" starts it on N processes with torchrun's
-environment (Gloo on loopback); "# needs: torch >= 2.6 ..." and "# needs:
-lightning ..." skip it where those are missing (torch 1.13 here, no
-Lightning on Debian 12), and bench/gpu/run.sh runs it where they are."""
-import importlib.util
+each in a fresh folder, as a user would paste it: the FSDP2 block on two
+processes with a real fully_shard model, the Lightning block in a real
+Trainer. A leading "# ranks: N" comment starts a block on N processes with
+torchrun's environment (Gloo on loopback)."""
 import os
 import pathlib
 import re
@@ -12,7 +10,6 @@ import socket
 import subprocess
 
 import pytest
-import torch
 
 from conftest import python_for_workers
 
@@ -24,25 +21,6 @@ def section_blocks():
     start = text.index("\n## From Python\n")
     end = text.index("\n## ", start + 1)
     return re.findall(r"^```python\n(.*?)^```", text[start:end], flags=re.S | re.M)
-
-
-def needs_met(block):
-    """(ok, reason) from the block's '# needs:' line."""
-    match = re.search(r"^# needs: (.*)$", block, flags=re.M)
-    if not match:
-        return True, ""
-    need = match.group(1)
-    if need.startswith("torch >= 2"):
-        ok = int(torch.__version__.split(".")[0]) >= 2 and \
-            importlib.util.find_spec("torch.distributed.fsdp") is not None
-        try:
-            from torch.distributed.fsdp import fully_shard  # noqa: F401
-        except Exception:
-            ok = False
-        return ok, need
-    if need.startswith("lightning"):
-        return importlib.util.find_spec("lightning") is not None, need
-    return False, f"unknown need: {need}"
 
 
 def free_port():
@@ -62,9 +40,6 @@ def test_the_section_has_its_blocks():
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_python_block_runs(index, tmp_path):
     block = BLOCKS[index]
-    ok, reason = needs_met(block)
-    if not ok:
-        pytest.skip(f"README block {index + 1} needs {reason}")
     script = tmp_path / f"block{index + 1}.py"
     script.write_text(block)
     ranks = int(re.search(r"^# ranks: (\d+)", block, flags=re.M).group(1)) \
