@@ -23,8 +23,11 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${root}/build-fuzz"
 cxx="${CXX_FUZZ:-$(command -v clang++-14 || command -v clang++)}"
 
+bash "${root}/scripts/install_deps.sh"
+venv=${SHARDEMA_VENV:-$root/.venv}
+torch_dir=$("${venv}/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2>/dev/null)
 cmake -S "${root}/tests/fuzz" -B "${build}" -DCMAKE_CXX_COMPILER="${cxx}" \
-  -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSHARDEMA_TORCH_PACKAGE_DIR="${torch_dir}" >/dev/null
 cmake --build "${build}" -j2
 
 # fuzz TARGET SEED_DIR DICT: into a scratch copy of the seed corpus (new
