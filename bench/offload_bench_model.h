@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "shardema/detail/update_kernels.h"
+#include "shardema/core/update_kernels.h"
 #include "shardema/offload/copy_engine.h"
 #include "shardema/offload/pinned_arena.h"
 #include "shardema/offload/update_pipeline.h"

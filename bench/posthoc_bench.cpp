@@ -34,7 +34,7 @@
 #include <string>
 #include <vector>
 
-#include "shardema/detail/update_kernels.h"
+#include "shardema/core/update_kernels.h"
 #include "shardema/offload/worker_pool.h"
 #include "build_type_warning.h"
 

@@ -44,7 +44,7 @@
 #include <string>
 #include <vector>
 
-#include "shardema/detail/tensor_update.h"
+#include "shardema/core/tensor_update.h"
 #include "shardema/offload/worker_pool.h"
 #include "build_type_warning.h"
 

@@ -8,7 +8,7 @@ install(TARGETS shardema_core shardema_shard shardema_offload shardema
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 # detail/ headers are installed too: public headers include some of them.
-foreach(part lib/core shard offload lib/facade)
+foreach(part core shard offload lib)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${part}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 endforeach()
 if(TARGET shardema_cli)

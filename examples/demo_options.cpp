@@ -6,7 +6,7 @@
 #include <string>
 
 #include "flag_parser.h"
-#include "shardema/power_function.h"
+#include "shardema/core/power_function.h"
 
 namespace shardema::demo {
 namespace {

@@ -21,7 +21,7 @@
 #include "demo_task.h"
 #include "flag_parser.h"
 #include "posthoc_sweep.h"
-#include "shardema/detail/posthoc_snapshot.h"
+#include "shardema/core/posthoc_snapshot.h"
 #include "shardema/module_tracking.h"
 #include "shardema/posthoc_callback.h"
 #include "shardema/shard/communicator.h"

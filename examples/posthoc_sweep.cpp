@@ -7,7 +7,7 @@
 #include <map>
 #include <system_error>
 
-#include "shardema/detail/posthoc_snapshot.h"
+#include "shardema/core/posthoc_snapshot.h"
 #include "shardema/module_tracking.h"
 #include "shardema/shard/gather.h"
 #include "shardema/synthesis.h"

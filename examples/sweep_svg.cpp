@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <sstream>
 
-#include "shardema/detail/atomic_file.h"
+#include "shardema/core/atomic_file.h"
 
 namespace shardema::demo {
 namespace {

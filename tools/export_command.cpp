@@ -7,8 +7,7 @@
 
 #include "flag_parser.h"
 #include "flagged_command.h"
-#include "shardema/detail/rank_manifest.h"
-#include "shardema/detail/regular_file.h"
+#include "shardema/core/regular_file.h"
 #include "shardema/sharded_checkpoint.h"
 
 namespace shardema::cli {
@@ -83,7 +82,7 @@ int runParsed(const ParsedFlags& flags, std::ostream& out) {
       throw UsageError("--world-size must be >= 1 (got " + std::to_string(worldSize) + ")");
     // Checked before anything is written: a typo such as 100000 would
     // otherwise write that many rank files.
-    const int64_t most = maxReshardWorldSize(readManifest(dir).layout);
+    const int64_t most = maxReshardWorldSize(dir);
     if (worldSize > most) {
       throw UsageError("--world-size must be at most " + std::to_string(most) +
                        ", the largest tensor's element count in " + dir + " (got " +

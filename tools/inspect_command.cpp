@@ -7,8 +7,8 @@
 #include <cstring>
 
 #include "flag_parser.h"
-#include "shardema/detail/checksum.h"
-#include "shardema/detail/tensor_file_reader.h"
+#include "shardema/core/checksum.h"
+#include "shardema/core/tensor_file_reader.h"
 #include "shardema/sharded_checkpoint.h"
 
 namespace shardema::cli {

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "shardema/decay_schedule.h"
+#include "shardema/core/decay_schedule.h"
 
 namespace shardema::cli {
 

@@ -23,8 +23,8 @@
 
 #include "shardema/averager.h"
 #include "shardema/offload/copy_engine.h"
-#include "shardema/offload/cuda_copy_engine.h"
-#include "shardema/offload/device_probe.h"
+#include "shardema/offload/detail/cuda_copy_engine.h"
+#include "shardema/offload/detail/device_probe.h"
 #include "shardema/offload/pinned_arena.h"
 
 namespace {

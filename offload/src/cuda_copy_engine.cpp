@@ -1,12 +1,12 @@
-#include "shardema/offload/cuda_copy_engine.h"
+#include "shardema/offload/detail/cuda_copy_engine.h"
 
 #include <c10/util/Exception.h>
 
-#include "shardema/offload/device_probe.h"
+#include "shardema/offload/detail/device_probe.h"
 
 #ifdef SHARDEMA_HAVE_CUDA
 #include "cuda_copy_engine_impl.h"
-#include "shardema/detail/warning.h"
+#include "shardema/core/warning.h"
 #endif
 
 namespace shardema::offload {

@@ -1,7 +1,7 @@
 // The CUDA side of CudaCopyEngine; see cuda_copy_engine.h for the protocol.
 #ifdef SHARDEMA_HAVE_CUDA
 #include "cuda_copy_engine_impl.h"
-#include "shardema/detail/warning.h"
+#include "shardema/core/warning.h"
 
 #include <c10/util/Exception.h>
 

@@ -11,7 +11,7 @@
 #include <thread>
 #include <vector>
 
-#include "shardema/offload/cuda_copy_engine.h"
+#include "shardema/offload/detail/cuda_copy_engine.h"
 
 namespace shardema::offload {
 

@@ -1,4 +1,4 @@
-#include "shardema/offload/device_probe.h"
+#include "shardema/offload/detail/device_probe.h"
 
 #include <string>
 
@@ -6,7 +6,7 @@
 #include <cuda_runtime_api.h>
 #endif
 
-#include "shardema/detail/warning.h"
+#include "shardema/core/warning.h"
 
 namespace shardema::offload {
 namespace {

@@ -1,5 +1,5 @@
-#include "shardema/offload/host_copy_engine.h"
-#include "shardema/detail/warning.h"
+#include "shardema/offload/detail/host_copy_engine.h"
+#include "shardema/core/warning.h"
 
 #include <c10/util/Exception.h>
 

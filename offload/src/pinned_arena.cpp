@@ -11,7 +11,7 @@
 #include <mutex>
 #include <string>
 
-#include "shardema/offload/device_probe.h"
+#include "shardema/offload/detail/device_probe.h"
 
 #ifdef SHARDEMA_HAVE_CUDA
 #include <cuda_runtime_api.h>

@@ -19,8 +19,9 @@
 #include <utility>
 
 #include "error_text.h"
-#include "shardema/detail/tensor_update.h"
-#include "shardema/detail/warning.h"
+#include "shardema/core/failpoint.h"
+#include "shardema/core/tensor_update.h"
+#include "shardema/core/warning.h"
 #include "shardema/offload/pinned_arena.h"
 #include "shardema/offload/worker_pool.h"
 
@@ -334,8 +335,9 @@ bool UpdatePipeline::allDone() const {
 // profiles: with one, each span has one EMA and the kernels take their
 // single-profile loops (update_kernels.h).
 void UpdatePipeline::applyChunk(int64_t chunk, const char* staging) {
-  TORCH_CHECK(step_ != faultStep_ || chunk != faultChunk_,
-              "injected fault (PipelineFaultInjection)");
+  TORCH_CHECK(!failpoint::fires("offload.pipeline.chunk", step_, chunk),
+              "injected fault (failpoint offload.pipeline.chunk) in chunk ", chunk, " of step ",
+              step_);
   const Chunk& c = chunks_[chunk];
   if (weights_.size() == 1) {
     // One profile: flat spans, no per-piece allocation (what keeps a

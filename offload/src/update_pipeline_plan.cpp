@@ -3,6 +3,7 @@
 // callbacks then read pieces_ and chunks_ without locks.
 #include <algorithm>
 
+#include "shardema/core/failpoint.h"
 #include "shardema/offload/update_pipeline.h"
 
 namespace shardema::offload {
@@ -30,7 +31,7 @@ constexpr int64_t kMinDirectChunkBytes = int64_t{64} << 10;
 
 bool UpdatePipeline::readsInPlace(const PipelineJob& job, size_t index) const {
   if (options_.stageHostSources || !job.source.device().is_cpu()) return false;
-  return !mixPaths_ || index % 2 == 0;
+  return !failpoint::fires("offload.pipeline.stage_host_source", static_cast<int64_t>(index));
 }
 
 void UpdatePipeline::plan(const std::vector<PipelineJob>& jobs,

@@ -16,7 +16,7 @@
 #include "process_group.h"
 #include "shardema/posthoc_callback.h"
 #include "shardema/synthesis.h"
-#include "shardema/tensor_file.h"
+#include "shardema/core/tensor_file.h"
 
 namespace py = pybind11;
 

@@ -6,7 +6,7 @@
 
 #include "bindings.h"
 #include "conversions.h"
-#include "shardema/decay_schedule.h"
+#include "shardema/core/decay_schedule.h"
 
 namespace py = pybind11;
 

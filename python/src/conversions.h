@@ -8,7 +8,7 @@
 #include <string>
 
 #include "shardema/averager.h"
-#include "shardema/decay_schedule.h"
+#include "shardema/core/decay_schedule.h"
 #include "shardema/offload/engine_choice.h"
 #include "shardema/posthoc_callback.h"
 #include "shardema/tracking_policy.h"

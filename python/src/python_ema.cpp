@@ -7,7 +7,7 @@
 #include <string>
 #include <utility>
 
-#include "shardema/detail/file_metadata.h"
+#include "shardema/core/file_metadata.h"
 #include "shardema/shard/agreement.h"
 #include "shardema/sharded_checkpoint.h"
 #include "shardema/sharded_averager.h"

@@ -7,7 +7,7 @@
 #include <set>
 #include <unordered_set>
 
-#include "shardema/detail/checksum.h"
+#include "shardema/core/checksum.h"
 
 namespace shardema {
 namespace shard {

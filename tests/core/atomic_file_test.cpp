@@ -1,4 +1,4 @@
-#include "shardema/detail/atomic_file.h"
+#include "shardema/core/atomic_file.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>

@@ -1,7 +1,7 @@
 // XXH64 against known answers (printed by xxhsum -H64, xxhash 0.8.1, and the
 // reference value for empty input), and fileChecksum against the xxhsum
 // command-line tool when it is installed.
-#include "shardema/detail/checksum.h"
+#include "shardema/core/checksum.h"
 
 #include <gtest/gtest.h>
 #include <sys/wait.h>

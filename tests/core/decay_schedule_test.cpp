@@ -1,4 +1,4 @@
-#include "shardema/decay_schedule.h"
+#include "shardema/core/decay_schedule.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "shardema/power_function.h"
+#include "shardema/core/power_function.h"
 #include "support/value_error.h"
 
 namespace shardema {

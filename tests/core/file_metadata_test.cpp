@@ -1,4 +1,4 @@
-#include "shardema/detail/file_metadata.h"
+#include "shardema/core/file_metadata.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "shardema/detail/safetensors_header.h"
-#include "shardema/tensor_file.h"
+#include "shardema/core/safetensors_header.h"
+#include "shardema/core/tensor_file.h"
 
 namespace shardema {
 namespace {

@@ -12,7 +12,7 @@
 #include <random>
 #include <vector>
 
-#include "shardema/detail/update_kernels.h"
+#include "shardema/core/update_kernels.h"
 
 namespace shardema::testing {
 

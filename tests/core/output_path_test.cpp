@@ -1,4 +1,4 @@
-#include "shardema/detail/output_path.h"
+#include "shardema/core/output_path.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>

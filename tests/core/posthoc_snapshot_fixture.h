@@ -9,9 +9,9 @@
 #include <utility>
 #include <vector>
 
-#include "shardema/detail/posthoc_snapshot.h"
-#include "shardema/power_function.h"
-#include "shardema/tensor_file.h"
+#include "shardema/core/posthoc_snapshot.h"
+#include "shardema/core/power_function.h"
+#include "shardema/core/tensor_file.h"
 #include "support/temp_dir.h"
 
 namespace shardema::snapshot_test {

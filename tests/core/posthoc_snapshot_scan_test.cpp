@@ -1,6 +1,6 @@
 // scanSnapshotFolder: the folder layouts of both placements and every way
 // a folder can be inconsistent (DESIGN section 5).
-#include "shardema/detail/posthoc_snapshot.h"
+#include "shardema/core/posthoc_snapshot.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -13,8 +13,8 @@
 #include <fstream>
 #include <string>
 
-#include "shardema/power_function.h"
-#include "shardema/tensor_file.h"
+#include "shardema/core/power_function.h"
+#include "shardema/core/tensor_file.h"
 #include "support/temp_dir.h"
 #include "core/posthoc_snapshot_fixture.h"
 #include "support/value_error.h"

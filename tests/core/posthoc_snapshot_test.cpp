@@ -1,4 +1,4 @@
-#include "shardema/detail/posthoc_snapshot.h"
+#include "shardema/core/posthoc_snapshot.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -11,8 +11,8 @@
 #include <string>
 
 #include "core/posthoc_snapshot_fixture.h"
-#include "shardema/power_function.h"
-#include "shardema/tensor_file.h"
+#include "shardema/core/power_function.h"
+#include "shardema/core/tensor_file.h"
 #include "support/command_output.h"
 #include "support/temp_dir.h"
 #include "support/value_error.h"

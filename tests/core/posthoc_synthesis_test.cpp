@@ -1,4 +1,4 @@
-#include "shardema/detail/posthoc_synthesis.h"
+#include "shardema/core/posthoc_synthesis.h"
 
 #include <gtest/gtest.h>
 
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "shardema/power_function.h"
+#include "shardema/core/power_function.h"
 #include "support/value_error.h"
 
 namespace shardema {

@@ -1,4 +1,4 @@
-#include "shardema/power_function.h"
+#include "shardema/core/power_function.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-#include "shardema/detail/regular_file.h"
+#include "shardema/core/regular_file.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -15,9 +15,9 @@
 #include <iterator>
 #include <string>
 
-#include "shardema/detail/checksum.h"
-#include "shardema/detail/tensor_file_reader.h"
-#include "shardema/tensor_file.h"
+#include "shardema/core/checksum.h"
+#include "shardema/core/tensor_file_reader.h"
+#include "shardema/core/tensor_file.h"
 #include "support/temp_dir.h"
 
 namespace shardema {

@@ -1,4 +1,4 @@
-#include "shardema/detail/safetensors_header.h"
+#include "shardema/core/safetensors_header.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>

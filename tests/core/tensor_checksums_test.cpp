@@ -1,7 +1,7 @@
 // Per-tensor checksums in a single file's metadata ("shardema.xxh64"):
 // written by every writer, checked by every whole-tensor read, and by
 // TensorFileReader::verifyChecksums for files read in ranges.
-#include "shardema/detail/tensor_checksums.h"
+#include "shardema/core/tensor_checksums.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -9,9 +9,9 @@
 
 #include <string>
 
-#include "shardema/detail/tensor_file_reader.h"
-#include "shardema/detail/tensor_file_writer.h"
-#include "shardema/tensor_file.h"
+#include "shardema/core/tensor_file_reader.h"
+#include "shardema/core/tensor_file_writer.h"
+#include "shardema/core/tensor_file.h"
 #include "support/file_bytes.h"
 #include "support/foreign_tensor_file.h"
 #include "support/temp_dir.h"

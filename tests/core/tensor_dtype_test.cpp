@@ -1,4 +1,4 @@
-#include "shardema/detail/tensor_dtype.h"
+#include "shardema/core/tensor_dtype.h"
 
 #include <gtest/gtest.h>
 

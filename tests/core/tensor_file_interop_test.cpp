@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "shardema/tensor_file.h"
+#include "shardema/core/tensor_file.h"
 #include "support/command_output.h"
 #include "support/file_bytes.h"
 #include "support/temp_dir.h"

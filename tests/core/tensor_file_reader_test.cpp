@@ -1,7 +1,7 @@
 // TensorFileReader: ranges equal slices of readTensorFile's tensors for
 // every (begin, count), whole reads equal readTensorFile, bad names, ranges
 // and files are refused naming the file, and threads may share a reader.
-#include "shardema/detail/tensor_file_reader.h"
+#include "shardema/core/tensor_file_reader.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "shardema/tensor_file.h"
+#include "shardema/core/tensor_file.h"
 #include "support/file_bytes.h"
 #include "support/temp_dir.h"
 #include "support/tensor_file_rows.h"

@@ -1,4 +1,4 @@
-#include "shardema/tensor_file.h"
+#include "shardema/core/tensor_file.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -12,7 +12,7 @@
 #include <sstream>
 #include <string>
 
-#include "shardema/detail/checksum.h"
+#include "shardema/core/checksum.h"
 #include "support/file_bytes.h"
 #include "support/foreign_tensor_file.h"
 #include "support/temp_dir.h"

@@ -2,7 +2,7 @@
 // whatever the piece split, the checksum equals the file's, numpy reads a
 // streamed file, bad pieces are refused naming the tensor, and nothing
 // replaces the target until commit().
-#include "shardema/detail/tensor_file_writer.h"
+#include "shardema/core/tensor_file_writer.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "shardema/detail/checksum.h"
-#include "shardema/tensor_file.h"
+#include "shardema/core/checksum.h"
+#include "shardema/core/tensor_file.h"
 #include "support/command_output.h"
 #include "support/file_bytes.h"
 #include "support/temp_dir.h"

@@ -1,6 +1,6 @@
 // at::Tensor front of the update kernels: results against ATen's own
 // float64 arithmetic and dtype conversions, and every validation error.
-#include "shardema/detail/tensor_update.h"
+#include "shardema/core/tensor_update.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

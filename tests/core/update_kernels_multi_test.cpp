@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "core/kernel_test_data.h"
-#include "shardema/detail/update_kernels.h"
+#include "shardema/core/update_kernels.h"
 #include "shardema/offload/worker_pool.h"
 #include "support/same_bytes.h"
 

@@ -1,7 +1,7 @@
 // Raw update kernels against independent references: a float64
 // recomputation for the lerp, c10::BFloat16 / c10::Half for the conversions
 // (every one of the 65536 bit patterns), and the serial result for any split.
-#include "shardema/detail/update_kernels.h"
+#include "shardema/core/update_kernels.h"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>

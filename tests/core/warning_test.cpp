@@ -1,6 +1,6 @@
 // detail::warn goes through c10's warning handler (TORCH_WARN's channel),
 // warnOnce emits once per key, and neither throws when the handler does.
-#include "shardema/detail/warning.h"
+#include "shardema/core/warning.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>

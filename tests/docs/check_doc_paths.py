@@ -13,7 +13,7 @@ import pathlib
 import re
 import sys
 
-INCLUDE_ROOTS = ["lib/core/include", "lib/facade/include", "shard/include", "offload/include"]
+INCLUDE_ROOTS = ["core/include", "lib/include", "shard/include", "offload/include"]
 CREATED = ("out/", "build/", "build-fuzz/")
 PATTERN_CHARS = set("*{}<>$|")
 

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "shardema/detail/safetensors_header.h"
+#include "shardema/core/safetensors_header.h"
 
 namespace {
 

@@ -15,9 +15,9 @@
 #include <thread>
 #include <vector>
 
-#include "shardema/offload/cuda_copy_engine.h"
-#include "shardema/offload/device_probe.h"
-#include "shardema/offload/host_copy_engine.h"
+#include "shardema/offload/detail/cuda_copy_engine.h"
+#include "shardema/offload/detail/device_probe.h"
+#include "shardema/offload/detail/host_copy_engine.h"
 
 namespace shardema::offload {
 namespace {

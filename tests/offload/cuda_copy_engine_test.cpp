@@ -5,7 +5,7 @@
 // Device tensors come from ATen, so the ordering tests also need a CUDA
 // LibTorch (their kernels run on c10's current stream, the engine's
 // producer stream in such a build).
-#include "shardema/offload/cuda_copy_engine.h"
+#include "shardema/offload/detail/cuda_copy_engine.h"
 
 #include <ATen/Context.h>
 #include <ATen/ops/arange.h>
@@ -20,7 +20,7 @@
 #include <mutex>
 #include <vector>
 
-#include "shardema/offload/device_probe.h"
+#include "shardema/offload/detail/device_probe.h"
 #include "shardema/offload/pinned_arena.h"
 
 namespace shardema::offload {

@@ -1,4 +1,4 @@
-#include "shardema/offload/device_probe.h"
+#include "shardema/offload/detail/device_probe.h"
 
 #include <gtest/gtest.h>
 

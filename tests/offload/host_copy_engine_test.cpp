@@ -3,7 +3,7 @@
 // (workers refilling staging slots), callbacks hand work to other threads,
 // and the one producer thread relies on fenceProducer()/synchronize() for
 // happens-before with the copy thread's writes. No ATen on any thread here.
-#include "shardema/offload/host_copy_engine.h"
+#include "shardema/offload/detail/host_copy_engine.h"
 
 #include <gtest/gtest.h>
 

@@ -11,7 +11,7 @@
 #include <thread>
 #include <vector>
 
-#include "shardema/offload/device_probe.h"
+#include "shardema/offload/detail/device_probe.h"
 #include "support/value_error.h"
 
 namespace shardema::offload {

@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "shardema/offload/host_copy_engine.h"
-#include "shardema/detail/update_kernels.h"
+#include "shardema/offload/detail/host_copy_engine.h"
+#include "shardema/core/update_kernels.h"
 #include "shardema/offload/worker_pool.h"
 #include "support/same_bytes.h"
 

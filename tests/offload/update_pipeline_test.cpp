@@ -20,14 +20,15 @@
 #include <cmath>
 #include <future>
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "offload/fake_copy_engine.h"
-#include "shardema/detail/pipeline_fault_injection.h"
-#include "shardema/detail/update_kernels.h"
-#include "shardema/offload/host_copy_engine.h"
+#include "shardema/core/failpoint.h"
+#include "shardema/core/update_kernels.h"
+#include "shardema/offload/detail/host_copy_engine.h"
 #include "shardema/offload/pinned_arena.h"
 #include "shardema/offload/worker_pool.h"
 #include "support/same_bytes.h"
@@ -137,7 +138,12 @@ void orderingSweep(Path path, uint32_t seed) {
     offload::HostCopyEngine host;
     offload::CopyEngine& engine = config % 2 == 1 ? static_cast<offload::CopyEngine&>(host) : fake;
     UpdatePipeline pipeline(optionsFor(path, pool, engine, chunkBytes, slots));
-    detail::PipelineFaultInjection::mixPaths(pipeline, path == Path::kMixed);
+    // Mixed: odd jobs' host sources staged, even ones read in place.
+    std::optional<failpoint::Armed> mixed;
+    if (path == Path::kMixed) {
+      mixed.emplace("offload.pipeline.stage_host_source",
+                    [](int64_t job, int64_t) { return job % 2 == 1; });
+    }
     const std::string where = std::string(nameOf(path)) + " " + engine.name() + " config " +
                               std::to_string(config) + " chunkBytes " + std::to_string(chunkBytes) +
                               " slots " + std::to_string(slots) + " workers " +
@@ -265,7 +271,8 @@ TEST_P(UpdatePipelinePathTest, InjectedFaultIsRethrownFromWaitWithNameAndStep) {
   offload::WorkerPool pool(2);
   testing::FakeCopyEngine engine;
   UpdatePipeline pipeline(optionsFor(GetParam(), pool, engine, 64));
-  detail::PipelineFaultInjection::inject(pipeline, {/*step=*/3, /*chunk=*/2});
+  failpoint::Armed fault("offload.pipeline.chunk",
+                         [](int64_t step, int64_t chunk) { return step == 3 && chunk == 2; });
   at::Tensor a = at::ones({16});
   at::Tensor b = at::ones({40});
   at::Tensor emaA = at::zeros({16});

@@ -17,7 +17,7 @@
 
 #include "offload/fake_copy_engine.h"
 #include "offload/held_worker.h"
-#include "shardema/detail/pipeline_fault_injection.h"
+#include "shardema/core/failpoint.h"
 #include "shardema/offload/update_pipeline.h"
 #include "shardema/offload/worker_pool.h"
 
@@ -116,7 +116,8 @@ TEST(UpdatePipelineWaiterTest, WaitRunsThemTooAndOnlyThoseCount) {
 // goes through.
 TEST(UpdatePipelineWaiterTest, AFailureOnTheWaiterIsReportedByWait) {
   Fixture f;
-  detail::PipelineFaultInjection::inject(f.pipeline, {/*step=*/3, /*chunk=*/4});
+  failpoint::Armed fault("offload.pipeline.chunk",
+                         [](int64_t step, int64_t chunk) { return step == 3 && chunk == 4; });
   // Chunks 1-9 on this thread, chunk 4 throws.
   f.runWithHeldWorker(0.5f, 3, [&] { f.pipeline.fence(); });
   EXPECT_EQ(f.pipeline.stats().waiterChunks, kChunks - 1) << "skipped chunks count as run";

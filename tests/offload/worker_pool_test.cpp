@@ -16,7 +16,7 @@
 #include <thread>
 #include <vector>
 
-#include "shardema/detail/update_kernels.h"
+#include "shardema/core/update_kernels.h"
 #include "support/same_bytes.h"
 
 namespace shardema {

@@ -14,7 +14,7 @@
 #include <string>
 
 #include "shardema/averager.h"
-#include "shardema/decay_schedule.h"
+#include "shardema/core/decay_schedule.h"
 #include "shardema/shard/communicator.h"
 #include "shardema/training_checkpoint.h"
 #include "support/temp_dir.h"

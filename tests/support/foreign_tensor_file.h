@@ -9,8 +9,8 @@
 #include <utility>
 #include <vector>
 
-#include "shardema/detail/safetensors_header.h"
-#include "shardema/detail/tensor_dtype.h"
+#include "shardema/core/safetensors_header.h"
+#include "shardema/core/tensor_dtype.h"
 #include "support/file_bytes.h"
 
 namespace shardema::testing {

@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "shardema/tensor_file.h"
+#include "shardema/core/tensor_file.h"
 
 namespace shardema::testing {
 

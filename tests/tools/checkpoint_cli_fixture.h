@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
-#include "shardema/decay_schedule.h"
-#include "shardema/detail/checksum.h"
-#include "shardema/tensor_file.h"
+#include "shardema/core/decay_schedule.h"
+#include "shardema/core/checksum.h"
+#include "shardema/core/tensor_file.h"
 #include "support/file_bytes.h"
 #include "tools/cli_run.h"
 

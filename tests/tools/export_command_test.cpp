@@ -6,7 +6,7 @@
 
 #include <filesystem>
 
-#include "shardema/tensor_file.h"
+#include "shardema/core/tensor_file.h"
 #include "support/file_bytes.h"
 #include "support/same_bytes.h"
 #include "support/temp_dir.h"

@@ -6,8 +6,8 @@
 
 #include <cstdio>
 
-#include "shardema/detail/checksum.h"
-#include "shardema/tensor_file.h"
+#include "shardema/core/checksum.h"
+#include "shardema/core/tensor_file.h"
 #include "support/file_bytes.h"
 #include "support/temp_dir.h"
 #include "tools/checkpoint_cli_fixture.h"

@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "shardema/detail/posthoc_snapshot.h"
-#include "shardema/power_function.h"
-#include "shardema/tensor_file.h"
+#include "shardema/core/posthoc_snapshot.h"
+#include "shardema/core/power_function.h"
+#include "shardema/core/tensor_file.h"
 #include "support/command_output.h"
 #include "support/temp_dir.h"
 #include "tools/checkpoint_cli_fixture.h"

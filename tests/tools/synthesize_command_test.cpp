@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "shardema/power_function.h"
-#include "shardema/tensor_file.h"
+#include "shardema/core/power_function.h"
+#include "shardema/core/tensor_file.h"
 #include "support/temp_dir.h"
 #include "tools/checkpoint_cli_fixture.h"
 

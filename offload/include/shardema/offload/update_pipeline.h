@@ -65,15 +65,11 @@
 #include <string>
 #include <vector>
 
-#include "shardema/detail/update_kernels.h"
+#include "shardema/core/update_kernels.h"
 #include "shardema/offload/copy_engine.h"
 #include "shardema/offload/pipeline_stats.h"
 
 namespace shardema {
-
-namespace detail {
-class PipelineFaultInjection;
-}  // namespace detail
 
 namespace offload {
 
@@ -214,7 +210,6 @@ class UpdatePipeline {
   const UpdatePipelineOptions& options() const { return options_; }
 
  private:
-  friend class ::shardema::detail::PipelineFaultInjection;  // the test seam
   // A contiguous run of one job's elements (update_pipeline_plan.cpp).
   struct Piece {
     size_t job = 0;
@@ -305,14 +300,6 @@ class UpdatePipeline {
   bool released_ = true;         // guarded by mutex_: sources checked and free
   // Copies of the slot's chunk not yet landed; counted down by the engine.
   std::unique_ptr<std::atomic<int>[]> piecesLeft_;
-  // Test seam (detail/pipeline_fault_injection.h): the math of chunk
-  // faultChunk_ of step faultStep_ throws. Set between updates on the
-  // submitting thread; read by workers after submit()'s hand-offs.
-  int64_t faultStep_ = -1;
-  int64_t faultChunk_ = 0;
-  // Test seam: stage every other host job (odd job indices) even without
-  // stageHostSources, so one update mixes both paths without a GPU.
-  bool mixPaths_ = false;
 };
 
 }  // namespace offload

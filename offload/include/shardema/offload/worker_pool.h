@@ -7,7 +7,7 @@
 #include <functional>
 #include <memory>
 
-#include "shardema/detail/parallel_runner.h"
+#include "shardema/core/parallel_runner.h"
 
 namespace shardema::offload {
 

@@ -1,0 +1,287 @@
+#pragma once
+// Averager: the EMA of a set of named tensors (one model, one profile).
+//
+// Two placements (AveragerOptions::placement):
+//   - kPinnedHost (default, DESIGN section 2): the EMA lives in host memory
+//     from a PinnedArena; update() queues the work, the copy engine moves
+//     the sources into bounded staging slots and the worker pool folds them
+//     in. update() returns at once; fence() returns once the sources have
+//     been read (call it before the sources change: before the next
+//     optimizer.step(), EmaCallback::onBeforeOptimizerStep()), wait() once
+//     the math is done. A source written in place between update() and
+//     fence() fails the update (its autograd version is checked) instead of
+//     folding in torn values. Tensors marked changesInForward (buffers) are
+//     read synchronously inside update() into a host snapshot, so the
+//     forward pass may change them at once. offload.fenceInUpdate = true
+//     makes update() call fence() itself (safe, but nothing overlaps the
+//     next forward and backward). No device memory is used.
+//   - kDevice: the EMA lives on the sources' device and update() runs there
+//     synchronously with ATen ops, one tensor at a time (the fused
+//     _foreach_lerp_ does not exist in LibTorch 1.13): the comparison mode.
+//     fence() and wait() return at once.
+// Every call that reads or writes the EMA (ema, emaTensors, state, save,
+// copyEmaToSources, loadEmaValues, loadState, load, the destructor) first
+// waits for an update in flight.
+//
+// Threads. One Averager is used by one thread at a time (the training
+// loop): none of its calls may run concurrently with another call on the
+// same Averager, const ones included (ema(), state() and every call that
+// waits may mark it failed). Handing it to another thread between calls is
+// fine. Separate Averagers may be used from separate threads at once, even
+// over one WorkerPool. With kPinnedHost the copies run on the copy engine's
+// thread (the host engine's copy thread, or CUDA's callback thread) and the
+// math on options.pool's workers; neither runs user code, and the sources
+// are read on those threads between update() and fence(). With kDevice
+// everything runs on the calling thread.
+//
+// Profiles. Calls that read or load one profile's EMA take `int profile =
+// 0` (profile 0 is options.schedule, profile p options.moreSchedules[p - 1];
+// c10::IndexError naming the call for another value): ema, emaTensors,
+// lastDecay, schedule, loadEmaValues.
+//
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "shardema/core/decay_schedule.h"
+#include "shardema/offload/engine_choice.h"
+#include "shardema/offload/pipeline_stats.h"
+#include "shardema/core/tensor_file.h"
+#include "shardema/tracking_policy.h"
+
+namespace shardema {
+
+namespace offload {
+class WorkerPool;
+}  // namespace offload
+
+namespace detail {
+class EmaStore;
+}  // namespace detail
+
+/// Where the EMA lives and how it is updated (see the file comment).
+enum class EmaPlacement {
+  /// Host memory, asynchronous chunked pipeline (default).
+  kPinnedHost,
+  /// The sources' device, synchronous ATen ops on the caller.
+  kDevice,
+};
+
+/// The pipeline of the kPinnedHost placement.
+struct AveragerOffloadOptions {
+  /// Bytes per staging slot and per direct chunk (default 8 MiB,
+  /// offload::kDefaultChunkBytes, >= 64). Larger chunks cost fewer copy
+  /// calls and hand-offs per update but fill the pipeline later (the first
+  /// math waits for the first whole chunk), hold more staging memory and,
+  /// once two no longer fit in the last-level cache, are read back from
+  /// memory instead of the cache (see kDefaultChunkBytes for the trade-off).
+  int64_t chunkBytes = int64_t{8} << 20;
+  /// Staging slots (default 4, offload::kDefaultNumSlots; 2 is double
+  /// buffering). More slots let copies run further ahead of the math when
+  /// their rates vary, each for chunkBytes more staging (numSlots x
+  /// chunkBytes, held for the Averager's life; 32 MiB by default).
+  int numSlots = 4;
+  /// false (default, DESIGN section 2): update() returns at once and the
+  /// caller calls fence() before the sources change (update after the
+  /// optimizer step, fence before the next one), so the copies overlap the
+  /// next forward and backward passes. A source written in place before
+  /// fence() fails the update (wait() throws naming it). true: update()
+  /// returns once the sources have been read (it calls fence()), so they may
+  /// change as soon as it returns, as with a synchronous update; the math
+  /// still runs in the background until wait(). With bounded staging that
+  /// waits for all but the last numSlots chunks' math.
+  bool fenceInUpdate = false;
+  /// Copy engine: kAuto (default) takes CUDA when a device is present.
+  offload::EngineChoice engine = offload::EngineChoice::kAuto;
+};
+
+struct AveragerOptions {
+  /// Decay as a function of the 1-based optimizer step. Default: the
+  /// VersatIL warmup (power 0.75, max 0.9999).
+  DecaySchedule schedule = DecaySchedule::warmup();
+  /// Threads for the update kernels; not owned, must outlive the Averager.
+  /// nullptr (default) uses offload::WorkerPool::shared().
+  offload::WorkerPool* pool = nullptr;
+  /// true (default, ema-pytorch/nitrous): the first due update copies the
+  /// sources, whatever the decay. false (VersatIL's deepcopy at fit start):
+  /// the construction-time copy is the start of the average and every due
+  /// update lerps with the scheduled decay.
+  bool copyOnFirstUpdate = true;
+  /// Where the EMA lives. Default kPinnedHost. With kPinnedHost the pool
+  /// needs at least one worker (c10::ValueError otherwise).
+  EmaPlacement placement = EmaPlacement::kPinnedHost;
+  /// Pipeline settings (kPinnedHost only).
+  AveragerOffloadOptions offload;
+  /// Further EMA profiles of the same tensors, updated in the same pass as
+  /// the first (post-hoc EMA: one power-function schedule per sigma_rel, so
+  /// k profiles stage and read each source once). Profile 0 is `schedule`,
+  /// profile p its moreSchedules[p - 1]. Every schedule must have the same
+  /// updateEvery (they share the due steps); at most kMaxProfiles - 1
+  /// (shardema/core/update_kernels.h).
+  /// Copy roles keep one copy shared by all profiles. Default: none.
+  std::vector<DecaySchedule> moreSchedules;
+};
+
+/// How load() treats names that differ between a file and the Averager.
+enum class LoadStrictness {
+  /// Missing or unexpected names are an error listing them (default).
+  kStrict,
+  /// Names present on both sides are loaded; the others are reported by the
+  /// returned LoadReport and left as they are.
+  kNonStrict,
+};
+
+struct LoadReport {
+  std::vector<std::string> missing;     // tracked here, absent in the file
+  std::vector<std::string> unexpected;  // in the file, not tracked here
+};
+
+class Averager {
+ public:
+  /// Copies every source once (the EMA starts equal to the model, as a
+  /// deepcopy would). Names must be unique and non-empty; averaged sources
+  /// must be float32, bfloat16 or float16 (c10::ValueError / TypeError naming
+  /// the tensor), copies of a dtype tensor files hold (not complex: TypeError),
+  /// and every source dense with values (meta or sparse: ValueError). A
+  /// failure part-way (an allocation) releases what was built. Sources may
+  /// live on any device; EMA storage is host memory (kPinnedHost) or the
+  /// source's device (kDevice). The Averager holds the
+  /// sources (tensor handles) and owns the EMA storage, its engine and
+  /// staging memory; options.pool is borrowed.
+  Averager(std::vector<TrackedTensor> tensors, AveragerOptions options = {});
+  Averager(const Averager&) = delete;
+  Averager& operator=(const Averager&) = delete;
+  /// Moves take the EMA and the update in flight along; a moved-from
+  /// Averager may only be destroyed or assigned to (a call that reads,
+  /// updates, saves or loads the EMA throws c10::Error saying so). Assigning to an
+  /// Averager first retires its own update in flight (as the destructor).
+  Averager(Averager&&) noexcept;
+  Averager& operator=(Averager&&) noexcept;
+  /// Waits for an update in flight; its error is only warned about (a
+  /// destructor must not throw).
+  ~Averager();
+
+  /// Folds the sources' current values in as optimizer step `step` (1-based,
+  /// strictly increasing: c10::ValueError otherwise). Does nothing and
+  /// returns false when the schedule says the step is not due. The first due
+  /// update copies; later ones lerp with weight 1 - decay (a decay of 0 is an
+  /// exact copy). kPinnedHost: completes the previous update (which may
+  /// throw its error), snapshots the changesInForward tensors, queues the
+  /// rest and returns at once: the other sources must not be written before
+  /// fence() (or once they are read, with fenceInUpdate). An update() with
+  /// neither fence() nor wait() (nor a call that waits) since the previous
+  /// one is a forgotten fence: c10::Error, and the Averager is failed.
+  /// kDevice: blocks until done.
+  /// If it throws before queueing (a source of the wrong dtype, say),
+  /// step() is unchanged and the update can be retried.
+  bool update(int64_t step);
+  /// Blocks until the update in flight has read every source, so they may
+  /// change (the next optimizer step). The math may still run. A source
+  /// written since update() fails the update (reported by wait()). Adds the
+  /// time it blocked to offloadStats().fenceWaitSeconds. Never throws a
+  /// worker's error (wait() does). No-op for kDevice.
+  void fence();
+  /// Blocks until all math is done; rethrows a background error (c10::Error
+  /// naming the tensor and step) and marks the Averager failed.
+  void wait();
+  /// Where the EMA lives.
+  EmaPlacement placement() const { return options_.placement; }
+  /// Whether a background update failed (see the file comment).
+  bool failed() const { return !failure_.empty(); }
+  /// Pipeline counters (zero for kDevice): staging bytes, fence waits, ...
+  /// Does not wait.
+  offload::PipelineStats offloadStats() const;
+
+  /// Last step passed to update() (0 before any).
+  int64_t step() const { return step_; }
+  /// Whether the first due update (the initial copy) has happened.
+  bool initialized() const { return initialized_; }
+  /// Profiles tracked: 1 + options.moreSchedules.size().
+  int numProfiles() const { return static_cast<int>(options_.moreSchedules.size()) + 1; }
+  /// Decay the profile used at the last due update (0 before any).
+  double lastDecay(int profile = 0) const;
+  /// The profile's schedule (0: options.schedule).
+  const DecaySchedule& schedule(int profile = 0) const;
+
+  /// Tracked names in construction order.
+  std::vector<std::string> names() const;
+  TrackRole role(const std::string& name) const;
+  /// The EMA (averaging roles: float32) or the copy (kCopy/kCopyOnce:
+  /// source dtype, one copy shared by every profile) of a tracked tensor in
+  /// `profile`; a view of our storage, valid while the Averager lives.
+  /// c10::IndexError naming the tensor when not tracked.
+  const at::Tensor& ema(const std::string& name, int profile = 0) const;
+  /// Every tracked tensor's EMA/copy in `profile`, in construction order
+  /// (views). Both wait for the update in flight first; with kPinnedHost
+  /// the next update() writes these views in the background, so clone what
+  /// you keep across updates.
+  std::vector<std::pair<std::string, at::Tensor>> emaTensors(int profile = 0) const;
+  /// The live sources, in construction order (handles, not copies).
+  std::vector<TrackedTensor> tracked() const;
+
+  /// Sets the progress a resume from snapshots restores (loadState() does
+  /// it from its metadata): the last step and whether the first copy
+  /// happened. The step must be >= 0. Waits for the update in flight.
+  void restoreProgress(int64_t step, bool initialized);
+
+  /// Writes the EMA (profile 0) into the sources (dtype and device
+  /// converted), e.g. to evaluate with EMA weights; kPinnedHost goes
+  /// through the copy engine. Blocks.
+  void copyEmaToSources();
+  /// Overwrites the EMA values of `profile` from named tensors (converted
+  /// to our dtype; copy roles: the shared copy), e.g. from a post-hoc
+  /// snapshot on resume; shapes must match (c10::ValueError naming the
+  /// tensor); a floating EMA or copy takes floating values, an integer or
+  /// bool copy only its own dtype (c10::TypeError naming the tensor).
+  /// Checks everything before the first write. Waits.
+  LoadReport loadEmaValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
+                           LoadStrictness strictness, int profile = 0);
+
+  /// State for resume: every EMA tensor under its name, metadata with the
+  /// step, initialised flag, last decay, schedule (JSON) and roles. Single
+  /// profile only: an Averager with moreSchedules is saved as post-hoc
+  /// snapshots, one file per profile (posthoc_snapshot.h), and c10::Error
+  /// says so.
+  TensorFile state() const;
+  /// Restores state(): tensors as loadEmaValues, plus step and flags. In
+  /// strict mode a schedule different from ours is an error naming both.
+  LoadReport loadState(const TensorFile& file, LoadStrictness strictness = LoadStrictness::kStrict);
+  /// state() to a crash-safe safetensors file / loadState from one (whose
+  /// errors then start with the file's path).
+  void save(const std::string& path) const;
+  LoadReport load(const std::string& path, LoadStrictness strictness = LoadStrictness::kStrict);
+
+ private:
+  void checkProfile(int profile, const char* api) const;
+  size_t indexOf(const std::string& name, const char* api) const;
+  void checkRoles(const TensorFile& file) const;
+  // Throws when failed; otherwise waits for the update in flight and turns
+  // its error into the failed mark.
+  void settle(const char* api) const;
+  void checkNotFailed(const char* api) const;
+  LoadReport loadValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
+                        LoadStrictness strictness, int profile);
+  void rejectUnfenced(int64_t step);
+  detail::EmaStore& store(const char* api) const;
+
+  AveragerOptions options_;
+  std::vector<TrackedTensor> tracked_;
+  std::unordered_map<std::string, size_t> index_;  // name -> position in tracked_
+  int64_t step_ = 0;
+  bool initialized_ = false;
+  double lastDecay_ = 0.0;
+  std::vector<double> moreLastDecays_;  // profiles 1..
+  // Why the Averager is failed; empty when it is not. Set by const calls
+  // that wait (ema(), state()), hence mutable.
+  mutable std::string failure_;
+  // The EMA storage and the update mechanics of options_.placement. Null
+  // only in a moved-from Averager.
+  std::unique_ptr<detail::EmaStore> store_;
+};
+
+}  // namespace shardema

@@ -1,0 +1,164 @@
+#pragma once
+// Sharded checkpoints: the per-rank EMA state of a ShardedAverager as a
+// folder (DESIGN section 5), and the offline tools over such folders.
+//
+//   save      saveCheckpoint(comm, dir, averager)   every rank, collectively
+//   load      loadCheckpoint(dir, averager)         each rank its own file
+//   inspect   inspectCheckpoint(dir)                check everything, load nothing
+//   export    exportCheckpoint(dir, file)           one deployable file of full tensors
+//   reshard   reshardCheckpoint(dir, newDir, W)     the same checkpoint for W ranks
+//
+// The folder holds one safetensors file per rank, named uniquely per save
+// (rank_{r:05d}.step_{step}.{saveId:016x}.safetensors), so a failed or
+// crashed save leaves the previous checkpoint complete and loadable; each
+// holds that rank's EMA pieces as 1-D tensors under their global names plus
+// the Averager state metadata and shardema.rank / world_size /
+// layout_fingerprint. manifest.json, written last, names the files with
+// their sizes and XXH64 checksums: a folder without a valid manifest holds
+// no checkpoint. The offline tools read in pieces of at most bufferBytes,
+// so their memory does not grow with the model, and never communicate.
+// File-level pieces (rank file names, the manifest file) are in
+// detail/rank_manifest.h.
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shardema/core/decay_schedule.h"
+#include "shardema/shard/shard_layout.h"
+
+namespace shardema {
+
+namespace shard {
+class Communicator;
+}  // namespace shard
+// Declared only: the manifest parser (and its fuzz target) needs no ATen.
+class ShardedAverager;
+
+/// One rank's committed file as the manifest records it.
+struct RankFileRecord {
+  int64_t rank = 0;
+  /// File name inside the folder.
+  std::string name;
+  /// Bytes and XXH64 (seed 0) of the whole file.
+  uint64_t size = 0;
+  uint64_t checksum = 0;
+};
+
+/// What manifest.json says: the checkpoint's step, schedule, layout and
+/// files. Example of its JSON:
+///   {"format":1,"kind":"sharded_averager_state","step":1200,
+///    "schedule":{...DecaySchedule::toJson()...},"world_size":2,
+///    "layout":{...ShardLayout::toJson()...},"layout_fingerprint":"0123...",
+///    "files":[{"rank":0,"name":"rank_00000.step_1200.0123456789abcdef.safetensors",
+///              "size":4096,"xxh64":"89abcdef01234567"}, ...]}
+struct RankManifest {
+  int64_t step = 0;
+  /// The schedule the ranks' Averagers use (no default constructor exists).
+  DecaySchedule schedule = DecaySchedule::warmup();
+  shard::ShardLayout layout;
+  /// One per rank, in rank order (size = layout.worldSize()).
+  std::vector<RankFileRecord> files;
+
+  int64_t worldSize() const { return static_cast<int64_t>(files.size()); }
+
+  /// The JSON text above (layout fingerprint included).
+  std::string toJson() const;
+  /// Parses and validates toJson() output: format 1, kind, types, a layout
+  /// whose fingerprint matches the recorded one, integers in range (step and
+  /// sizes of at most INT64_MAX), one file per rank with a rank file name of
+  /// that rank. c10::ValueError "<source>: <what is wrong>".
+  static RankManifest fromJson(const std::string& text, const std::string& source = "manifest");
+};
+
+// --- save and load ---
+
+/// Collective (every rank calls it): rank 0 creates the folder and picks
+/// this save's file names, every rank writes its file, rank 0 writes the
+/// manifest (replacing an old one atomically) and then removes rank files
+/// the new manifest does not name; every rank returns once the checkpoint
+/// exists. If any rank fails (any exception, including a communicator /
+/// averager mismatch or rank 0's folder creation), no manifest is written,
+/// an old checkpoint stays as it was, and every rank promptly throws
+/// c10::Error naming the failed ranks. Blocks (bounded by the
+/// communicator's timeout only when a rank never calls or dies).
+void saveCheckpoint(shard::Communicator& comm, const std::string& dir,
+                    const ShardedAverager& averager);
+
+/// The same for a job whose ranks all live in this process (tests, a
+/// single-process tool): averagers[r] must be rank r, all with one layout
+/// and one step (c10::ValueError otherwise). A failure before the manifest's
+/// rename leaves an old checkpoint as it was. Blocks.
+void saveCheckpoint(const std::string& dir, const std::vector<const ShardedAverager*>& averagers);
+
+/// Loads this rank's state: the manifest must exist and have this
+/// averager's world size and layout (c10::ValueError naming both layouts
+/// and pointing to `shardema export --world-size` / reshardCheckpoint
+/// otherwise); this rank's file must have the recorded size and checksum,
+/// metadata naming this rank, world size, layout and the manifest's step,
+/// and exactly the layout's tensors with this rank's sizes; its step and
+/// last decay must be in range. Errors name the file (and tensor or key).
+/// Then Averager::loadState (strict). A failed load changes nothing.
+void loadCheckpoint(const std::string& dir, ShardedAverager& averager);
+
+// --- offline tools (no communication) ---
+
+/// Checks a checkpoint completely without loading it: the manifest; every
+/// rank file's size and XXH64; every rank file's metadata (shardema.rank,
+/// world_size, layout_fingerprint and step agree with the manifest) and
+/// tensors (exactly the layout's, 1-D of the rank's size, one dtype per
+/// tensor across ranks). Returns the manifest. c10::ValueError naming the
+/// file and the tensor or key. This is what export and reshard check first.
+RankManifest inspectCheckpoint(const std::string& dir);
+
+struct ExportOptions {
+  /// dtype of floating tensors in the output: float32 (default), bfloat16
+  /// or float16. Integer/bool tensors (copied buffers) keep theirs.
+  c10::ScalarType outputDtype = c10::ScalarType::Float;
+  /// Bound on the elements' bytes read per piece (source dtype); memory use
+  /// is about twice this. Default 8 MiB. Larger: fewer, larger reads and
+  /// appends (faster on storage with high per-call cost); costs about twice
+  /// that in host memory. Smaller saves memory and costs calls.
+  int64_t bufferBytes = int64_t{8} << 20;
+};
+
+/// What an offline tool wrote.
+struct ExportSummary {
+  int64_t step = 0;
+  int64_t tensors = 0;
+  uint64_t bytes = 0;
+};
+
+/// Merges an inspected checkpoint into one deployable safetensors file of
+/// full tensors (global names and shapes, layout order), streaming tensor by
+/// tensor. Metadata: shardema.kind=deployable_weights, shardema.step,
+/// shardema.schedule, shardema.source_world_size. Crash-safe: on any error
+/// an existing `outFile` is left byte-identical. Blocks.
+ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFile,
+                               ExportOptions options = {});
+
+/// Writes a checkpoint for `target` (same tensors, names, shapes, dtypes
+/// and order as the source layout, any world size) into `outDir` (created
+/// if missing; must not be or lie inside `dir`): for each new rank, the
+/// elements of its ranges read from the old ranks' files. An old checkpoint
+/// in `outDir` stays valid until the new manifest replaces it; on failure
+/// the files this call wrote are removed (and `outDir`, if this call created
+/// it and left it empty). Loading it on target.worldSize() ranks gives what
+/// a gather of the source followed by a scatter would. options.outputDtype
+/// is ignored (states keep their dtypes). Blocks.
+ExportSummary reshardCheckpoint(const std::string& dir, const std::string& outDir,
+                                const shard::ShardLayout& target, ExportOptions options = {});
+/// The largest newWorldSize reshardCheckpoint accepts for the checkpoint in
+/// `dir`: its largest tensor's element count (at least 1). Reads the
+/// manifest only; c10::ValueError when `dir` holds no valid one.
+int64_t maxReshardWorldSize(const std::string& dir);
+/// reshardCheckpoint to shard::relayout(source layout, newWorldSize).
+/// newWorldSize must be in [1, the largest tensor's element count]
+/// (c10::ValueError): a larger job would leave ranks without a single
+/// element of any sharded tensor, and is almost surely a typo that would
+/// write that many files.
+ExportSummary reshardCheckpoint(const std::string& dir, const std::string& outDir,
+                                int64_t newWorldSize, ExportOptions options = {});
+
+}  // namespace shardema

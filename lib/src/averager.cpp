@@ -1,0 +1,263 @@
+// Averager: names, roles, progress and the failure mark; the EMA storage
+// and the update mechanics are its store's (ema_store.h), one per placement.
+#include "shardema/averager.h"
+
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+#include <sstream>
+#include <unordered_set>
+
+#include "device_ema_store.h"
+#include "ema_store.h"
+#include "pinned_host_ema_store.h"
+#include "shardema/core/tensor_update.h"
+#include "shardema/core/update_kernels.h"
+#include "shardema/core/tensor_file.h"
+
+namespace shardema {
+namespace {
+
+// Refused before any storage exists: a source whose values cannot be read
+// (a meta tensor has a shape but no data; sparse and other non-strided
+// layouts have no dense storage to copy from) would otherwise fail deep in
+// the first copy, with an error that names no tensor.
+void checkReadable(const TrackedTensor& tracked) {
+  const at::Tensor& source = tracked.source;
+  TORCH_CHECK_VALUE(!source.is_meta(), "Averager: tensor '", tracked.name,
+                    "' is on the meta device: it has a shape but no values to start the EMA ",
+                    "from; materialize the module (to_empty() and initialize it, or load its ",
+                    "weights) before tracking it");
+  TORCH_CHECK_VALUE(source.layout() == at::kStrided, "Averager: tensor '", tracked.name,
+                    "' has layout ", source.layout(),
+                    "; only dense (strided) tensors can be tracked (densify it with to_dense())");
+  TORCH_CHECK_VALUE(source.has_storage(), "Averager: tensor '", tracked.name,
+                    "' has no storage to read its values from (a ", source.toString(),
+                    "); track a dense tensor");
+}
+
+void checkTracked(const TrackedTensor& tracked, std::unordered_set<std::string>& seen) {
+  TORCH_CHECK_VALUE(!tracked.name.empty(), "Averager: a tracked tensor has an empty name");
+  TORCH_CHECK_VALUE(seen.insert(tracked.name).second, "Averager: tensor '", tracked.name,
+                    "' is tracked twice; names must be unique");
+  TORCH_CHECK_VALUE(tracked.source.defined(), "Averager: tensor '", tracked.name,
+                    "' has an undefined source");
+  checkReadable(tracked);
+  if (isAveragingRole(tracked.role)) {
+    sourceTypeOf(tracked.source, tracked.name);  // float32/bfloat16/float16, else TypeError
+  } else {
+    TORCH_CHECK_TYPE(tensorFilesCanHold(tracked.source.scalar_type()), "Averager: tensor '",
+                     tracked.name, "' is tracked as a copy (role ", trackRoleName(tracked.role),
+                     ") but has dtype ", tracked.source.scalar_type(),
+                     ", which tensor files cannot hold, so its state could never be saved; copies "
+                     "may be float64/32/16, bfloat16, int64/32/16/8, uint8 or bool");
+  }
+}
+
+void checkSchedules(const AveragerOptions& options) {
+  TORCH_CHECK_VALUE(options.moreSchedules.size() < static_cast<size_t>(kMaxProfiles),
+                    "Averager: options.moreSchedules holds ", options.moreSchedules.size(),
+                    " schedules; at most ", kMaxProfiles - 1, " profiles can be added");
+  for (size_t p = 0; p < options.moreSchedules.size(); ++p) {
+    TORCH_CHECK_VALUE(options.moreSchedules[p].updateEvery() == options.schedule.updateEvery(),
+                      "Averager: options.moreSchedules[", p, "] updates every ",
+                      options.moreSchedules[p].updateEvery(), " steps but options.schedule every ",
+                      options.schedule.updateEvery(), "; profiles share their due steps");
+  }
+}
+
+// What a due update does to one tensor: kCopyOnce tensors are left alone,
+// copies are refreshed, averaged tensors lerp (or copy on the first update,
+// with a zero decay, or while frozen).
+detail::EmaAction actionFor(const TrackedTensor& tracked, bool firstCopy, bool weightIsOne) {
+  if (tracked.role == TrackRole::kCopyOnce) return detail::EmaAction::kSkip;
+  if (tracked.role == TrackRole::kCopy || firstCopy || weightIsOne) return detail::EmaAction::kCopy;
+  const bool frozen =
+      tracked.role == TrackRole::kAverageIfTrainable && !tracked.source.requires_grad();
+  return frozen ? detail::EmaAction::kCopy : detail::EmaAction::kLerp;
+}
+
+// A zero decay must reproduce the source exactly; ema + 1 * (x - ema) can
+// be off by an ulp, so it becomes a copy (when every profile has it).
+bool allWeightsOne(const std::vector<double>& weights) {
+  for (double w : weights) {
+    if (w != 1.0) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+Averager::Averager(std::vector<TrackedTensor> tensors, AveragerOptions options)
+    : options_(std::move(options)) {
+  std::unordered_set<std::string> seen;
+  for (const TrackedTensor& tracked : tensors) checkTracked(tracked, seen);
+  checkSchedules(options_);
+  moreLastDecays_.assign(options_.moreSchedules.size(), 0.0);
+  if (options_.placement == EmaPlacement::kPinnedHost) {
+    store_ = std::make_unique<detail::PinnedHostEmaStore>(tensors, options_);
+  } else {
+    store_ = std::make_unique<detail::DeviceEmaStore>(tensors, numProfiles());
+  }
+  tracked_ = std::move(tensors);
+  for (size_t i = 0; i < tracked_.size(); ++i) index_.emplace(tracked_[i].name, i);
+  initialized_ = !options_.copyOnFirstUpdate;
+}
+
+Averager::Averager(Averager&&) noexcept = default;
+Averager& Averager::operator=(Averager&&) noexcept = default;
+Averager::~Averager() = default;
+
+detail::EmaStore& Averager::store(const char* api) const {
+  TORCH_CHECK(store_ != nullptr, "Averager::", api, ": this Averager was moved from");
+  return *store_;
+}
+
+void Averager::checkNotFailed(const char* api) const {
+  TORCH_CHECK(failure_.empty(), "Averager::", api, ": this Averager is failed since a background ",
+              "update failed (", failure_, "); its EMA is partly updated. Restore a saved state ",
+              "with loadState() or load() to continue");
+}
+
+void Averager::settle(const char* api) const {
+  checkNotFailed(api);
+  // A moved-from Averager holds no EMA: every call that reads or changes
+  // one says so instead of quietly returning nothing.
+  detail::EmaStore& emaStore = store(api);
+  try {
+    emaStore.wait();
+  } catch (const c10::Error& e) {
+    failure_ = e.what_without_backtrace();
+    TORCH_CHECK(false, "Averager::", api, ": ", failure_,
+                ". The EMA is partly updated and this Averager is now failed: restore a saved "
+                "state with loadState() or load() to continue");
+  }
+}
+
+void Averager::fence() { store("fence").fence(); }
+
+void Averager::wait() { settle("wait"); }
+
+offload::PipelineStats Averager::offloadStats() const {
+  return store_ ? store_->stats() : offload::PipelineStats{};
+}
+
+bool Averager::update(int64_t step) {
+  detail::EmaStore& emaStore = store("update");
+  TORCH_CHECK_VALUE(step > step_, "Averager::update: step must increase; got step ", step,
+                    " after step ", step_);
+  // Read before the wait below releases the sources.
+  const bool fenced = emaStore.sourcesReleased();
+  settle("update");  // the one wait; a written source seen by it is reported first
+  if (!fenced) rejectUnfenced(step);
+  if (!options_.schedule.isDueAt(step)) {
+    step_ = step;
+    return false;
+  }
+  std::vector<double> decays;
+  std::vector<double> weights;
+  for (int p = 0; p < numProfiles(); ++p) {
+    decays.push_back((p == 0 ? options_.schedule : options_.moreSchedules[p - 1]).decayAt(step));
+    weights.push_back(1.0 - decays.back());
+  }
+  const bool firstCopy = !initialized_;
+  const bool weightIsOne = allWeightsOne(weights);
+  detail::EmaUpdate plan;
+  plan.step = step;
+  plan.weights.assign(weights.begin(), weights.end());
+  plan.actions.reserve(tracked_.size());
+  for (const TrackedTensor& t : tracked_)
+    plan.actions.push_back(actionFor(t, firstCopy, weightIsOne));
+  emaStore.update(tracked_, plan);
+  // Progress is recorded only once the update was accepted, so an update
+  // refused on the caller can be retried at the same step.
+  initialized_ = true;
+  step_ = step;
+  lastDecay_ = decays.front();
+  moreLastDecays_.assign(decays.begin() + 1, decays.end());
+  return true;
+}
+
+// The previous update was neither fenced nor waited for, so whatever ran
+// since (the optimizer step) may have written its sources while they were
+// read. The version check cannot prove otherwise: LibTorch's C++ optimizers
+// write through tensor.data(), which has its own version counter. So this
+// is an error, the EMA counts as torn, and the loop must be fixed.
+void Averager::rejectUnfenced(int64_t step) {
+  std::ostringstream why;
+  why << "update(" << step << ") came without fence() or wait() since update(" << step_
+      << "): its sources may have been modified before fence(): call Averager::fence() "
+         "(EmaCallback::onBeforeOptimizerStep()) before optimizer.step()";
+  failure_ = why.str();
+  TORCH_CHECK(false, "Averager::update: ", failure_,
+              ". This Averager is now failed: restore a saved state with loadState() or load() "
+              "to continue");
+}
+
+void Averager::checkProfile(int profile, const char* api) const {
+  TORCH_CHECK_INDEX(profile >= 0 && profile < numProfiles(), "Averager::", api, ": profile ",
+                    profile, " does not exist (this Averager has ", numProfiles(), ")");
+}
+
+const DecaySchedule& Averager::schedule(int profile) const {
+  checkProfile(profile, "schedule");
+  return profile == 0 ? options_.schedule : options_.moreSchedules[profile - 1];
+}
+
+double Averager::lastDecay(int profile) const {
+  checkProfile(profile, "lastDecay");
+  return profile == 0 ? lastDecay_ : moreLastDecays_[profile - 1];
+}
+
+size_t Averager::indexOf(const std::string& name, const char* api) const {
+  const auto it = index_.find(name);
+  TORCH_CHECK_INDEX(it != index_.end(), "Averager::", api, ": tensor '", name, "' is not tracked");
+  return it->second;
+}
+
+const at::Tensor& Averager::ema(const std::string& name, int profile) const {
+  checkProfile(profile, "ema");
+  const size_t index = indexOf(name, "ema");
+  settle("ema");
+  return store_->storage(index, profile);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Averager::emaTensors(int profile) const {
+  checkProfile(profile, "emaTensors");
+  settle("emaTensors");
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  out.reserve(tracked_.size());
+  for (size_t i = 0; i < tracked_.size(); ++i) {
+    out.emplace_back(tracked_[i].name, store_->storage(i, profile));
+  }
+  return out;
+}
+
+void Averager::restoreProgress(int64_t step, bool initialized) {
+  TORCH_CHECK_VALUE(step >= 0, "Averager::restoreProgress: step (", step, ") must be >= 0");
+  settle("restoreProgress");
+  step_ = step;
+  initialized_ = initialized;
+}
+
+std::vector<std::string> Averager::names() const {
+  std::vector<std::string> out;
+  out.reserve(tracked_.size());
+  for (const TrackedTensor& t : tracked_) out.push_back(t.name);
+  return out;
+}
+
+TrackRole Averager::role(const std::string& name) const {
+  return tracked_[indexOf(name, "role")].role;
+}
+
+std::vector<TrackedTensor> Averager::tracked() const { return tracked_; }
+
+void Averager::copyEmaToSources() {
+  settle("copyEmaToSources");
+  // Writing into leaf parameters is only allowed outside autograd.
+  c10::NoGradGuard noGrad;
+  store("copyEmaToSources").copyToSources(tracked_);
+}
+
+}  // namespace shardema

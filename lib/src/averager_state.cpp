@@ -1,0 +1,189 @@
+// Averager state for resume: EMA tensors plus step, flags, schedule, roles.
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "ema_store.h"
+#include "load_matching.h"
+#include "shardema/averager.h"
+#include "shardema/core/file_metadata.h"
+
+namespace shardema {
+namespace {
+
+using detail::kKindKey;
+constexpr const char* kAveragerKind = detail::kAveragerStateKind;
+
+const std::string& requireKey(const TensorFile& file, const char* key) {
+  const auto it = file.metadata.find(key);
+  TORCH_CHECK_VALUE(it != file.metadata.end(), "Averager::loadState: metadata key '", key,
+                    "' is missing; this is not an Averager state");
+  return it->second;
+}
+
+std::string joinNames(const std::vector<std::string>& names) {
+  std::ostringstream out;
+  const size_t shown = std::min<size_t>(names.size(), 10);
+  for (size_t i = 0; i < shown; ++i) out << (i ? ", " : "") << "'" << names[i] << "'";
+  if (names.size() > shown) out << " and " << names.size() - shown << " more";
+  return out.str();
+}
+
+// A value may widen or narrow between floating types (a bf16 deployable
+// file into an fp32 EMA), but an integer or bool copy takes only its own
+// dtype: an f32 value cast into an int64 step counter would load truncated
+// numbers without a word.
+void checkLoadableType(const std::string& name, at::ScalarType given, at::ScalarType held) {
+  const bool heldFloating = at::isFloatingType(held);
+  TORCH_CHECK_TYPE(heldFloating ? at::isFloatingType(given) : given == held,
+                   "Averager::loadEmaValues: tensor '", name, "' is ", given,
+                   " but is kept here as ", held,
+                   heldFloating ? " (a floating value is needed)" : " (the same dtype is needed)",
+                   "; the value belongs to another tensor or another model");
+}
+
+}  // namespace
+
+// A tensor averaged in one run and copied in the other would silently change
+// meaning on resume, so a strict load insists the roles agree.
+void Averager::checkRoles(const TensorFile& file) const {
+  const auto it = file.metadata.find(detail::kRolesKey);
+  if (it == file.metadata.end()) return;
+  const nlohmann::json roles =
+      nlohmann::json::parse(it->second, nullptr, /*allow_exceptions=*/false);
+  TORCH_CHECK_VALUE(roles.is_object(), "Averager::loadState: shardema.roles is not a JSON object");
+  for (const TrackedTensor& t : tracked_) {
+    const auto role = roles.find(t.name);
+    if (role == roles.end() || !role->is_string()) continue;
+    TORCH_CHECK_VALUE(role->get<std::string>() == trackRoleName(t.role),
+                      "Averager::loadState: tensor '", t.name, "' was saved with role ",
+                      role->get<std::string>(), " but is tracked here with role ",
+                      trackRoleName(t.role), "; use the same TrackingPolicy or load non-strictly");
+  }
+}
+
+LoadReport Averager::loadEmaValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
+                                   LoadStrictness strictness, int profile) {
+  checkProfile(profile, "loadEmaValues");
+  settle("loadEmaValues");
+  return loadValues(values, strictness, profile);
+}
+
+LoadReport Averager::loadValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
+                                LoadStrictness strictness, int profile) {
+  std::vector<std::string> trackedNames;
+  for (const TrackedTensor& t : tracked_) trackedNames.push_back(t.name);
+  const LoadReport report = detail::matchLoadTargets(
+      values, trackedNames,
+      [&](const std::string& name) -> const at::Tensor* {
+        const auto it = index_.find(name);
+        return it == index_.end() ? nullptr : &store_->storage(it->second, 0);
+      },
+      "Averager::loadEmaValues", "the tracked tensor");
+  for (const auto& [name, tensor] : values) {
+    const auto it = index_.find(name);
+    if (it != index_.end()) {
+      checkLoadableType(name, tensor.scalar_type(), store_->storage(it->second, 0).scalar_type());
+    }
+  }
+  if (strictness == LoadStrictness::kStrict) {
+    TORCH_CHECK_VALUE(report.missing.empty(), "Averager::loadEmaValues: missing tensors ",
+                      joinNames(report.missing),
+                      " (tracked but not given; load non-strictly to keep them)");
+    TORCH_CHECK_VALUE(report.unexpected.empty(), "Averager::loadEmaValues: unexpected tensors ",
+                      joinNames(report.unexpected),
+                      " (given but not tracked; load non-strictly to ignore them)");
+  }
+  // Everything is checked before the first write, so a failed load leaves
+  // the Averager as it was.
+  for (const auto& [name, tensor] : values) {
+    const auto it = index_.find(name);
+    if (it != index_.end()) store_->storage(it->second, profile).copy_(tensor);
+  }
+  return report;
+}
+
+TensorFile Averager::state() const {
+  TORCH_CHECK(options_.moreSchedules.empty(), "Averager::state: this Averager tracks ",
+              numProfiles(), " profiles; save each one as a post-hoc snapshot (writeSnapshot ",
+              "of emaTensors(p)) and resume with loadEmaValues(values, strictness, p) + ",
+              "restoreProgress");
+  TensorFile file;
+  file.tensors = emaTensors();
+  nlohmann::json roles = nlohmann::json::object();
+  for (const TrackedTensor& t : tracked_) roles[t.name] = trackRoleName(t.role);
+  file.metadata[kKindKey] = kAveragerKind;
+  file.metadata[detail::kStepKey] = std::to_string(step_);
+  file.metadata[detail::kInitializedKey] = initialized_ ? "true" : "false";
+  file.metadata[detail::kLastDecayKey] = detail::formatDecimal17(lastDecay_);
+  file.metadata[detail::kScheduleKey] = options_.schedule.toJson();
+  file.metadata[detail::kRolesKey] = roles.dump();
+  return file;
+}
+
+LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness) {
+  store("loadState");  // a moved-from Averager has nothing to load into
+  // A failed Averager may load (that is how it recovers); an update still
+  // in flight is finished first, its error only marking us failed.
+  if (failure_.empty()) {
+    try {
+      settle("loadState");
+    } catch (const c10::Error&) {
+    }
+  }
+  TORCH_CHECK_VALUE(requireKey(file, kKindKey) == kAveragerKind, "Averager::loadState: ", kKindKey,
+                    " is '", file.metadata.at(kKindKey), "', expected '", kAveragerKind, "'");
+  const DecaySchedule saved = DecaySchedule::fromJson(requireKey(file, detail::kScheduleKey));
+  TORCH_CHECK_VALUE(strictness == LoadStrictness::kNonStrict || saved == options_.schedule,
+                    "Averager::loadState: the state was saved with schedule ", saved.describe(),
+                    " but this Averager uses ", options_.schedule.describe(),
+                    "; build it with the saved schedule or load non-strictly");
+  // Strict parses: a negative or garbled step, or a decay that is NaN or
+  // outside [0, 1], would resume an EMA that no save could have written.
+  int64_t step = 0;
+  const std::string& stepText = requireKey(file, detail::kStepKey);
+  TORCH_CHECK_VALUE(detail::parseDecimalDigits(stepText, &step), "Averager::loadState: ",
+                    detail::kStepKey, " (metadata key '", detail::kStepKey, "' is '", stepText,
+                    "') must be a non-negative integer");
+  double lastDecay = 0.0;
+  const std::string& decayText = requireKey(file, detail::kLastDecayKey);
+  TORCH_CHECK_VALUE(
+      detail::parseFiniteDecimal(decayText, &lastDecay) && lastDecay >= 0.0 && lastDecay <= 1.0,
+      "Averager::loadState: ", detail::kLastDecayKey, " (metadata key '", detail::kLastDecayKey,
+      "' is '", decayText, "') must be a number in [0, 1]");
+  const std::string& initialized = requireKey(file, detail::kInitializedKey);
+  TORCH_CHECK_VALUE(initialized == "true" || initialized == "false",
+                    "Averager::loadState: shardema.initialized must be true or false, got '",
+                    initialized, "'");
+  if (strictness == LoadStrictness::kStrict) checkRoles(file);
+  LoadReport report = loadValues(file.tensors, strictness, /*profile=*/0);
+  step_ = step;
+  lastDecay_ = lastDecay;
+  initialized_ = initialized == "true";
+  // Only a state that covered every tensor replaces a partly updated EMA.
+  if (report.missing.empty()) failure_.clear();
+  return report;
+}
+
+void Averager::save(const std::string& path) const { writeTensorFile(path, state()); }
+
+// readTensorFile names the file in its own errors; what loadState finds
+// wrong with the contents is prefixed with it here, keeping the error type.
+LoadReport Averager::load(const std::string& path, LoadStrictness strictness) {
+  const TensorFile file = readTensorFile(path);
+  try {
+    return loadState(file, strictness);
+  } catch (const c10::TypeError& e) {
+    TORCH_CHECK_TYPE(false, path, ": ", e.what_without_backtrace());
+  } catch (const c10::ValueError& e) {
+    TORCH_CHECK_VALUE(false, path, ": ", e.what_without_backtrace());
+  } catch (const c10::IndexError& e) {
+    TORCH_CHECK_INDEX(false, path, ": ", e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, path, ": ", e.what_without_backtrace());
+  }
+}
+
+}  // namespace shardema

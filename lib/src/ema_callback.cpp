@@ -1,0 +1,189 @@
+#include "shardema/ema_callback.h"
+
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+#include <unordered_map>
+
+#include "shardema/core/file_metadata.h"
+#include "shardema/module_tracking.h"
+#include "shardema/core/tensor_file.h"
+#include "shardema/core/warning.h"
+
+namespace shardema {
+namespace {
+
+// The averager's progress travels in the checkpoint's metadata under this
+// prefix, next to (not mixed with) the trainer's own keys.
+constexpr const char* kEmaMetadataPrefix = detail::kEmaCallbackPrefix;
+constexpr const char* kLibraryPrefix = kMetadataPrefix;
+
+std::string withoutPrefix(const std::string& key, const std::string& prefix) {
+  return key.compare(0, prefix.size(), prefix) == 0 ? key.substr(prefix.size()) : std::string();
+}
+
+}  // namespace
+
+EmaCallback::EmaCallback(EmaCallbackOptions options) : options_(std::move(options)) {
+  TORCH_CHECK_VALUE(options_.logEveryNSteps >= 0, "EmaCallback: logEveryNSteps must be >= 0, got ",
+                    options_.logEveryNSteps);
+  DecaySchedule::warmup(options_.schedule);  // validate now, not at the first fit
+}
+
+// Everything is built aside and committed at the end: a throw (a tensor
+// that cannot be tracked, a queued state that does not load) leaves the
+// callback as it was, with the queued state still queued, never with an
+// EMA that silently skipped the resume.
+void EmaCallback::onFitStart(torch::nn::Module& module) {
+  AveragerOptions averagerOptions;
+  averagerOptions.schedule = DecaySchedule::warmup(options_.schedule);
+  averagerOptions.pool = options_.pool;
+  averagerOptions.placement = options_.placement;
+  averagerOptions.offload = options_.offload;
+  // VersatIL deep-copies the model here and every optimizer step then
+  // lerps with the scheduled decay (which is 0, an exact copy, early on).
+  averagerOptions.copyOnFirstUpdate = false;
+  auto averager = std::make_unique<Averager>(trackModule(module, options_.policy), averagerOptions);
+  if (queuedState_) {
+    if (queuedState_->metadata.count(detail::kKindKey)) {
+      averager->loadState(*queuedState_, LoadStrictness::kNonStrict);
+    } else {
+      averager->loadEmaValues(queuedState_->tensors, LoadStrictness::kNonStrict);
+    }
+  }
+  module_ = &module;
+  averager_ = std::move(averager);
+  queuedState_.reset();
+}
+
+bool EmaCallback::onTrainBatchEnd(int64_t globalStep, int64_t batchIdx,
+                                  int64_t accumulateGradBatches, bool isLastBatch) {
+  TORCH_CHECK_VALUE(accumulateGradBatches >= 1,
+                    "EmaCallback::onTrainBatchEnd: accumulateGradBatches must be >= 1, got ",
+                    accumulateGradBatches);
+  TORCH_CHECK_VALUE(batchIdx >= 0, "EmaCallback::onTrainBatchEnd: batchIdx must be >= 0, got ",
+                    batchIdx);
+  // Before onFitStart there is no EMA to fold this step into; returning
+  // false would let a loop that forgot onFitStart train without one.
+  TORCH_CHECK(averager_ != nullptr, "EmaCallback::onTrainBatchEnd: called before onFitStart; ",
+              "call onFitStart(module) once before the first batch");
+  TORCH_CHECK(!emaSwappedIn(),
+              "EmaCallback::onTrainBatchEnd: called while the EMA weights are "
+              "swapped in; call onValidationEnd() first");
+  // Micro-batches inside an accumulation window did not step the
+  // optimizer; averaging them would decay the EMA too fast. The epoch's last
+  // batch flushes a partial window, so that step counts.
+  const bool windowIncomplete = (batchIdx + 1) % accumulateGradBatches != 0;
+  if (windowIncomplete && !isLastBatch) return false;
+  // A global step that did not advance (manual optimisation that skipped a
+  // step, a trainer whose counter was reset) is not an optimizer step to
+  // fold in; the seed would average it again, we skip it instead of
+  // stopping training.
+  if (globalStep <= averager_->step()) return false;
+  const bool updated = averager_->update(globalStep);
+  if (updated && logger_ && options_.logEveryNSteps > 0 &&
+      globalStep % options_.logEveryNSteps == 0) {
+    logger_(globalStep, averager_->lastDecay());
+  }
+  return updated;
+}
+
+void EmaCallback::onBeforeOptimizerStep() {
+  if (averager_) averager_->fence();
+}
+
+void EmaCallback::wait() {
+  if (averager_) averager_->wait();
+}
+
+void EmaCallback::onSaveCheckpoint(TrainingCheckpoint& checkpoint) const {
+  if (!averager_) return;
+  TORCH_CHECK(!emaSwappedIn(),
+              "EmaCallback::onSaveCheckpoint: the EMA weights are swapped in; "
+              "save outside validation so the raw weights are the ones kept for resume");
+  std::unordered_map<std::string, size_t> position;
+  for (size_t i = 0; i < checkpoint.weights.size(); ++i) position[checkpoint.weights[i].first] = i;
+  for (const auto& [name, ema] : averager_->emaTensors()) {
+    const auto it = position.find(name);
+    if (it == position.end()) continue;
+    at::Tensor& slot = checkpoint.weights[it->second].second;
+    for (const auto& raw : checkpoint.rawWeights) {
+      TORCH_CHECK_VALUE(raw.first != name,
+                        "EmaCallback::onSaveCheckpoint: rawWeights already holds '", name,
+                        "'; call onSaveCheckpoint once per checkpoint");
+    }
+    checkpoint.rawWeights.emplace_back(name, slot.detach().clone());
+    slot = ema.clone();
+  }
+  for (const auto& [key, value] : averager_->state().metadata) {
+    checkpoint.metadata[kEmaMetadataPrefix + withoutPrefix(key, kLibraryPrefix)] = value;
+  }
+}
+
+void EmaCallback::onLoadCheckpoint(torch::nn::Module& module,
+                                   const TrainingCheckpoint& checkpoint) {
+  if (checkpoint.rawWeights.empty()) return;
+  std::unordered_map<std::string, const at::Tensor*> weights;
+  for (const auto& [name, tensor] : checkpoint.weights) weights[name] = &tensor;
+  TensorFile queued;
+  for (const auto& [name, raw] : checkpoint.rawWeights) {
+    const auto it = weights.find(name);
+    // A copy: the checkpoint's tensors may alias the module, which the raw
+    // weights are about to overwrite.
+    if (it != weights.end())
+      queued.tensors.emplace_back(name, it->second->detach().to(at::kCPU).clone());
+  }
+  for (const auto& [key, value] : checkpoint.metadata) {
+    const std::string rest = withoutPrefix(key, kEmaMetadataPrefix);
+    if (!rest.empty()) queued.metadata[kLibraryPrefix + rest] = value;
+  }
+  loadIntoModule(module, checkpoint.rawWeights, LoadStrictness::kNonStrict);
+  queuedState_ = std::move(queued);
+}
+
+void EmaCallback::onValidationStart() {
+  if (!averager_) return;
+  TORCH_CHECK(!emaSwappedIn(),
+              "EmaCallback::onValidationStart: the EMA weights are already "
+              "swapped in");
+  // The update in flight reads the weights we are about to replace, and its
+  // math must be done before the EMA is copied out.
+  averager_->wait();
+  // The raw weights wait in host memory: a second copy on the accelerator
+  // is exactly what an offloaded EMA must not cost.
+  NamedTensors raw;
+  for (const TrackedTensor& t : averager_->tracked()) {
+    raw.emplace_back(t.name, t.source.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
+  }
+  rawDuringValidation_ = std::move(raw);
+  try {
+    averager_->copyEmaToSources();
+  } catch (...) {
+    onValidationEnd();  // a partial swap must not leave the module half EMA
+    throw;
+  }
+}
+
+void EmaCallback::onValidationEnd() {
+  if (!emaSwappedIn()) return;
+  c10::NoGradGuard noGrad;
+  std::unordered_map<std::string, at::Tensor> sources;
+  for (const TrackedTensor& t : averager_->tracked()) sources[t.name] = t.source;
+  for (const auto& [name, raw] : rawDuringValidation_) sources.at(name).detach().copy_(raw);
+  rawDuringValidation_.clear();
+}
+
+EmaValidationScope::~EmaValidationScope() {
+  try {
+    callback_.onValidationEnd();
+  } catch (const std::exception& e) {
+    detail::warn(std::string("EmaValidationScope: restoring the raw weights failed: ") + e.what());
+  }
+}
+
+const Averager& EmaCallback::averager() const {
+  TORCH_CHECK(averager_ != nullptr, "EmaCallback::averager: no EMA yet; call onFitStart first");
+  return *averager_;
+}
+
+}  // namespace shardema

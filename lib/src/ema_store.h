@@ -1,0 +1,95 @@
+#pragma once
+// Internal to lib/src: where an Averager's EMA lives and how an
+// update reaches it. One implementation per EmaPlacement:
+//   PinnedHostEmaStore  host memory, the asynchronous chunked pipeline
+//   DeviceEmaStore      the sources' device, synchronous ATen ops
+// The Averager keeps what both share (names, roles, step and progress, the
+// failure mark, the choice of what each due update does) and hands the
+// store the tracked tensors on every call; the store owns the EMA storage
+// and the update mechanics.
+//
+// Threads: the Averager's (one caller at a time, see averager.h). Errors
+// found on the caller (bad shape or dtype) throw before the EMA changes;
+// errors of the background work come from wait(), once.
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/ArrayRef.h>
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "shardema/offload/pipeline_stats.h"
+#include "shardema/tracking_policy.h"
+
+namespace shardema {
+namespace detail {
+
+/// What a due update does to one tracked tensor.
+enum class EmaAction {
+  /// Left alone (kCopyOnce tensors after construction).
+  kSkip,
+  /// ema += weight * (source - ema), per profile.
+  kLerp,
+  /// ema = source (copies; the first update; a weight of 1; frozen tensors).
+  kCopy,
+};
+
+/// One due update, as the Averager decided it.
+struct EmaUpdate {
+  /// Optimizer step, named in errors.
+  int64_t step = 0;
+  /// One per tracked tensor, in construction order.
+  std::vector<EmaAction> actions;
+  /// 1 - decay per profile (profile 0 first), rounded to float as the
+  /// kernels use it.
+  std::vector<float> weights;
+};
+
+class EmaStore {
+ public:
+  virtual ~EmaStore() = default;
+  EmaStore(const EmaStore&) = delete;
+  EmaStore& operator=(const EmaStore&) = delete;
+
+  /// Applies `update` to the sources `tracked` (the ones the store was
+  /// built from, same order). Throws before anything is folded in for an
+  /// error found on the caller (the update may then be retried). Pinned
+  /// host: returns once the copies are queued; device: blocks until done.
+  /// The caller has waited for the previous update.
+  virtual void update(const std::vector<TrackedTensor>& tracked, const EmaUpdate& update) = 0;
+  /// Blocks until the update in flight has read its sources. Never throws
+  /// a background error.
+  virtual void fence() = 0;
+  /// Blocks until the update in flight is done; rethrows its error once.
+  virtual void wait() = 0;
+  /// Whether fence() or wait() has run since the last update (or none ran).
+  virtual bool sourcesReleased() const = 0;
+  /// Writes profile 0 into the sources (converted to their dtype and
+  /// device). Blocks. The caller has waited and disabled autograd.
+  virtual void copyToSources(const std::vector<TrackedTensor>& tracked) = 0;
+  /// The pipeline's counters (zero for the device store).
+  virtual offload::PipelineStats stats() const = 0;
+
+  /// The EMA (averaging roles: float32) or the copy (source dtype) of
+  /// tracked tensor `index` in `profile`; copies have one tensor shared by
+  /// every profile. A view of the store's memory; the caller has waited.
+  const at::Tensor& storage(size_t index, int profile) const;
+
+ protected:
+  EmaStore() = default;
+  /// Where one tensor's storage comes from: (sizes, dtype, source).
+  using Allocate =
+      std::function<at::Tensor(c10::IntArrayRef, at::ScalarType, const at::Tensor& source)>;
+  /// Allocates every tracked tensor's storage (numProfiles tensors for
+  /// averaging roles, one for copies) and copies the sources into it.
+  void initStorage(const std::vector<TrackedTensor>& tracked, int numProfiles,
+                   const Allocate& allocate);
+
+  // Per tracked tensor, in construction order: one tensor per profile
+  // (averaging roles) or one shared copy. Written by initStorage only.
+  std::vector<std::vector<at::Tensor>> storage_;
+};
+
+}  // namespace detail
+}  // namespace shardema

@@ -1,0 +1,59 @@
+#pragma once
+// Internal to lib/src: the kPinnedHost placement (DESIGN section 2).
+// The EMA lives in host memory from a PinnedArena; update() hands the
+// sources to the UpdatePipeline and returns once the first copies are
+// queued: the copies run on the engine's thread, the math on the pool's
+// workers. Tensors marked changesInForward (buffers) are read synchronously
+// inside update() into a host snapshot, so forward() may change them at
+// once.
+#include <memory>
+#include <vector>
+
+#include "ema_store.h"
+#include "shardema/averager.h"
+#include "shardema/offload/copy_engine.h"
+#include "shardema/offload/pinned_arena.h"
+#include "shardema/offload/update_pipeline.h"
+
+namespace shardema {
+namespace detail {
+
+class PinnedHostEmaStore final : public EmaStore {
+ public:
+  /// Builds the engine (options.offload.engine), the arena and the
+  /// pipeline, then copies every source into arena memory. c10::ValueError
+  /// for bad pipeline options or a pool without workers.
+  PinnedHostEmaStore(const std::vector<TrackedTensor>& tracked, const AveragerOptions& options);
+  /// The pipeline waits for an update in flight (an error is only warned
+  /// about) while the engine and the arena still exist.
+  ~PinnedHostEmaStore() override = default;
+
+  void update(const std::vector<TrackedTensor>& tracked, const EmaUpdate& update) override;
+  void fence() override { pipeline_.fence(); }
+  void wait() override { pipeline_.wait(); }
+  bool sourcesReleased() const override { return pipeline_.sourcesReleased(); }
+  void copyToSources(const std::vector<TrackedTensor>& tracked) override;
+  offload::PipelineStats stats() const override { return pipeline_.stats(); }
+
+
+ private:
+  // What the pipeline reads for tracked tensor `index`, in `dtype`.
+  at::Tensor pipelineSource(size_t index, const TrackedTensor& t, at::ScalarType dtype);
+
+  const bool fenceInUpdate_;
+  // Members are destroyed in reverse order: the pipeline first (it waits
+  // for an update in flight and synchronizes the engine), then the arena
+  // and the engine it uses. In any other order a constructor that throws
+  // after the pipeline exists (an allocation of the EMA storage, say) would
+  // destroy the engine under a pipeline that still calls it.
+  std::unique_ptr<offload::CopyEngine> engine_;
+  offload::PinnedArena arena_;
+  offload::UpdatePipeline pipeline_;
+  // changesInForward tensors only: the host copy taken inside update(),
+  // read by the pipeline instead of the live source. Allocated at the
+  // first update; undefined for the others.
+  std::vector<at::Tensor> snapshots_;
+};
+
+}  // namespace detail
+}  // namespace shardema

@@ -1,0 +1,370 @@
+// PostHocCallback: options, the per-step lifecycle, snapshots and resume.
+// Validation swap and the end-of-training synthesis live in
+// posthoc_callback_finish.cpp.
+#include "shardema/posthoc_callback.h"
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <set>
+#include <sstream>
+#include <unordered_map>
+
+#include "sharded_internal.h"
+#include "shardema/core/posthoc_snapshot.h"
+#include "shardema/core/power_function.h"
+#include "shardema/shard/communicator.h"
+#include "shardema/core/file_metadata.h"
+#include "shardema/core/tensor_file.h"
+#include "shardema/core/update_kernels.h"
+#include "shardema/core/warning.h"
+
+namespace shardema {
+namespace {
+
+constexpr const char* kApi = "PostHocCallback";
+constexpr const char* kCallsKey = detail::kPostHocCallsKey;
+
+void checkSigma(double sigma, const char* what) {
+  TORCH_CHECK_VALUE(std::isfinite(sigma) && sigma > 0 && sigma < kMaxSigmaRel, kApi, ": ", what,
+                    " must lie in (0, ", kMaxSigmaRel, "), got ", sigma);
+}
+
+void checkOptions(const PostHocCallbackOptions& o) {
+  TORCH_CHECK_VALUE(
+      o.sigmaRels.size() >= 2, kApi,
+      ": sigmaRels needs at least 2 values (the synthesis solves over profiles), got ",
+      o.sigmaRels.size());
+  TORCH_CHECK_VALUE(static_cast<int64_t>(o.sigmaRels.size()) <= kMaxProfiles, kApi,
+                    ": sigmaRels holds ", o.sigmaRels.size(), " values; at most ", kMaxProfiles,
+                    " profiles are tracked in one pass");
+  std::set<double> seen;
+  for (double sigma : o.sigmaRels) {
+    checkSigma(sigma, "every sigmaRels value");
+    TORCH_CHECK_VALUE(seen.insert(sigma).second, kApi, ": sigmaRels lists ", sigma,
+                      " twice; two equal profiles make the synthesis singular");
+  }
+  checkSigma(o.defaultOutputSigma, "defaultOutputSigma");
+  TORCH_CHECK_VALUE(o.updateEvery >= 1, kApi, ": updateEvery must be >= 1, got ", o.updateEvery);
+  TORCH_CHECK_VALUE(o.checkpointEvery >= 1, kApi, ": checkpointEvery must be >= 1, got ",
+                    o.checkpointEvery);
+  TORCH_CHECK_VALUE(!o.checkpointFolder.empty(), kApi,
+                    ": checkpointFolder is required (where the snapshots go)");
+  TORCH_CHECK_VALUE(o.startIter >= 0, kApi, ": startIter must be >= 0, got ", o.startIter);
+  TORCH_CHECK_VALUE(!o.outputPrefix.empty() && o.outputPrefix.find('/') == std::string::npos, kApi,
+                    ": outputPrefix must be a non-empty file name prefix, got '", o.outputPrefix,
+                    "'");
+  detail::checkExportDtype(o.outputDtype, "PostHocCallback: outputDtype");
+  TORCH_CHECK_VALUE(o.bufferBytes >= 64, kApi, ": bufferBytes must be >= 64, got ", o.bufferBytes);
+}
+
+void checkRanks(const PostHocRanks& r, PostHocPlacement placement) {
+  TORCH_CHECK_VALUE(r.worldSize >= 1 && r.rank >= 0 && r.rank < r.worldSize, kApi, ": rank ",
+                    r.rank, " is outside the world size ", r.worldSize);
+  if (r.comm != nullptr) {
+    TORCH_CHECK_VALUE(r.comm->rank() == r.rank && r.comm->worldSize() == r.worldSize, kApi,
+                      ": the communicator is rank ", r.comm->rank(), " of ", r.comm->worldSize(),
+                      " but ranks says ", r.rank, " of ", r.worldSize);
+  }
+  TORCH_CHECK_VALUE(
+      placement != PostHocPlacement::kSharded || r.worldSize == 1 || r.comm != nullptr, kApi,
+      ": the sharded placement with worldSize ", r.worldSize,
+      " needs ranks.comm (onTrainEnd gathers the synthesized shards)");
+}
+
+AveragerOptions averagerOptions(const PostHocCallbackOptions& o) {
+  AveragerOptions out;
+  for (size_t p = 0; p < o.sigmaRels.size(); ++p) {
+    PowerScheduleOptions power;
+    power.sigmaRel = o.sigmaRels[p];
+    power.updateEvery = o.updateEvery;
+    power.stepSizeCorrection = o.stepSizeCorrection;
+    DecaySchedule schedule = DecaySchedule::powerFunction(power);
+    if (p == 0) {
+      out.schedule = schedule;
+    } else {
+      out.moreSchedules.push_back(schedule);
+    }
+  }
+  out.pool = o.pool;
+  out.copyOnFirstUpdate = true;  // nitrous: the first due update copies
+  out.placement = o.emaPlacement;
+  out.offload = o.offload;
+  return out;
+}
+
+int64_t parseCalls(const std::string& text) {
+  TORCH_CHECK_VALUE(!text.empty() && text.size() <= 18 &&
+                        text.find_first_not_of("0123456789") == std::string::npos,
+                    kApi, ": checkpoint metadata ", kCallsKey, " = '", text,
+                    "' is not a call count");
+  return std::strtoll(text.c_str(), nullptr, 10);
+}
+
+}  // namespace
+
+PostHocCallback::PostHocCallback(PostHocCallbackOptions options, PostHocRanks ranks)
+    : options_(std::move(options)), ranks_(ranks) {
+  checkOptions(options_);
+  checkRanks(ranks_, options_.placement);
+  const auto normal = [](const std::string& folder) {
+    std::filesystem::path path = std::filesystem::absolute(folder).lexically_normal();
+    return path.filename().empty() ? path.parent_path() : path;
+  };
+  TORCH_CHECK_VALUE(normal(outputFolderOf(options_)) != normal(options_.checkpointFolder), kApi,
+                    ": the deployable weights would go into the snapshot folder ",
+                    options_.checkpointFolder,
+                    ", which must hold snapshots only; set outputFolder to another folder");
+}
+
+PostHocCallback::~PostHocCallback() = default;
+
+bool PostHocCallback::holdsEma() const {
+  return options_.placement == PostHocPlacement::kSharded || ranks_.rank == 0;
+}
+
+const ShardedAverager& PostHocCallback::averager() const {
+  TORCH_CHECK(averager_ != nullptr, kApi, "::averager: called before onFitStart");
+  return *averager_;
+}
+
+std::string PostHocCallback::snapshotFolder() const {
+  if (options_.placement == PostHocPlacement::kSharded) {
+    return detail::joinPath(options_.checkpointFolder, rankFolderName(ranks_.rank));
+  }
+  return options_.checkpointFolder;
+}
+
+std::string PostHocCallback::deployableFileName(const std::string& prefix, double sigmaRel,
+                                                int64_t calls) {
+  // Python's str(float): the shortest text that reads back as the same value.
+  char sigma[32] = {0};
+  for (int digits = 1; digits <= 17; ++digits) {
+    std::snprintf(sigma, sizeof sigma, "%.*g", digits, sigmaRel);
+    if (std::strtod(sigma, nullptr) == sigmaRel) break;
+  }
+  std::string text = sigma;
+  for (char& c : text) {
+    if (c == '.') c = 'p';
+  }
+  char step[32];
+  std::snprintf(step, sizeof step, "%09lld", static_cast<long long>(calls));
+  return prefix + "_sigma_" + text + "_step_" + step + ".safetensors";
+}
+
+void PostHocCallback::onFitStart(torch::nn::Module& module) {
+  onFitStart(trackModule(module, options_.policy));
+}
+
+void PostHocCallback::onFitStart(std::vector<TrackedTensor> full) {
+  if (options_.placement == PostHocPlacement::kSharded) {
+    // Every rank holds the whole replicated module but keeps the EMA of its
+    // FSDP2 rows only; validation swaps the whole (gathered) EMA in.
+    std::vector<LocalShard> rows =
+        shardsFromFullTensors(full, shard::LayoutKind::kFsdp2, ranks_.rank, ranks_.worldSize);
+    swapWholeTensors_ = true;
+    build(std::move(rows), std::move(full));
+    return;
+  }
+  // Rank 0 tracks everything; the other ranks only swap for validation.
+  std::vector<LocalShard> shards;
+  if (ranks_.rank == 0) {
+    shards = shardsFromFullTensors(full, shard::LayoutKind::kRankZero, 0, ranks_.worldSize);
+  }
+  build(std::move(shards), std::move(full));
+}
+
+void PostHocCallback::onFitStart(std::vector<LocalShard> shards) {
+  TORCH_CHECK_VALUE(options_.placement == PostHocPlacement::kSharded, kApi,
+                    "::onFitStart(shards) is for the sharded placement; kRankZeroFullCopy takes "
+                    "the module");
+  std::vector<TrackedTensor> targets;
+  for (const LocalShard& s : shards) {
+    targets.push_back(TrackedTensor{s.spec.name, s.local, s.role, s.changesInForward});
+  }
+  build(std::move(shards), std::move(targets));
+}
+
+void PostHocCallback::build(std::vector<LocalShard> shards, std::vector<TrackedTensor> targets) {
+  TORCH_CHECK(averager_ == nullptr, kApi, "::onFitStart: called twice");
+  averager_ = std::make_unique<ShardedAverager>(ranks_.rank, ranks_.worldSize, std::move(shards),
+                                                averagerOptions(options_));
+  swapTargets_ = std::move(targets);
+  if (!queuedCalls_) return;
+  try {
+    resumeAt(*queuedCalls_);
+  } catch (...) {
+    // A resume that fails (a missing or foreign snapshot) leaves no EMA
+    // behind: a fresh one would train on as if the run had just started.
+    averager_.reset();
+    swapTargets_.clear();
+    throw;
+  }
+  queuedCalls_.reset();
+}
+
+bool PostHocCallback::onTrainBatchEnd(int64_t globalStep, int64_t batchIdx,
+                                      int64_t accumulateGradBatches, bool isLastBatch) {
+  TORCH_CHECK_VALUE(accumulateGradBatches >= 1, kApi,
+                    "::onTrainBatchEnd: accumulateGradBatches must be >= 1, got ",
+                    accumulateGradBatches);
+  TORCH_CHECK_VALUE(batchIdx >= 0, kApi, "::onTrainBatchEnd: batchIdx must be >= 0, got ",
+                    batchIdx);
+  TORCH_CHECK(averager_ != nullptr, kApi, "::onTrainBatchEnd: called before onFitStart");
+  TORCH_CHECK(!emaSwappedIn(), kApi,
+              "::onTrainBatchEnd: called while the synthesized EMA is swapped in; call "
+              "onValidationEnd() first");
+  // Micro-batches inside an accumulation window did not step the optimizer.
+  const bool windowIncomplete = (batchIdx + 1) % accumulateGradBatches != 0;
+  if (windowIncomplete && !isLastBatch) return false;
+  // A global step that did not advance is not another optimizer step.
+  if (globalStep <= lastGlobalStep_) return false;
+  lastGlobalStep_ = globalStep;
+  // The seed counts iterations >= start_iter, 0-based.
+  if (globalStep - 1 < options_.startIter) return false;
+  // By the first counted call a resume has happened or never will: a
+  // fresh run must not mix its snapshots with another run's.
+  if (calls_ == 0) checkFolderIsFresh();
+  // calls_ moves only once the update is queued: a refused update (say, a
+  // forgotten fence) can be retried as the same call.
+  const int64_t call = calls_ + 1;
+  if (holdsEma()) averager_->update(call);
+  calls_ = call;
+  if (calls_ % options_.checkpointEvery == 0) writeSnapshots();
+  return true;
+}
+
+void PostHocCallback::onBeforeOptimizerStep() {
+  if (averager_ && holdsEma()) averager_->fence();
+}
+
+void PostHocCallback::wait() {
+  if (averager_ && holdsEma()) averager_->wait();
+}
+
+void PostHocCallback::checkFolderIsFresh() const {
+  if (!holdsEma()) return;
+  std::error_code error;
+  const std::string folder = snapshotFolder();
+  if (!std::filesystem::is_directory(folder, error)) return;
+  for (const auto& entry : std::filesystem::directory_iterator(folder)) {
+    const std::string name = entry.path().filename().string();
+    TORCH_CHECK_VALUE(!parseSnapshotFileName(name, nullptr, nullptr), kApi, ": ", folder,
+                      " already holds snapshots of another run (", name,
+                      "); resume from that run's checkpoint (onLoadCheckpoint) or start in an "
+                      "empty checkpointFolder, so the two runs' snapshots do not mix");
+  }
+}
+
+void PostHocCallback::writeSnapshots() {
+  if (!holdsEma()) {
+    newestSnapshot_ = calls_;
+    return;
+  }
+  const std::string folder = snapshotFolder();
+  detail::ensureDirectory(folder, kApi);
+  const Averager& averager = averager_->averager();
+  const bool sharded = options_.placement == PostHocPlacement::kSharded;
+  const std::string layoutJson = sharded ? averager_->layout().toJson() : std::string();
+  for (int p = 0; p < averager.numProfiles(); ++p) {
+    SnapshotInfo info;
+    info.profileIndex = p;
+    info.step = calls_;
+    info.sigmaRel = averager.schedule(p).sigmaRel();
+    info.gamma = averager.schedule(p).gamma();
+    std::vector<std::pair<std::string, at::Tensor>> tensors = averager.emaTensors(p);
+    if (sharded) {
+      // A rank's file holds its range of each tensor as 1-D data.
+      info.rank = ranks_.rank;
+      info.worldSize = ranks_.worldSize;
+      info.layoutJson = layoutJson;
+      for (auto& named : tensors) named.second = named.second.reshape({-1});
+    }
+    writeSnapshot(detail::joinPath(folder, snapshotFileName(p, calls_)), tensors, info);
+  }
+  // Only now: a failed write must leave the step without snapshots on record.
+  newestSnapshot_ = calls_;
+}
+
+std::string PostHocCallback::outputFolderOf(const PostHocCallbackOptions& options) {
+  if (!options.outputFolder.empty()) return options.outputFolder;
+  // The snapshot folder holds snapshots only (its scan refuses other
+  // safetensors files), so by default the result goes beside it, as
+  // nitrous writes {run_dir}/..._final next to {run_dir}/ema_ckpts.
+  std::filesystem::path snapshots =
+      std::filesystem::path(options.checkpointFolder).lexically_normal();
+  if (snapshots.filename().empty()) snapshots = snapshots.parent_path();
+  return snapshots.has_parent_path() ? snapshots.parent_path().string() : ".";
+}
+
+void PostHocCallback::onSaveCheckpoint(TrainingCheckpoint& checkpoint) const {
+  if (calls_ > 0 && calls_ != newestSnapshot_) {
+    std::ostringstream message;
+    message << kApi << ": checkpoint saved at call " << calls_
+            << ", which has no snapshot (they are written every " << options_.checkpointEvery
+            << " calls); resuming from it will fail";
+    detail::warn(message.str());
+  }
+  checkpoint.metadata[kCallsKey] = std::to_string(calls_);
+}
+
+void PostHocCallback::onLoadCheckpoint(const TrainingCheckpoint& checkpoint) {
+  const auto found = checkpoint.metadata.find(kCallsKey);
+  TORCH_CHECK_VALUE(found != checkpoint.metadata.end(), kApi,
+                    "::onLoadCheckpoint: the checkpoint has no ", kCallsKey,
+                    " (it was not saved with a PostHocCallback)");
+  const int64_t calls = parseCalls(found->second);
+  if (averager_) {
+    resumeAt(calls);
+  } else {
+    queuedCalls_ = calls;
+  }
+}
+
+void PostHocCallback::resumeAt(int64_t calls) {
+  if (calls > 0 && holdsEma()) {
+    Averager& averager = averager_->averager();
+    std::unordered_map<std::string, std::vector<int64_t>> localShapes;
+    for (const LocalShard& s : averager_->shards())
+      localShapes[s.spec.name] = s.local.sizes().vec();
+    const bool sharded = options_.placement == PostHocPlacement::kSharded;
+    const std::string layoutJson = sharded ? averager_->layout().toJson() : std::string();
+    for (int p = 0; p < averager.numProfiles(); ++p) {
+      const std::string path = detail::joinPath(snapshotFolder(), snapshotFileName(p, calls));
+      TORCH_CHECK_VALUE(std::filesystem::exists(path), kApi, ": cannot resume at call ", calls,
+                        ": snapshot ", path, " is missing (snapshots are written every ",
+                        options_.checkpointEvery,
+                        " calls, so a resume must land on one of those steps)");
+      const SnapshotInfo info = readSnapshotInfo(path);
+      TORCH_CHECK_VALUE(info.gamma == averager.schedule(p).gamma(), kApi, ": ", path,
+                        " holds sigma_rel ", info.sigmaRel, " but profile ", p, " tracks ",
+                        options_.sigmaRels[p], "; resume with the same sigmaRels");
+      TORCH_CHECK_VALUE(info.sharded() == sharded, kApi, ": ", path, " is a ",
+                        info.sharded() ? "sharded" : "full-copy", " snapshot; this run uses the ",
+                        sharded ? "sharded" : "rank-0 full-copy", " placement");
+      TORCH_CHECK_VALUE(
+          !sharded || (info.rank == ranks_.rank && info.worldSize == ranks_.worldSize &&
+                       info.layoutJson == layoutJson),
+          kApi, ": ", path, " was written by rank ", info.rank, " of ", info.worldSize,
+          " with another shard layout; resuming post-hoc "
+          "snapshots on another world size or layout is not supported");
+      TensorFile file = readTensorFile(path);
+      for (auto& [name, tensor] : file.tensors) {
+        const auto shape = localShapes.find(name);
+        if (shape != localShapes.end() && tensor.numel() == c10::multiply_integers(shape->second)) {
+          tensor = tensor.reshape(shape->second);
+        }
+      }
+      averager.loadEmaValues(file.tensors, LoadStrictness::kStrict, p);
+    }
+    // Call 1 is always due, so a run with calls > 0 has made its first copy.
+    averager.restoreProgress(calls, /*initialized=*/true);
+  }
+  calls_ = calls;
+  newestSnapshot_ = calls;
+}
+
+}  // namespace shardema

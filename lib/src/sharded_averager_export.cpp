@@ -1,0 +1,132 @@
+// ShardedAverager::exportFull (streaming gather into a deployable file) and
+// the export helpers the offline tools share.
+#include <ATen/ops/ones.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <exception>
+#include <memory>
+
+#include "sharded_internal.h"
+#include "shardema/shard/communicator.h"
+#include "shardema/sharded_averager.h"
+#include "shardema/core/tensor_file_writer.h"
+
+namespace shardema {
+
+namespace {
+
+std::vector<TensorFileEntry> deployableEntries(const shard::ShardLayout& layout,
+                                               const std::vector<at::Tensor>& pieces,
+                                               c10::ScalarType dtype) {
+  std::vector<TensorFileEntry> entries;
+  for (size_t i = 0; i < layout.specs.size(); ++i) {
+    const shard::ShardSpec& spec = layout.specs[i];
+    entries.push_back(
+        {spec.name, detail::exportedDtype(pieces[i].scalar_type(), dtype), spec.globalShape});
+  }
+  return entries;
+}
+
+// The root opens the file first (when its own pieces are there) and tells
+// the others whether it could, so a bad path fails every rank at once
+// instead of after a gather timeout. Word: 1 open, 0 open failed, 2 the
+// root's own pieces failed (the gather then reports it).
+std::unique_ptr<TensorFileWriter> openOnRoot(shard::Communicator& comm, const std::string& path,
+                                             const shard::ShardLayout& layout,
+                                             const std::vector<at::Tensor>& pieces,
+                                             c10::ScalarType dtype,
+                                             const std::map<std::string, std::string>& metadata,
+                                             const shard::GatherOptions& options, const char* api) {
+  std::unique_ptr<TensorFileWriter> writer;
+  std::exception_ptr failure;
+  at::Tensor ok = at::ones({1}, at::kInt);
+  if (comm.rank() == options.root && !options.localError.empty()) {
+    ok.fill_(2);
+  } else if (comm.rank() == options.root) {
+    try {
+      writer = std::make_unique<TensorFileWriter>(path, deployableEntries(layout, pieces, dtype),
+                                                  metadata);
+    } catch (...) {
+      failure = std::current_exception();
+      ok.fill_(0);
+    }
+  }
+  comm.broadcast(ok, options.root, "exportFull open " + path);
+  if (failure) std::rethrow_exception(failure);
+  TORCH_CHECK(ok.item<int>() != 0, api, ": rank ", options.root, " could not create ", path,
+              "; nothing was exported");
+  return writer;
+}
+
+// After the gather: the root's append/commit outcome, so no rank returns
+// as if the export had succeeded when the root's file was not written.
+void agreeOnCommit(shard::Communicator& comm, const std::string& path, int64_t root,
+                   std::exception_ptr failure, const char* api) {
+  at::Tensor ok = at::zeros({1}, at::kInt);
+  ok.fill_(failure ? 0 : 1);
+  comm.broadcast(ok, root, "exportFull commit " + path);
+  if (failure) std::rethrow_exception(failure);
+  TORCH_CHECK(ok.item<int>() == 1, api, ": rank ", root, " could not write ", path,
+              "; nothing was exported");
+}
+
+}  // namespace
+
+void detail::exportPieces(shard::Communicator& comm, const std::string& path,
+                          const shard::ShardLayout& layout, const std::vector<at::Tensor>& pieces,
+                          c10::ScalarType dtype, const std::map<std::string, std::string>& metadata,
+                          shard::GatherOptions options, const char* api) {
+  std::unique_ptr<TensorFileWriter> writer =
+      openOnRoot(comm, path, layout, pieces, dtype, metadata, options, api);
+  std::exception_ptr sinkFailure;
+  try {
+    shard::gatherStreaming(
+        comm, layout, pieces,
+        [&](const shard::ShardSpec&, int64_t, const at::Tensor& piece) {
+          try {
+            writer->append(piece.to(detail::exportedDtype(piece.scalar_type(), dtype)));
+          } catch (...) {
+            sinkFailure = std::current_exception();
+            throw;
+          }
+        },
+        options);
+  } catch (...) {
+    // Only the sink's own failure leaves the other ranks unaware.
+    if (!sinkFailure) throw;
+  }
+  if (writer && !sinkFailure) {
+    try {
+      writer->commit();
+    } catch (...) {
+      sinkFailure = std::current_exception();
+    }
+  }
+  agreeOnCommit(comm, path, options.root, sinkFailure, api);
+}
+
+void ShardedAverager::exportFull(shard::Communicator& comm, const std::string& path,
+                                 c10::ScalarType outputDtype, shard::GatherOptions options) const {
+  constexpr const char* kExportApi = "ShardedAverager::exportFull";
+  detail::checkExportDtype(outputDtype, kExportApi);
+  TORCH_CHECK_VALUE(options.root >= 0 && options.root < comm.worldSize(), kExportApi,
+                    ": options.root must name one rank in [0, ", comm.worldSize(), "), got ",
+                    options.root);
+  TORCH_CHECK_VALUE(comm.worldSize() == worldSize_ && comm.rank() == rank_, kExportApi,
+                    ": communicator is rank ", comm.rank(), " of ", comm.worldSize(),
+                    " but this averager is rank ", rank_, " of ", worldSize_);
+  std::vector<at::Tensor> pieces;
+  try {
+    pieces = localEmaPieces();
+  } catch (...) {
+    // A background failure: join the gather's checks with it (see gather.h).
+    options.localError = detail::currentErrorMessage();
+  }
+  detail::exportPieces(
+      comm, path, layout_, pieces, outputDtype,
+      detail::exportedMetadata(averager_.step(), averager_.schedule(), worldSize_), options,
+      kExportApi);
+}
+
+}  // namespace shardema

@@ -1,0 +1,151 @@
+// Per-rank EMA state files of a ShardedAverager: writing one rank's file,
+// saving all ranks of an in-process job (saveCheckpoint), and loading one
+// rank's state (loadCheckpoint).
+#include "shardema/sharded_checkpoint.h"
+#include "shardema/sharded_averager.h"
+
+#include <c10/util/Exception.h>
+
+#include <filesystem>
+#include <system_error>
+
+#include "sharded_internal.h"
+#include "shardema/detail/rank_manifest.h"
+#include "shardema/core/tensor_file_reader.h"
+#include "shardema/core/tensor_file_writer.h"
+
+namespace shardema {
+
+namespace {
+
+constexpr const char* kLoadApi = "loadCheckpoint";
+
+void checkSameJob(const ShardedAverager& averager, const RankManifest& manifest,
+                  const std::string& dir) {
+  const shard::ShardLayout& here = averager.layout();
+  if (manifest.layout.fingerprint() == here.fingerprint()) return;
+  const int64_t w = here.worldSize();
+  TORCH_CHECK_VALUE(false, kLoadApi, ": the checkpoint at ", dir, " was saved with layout ",
+                    manifest.layout.describe(), " but this job has layout ", here.describe(),
+                    manifest.worldSize() != w ? " (another world size)" : "",
+                    "; reshard it first: shardema export --checkpoint ", dir, " --world-size ", w,
+                    " --out NEW_DIR (reshardCheckpoint), then load NEW_DIR");
+}
+
+// The rank file must hold exactly the layout's tensors with this rank's
+// sizes, in the dtypes our EMA storage has (a silent conversion on load
+// would hide a file written by something else).
+TensorFile readRankTensors(const TensorFileReader& reader, const ShardedAverager& averager) {
+  const std::string& path = reader.path();
+  const shard::ShardLayout& layout = averager.layout();
+  TensorFile file;
+  for (const shard::ShardSpec& spec : layout.specs) {
+    TORCH_CHECK_VALUE(reader.contains(spec.name), path, ": tensor '", spec.name,
+                      "' of the layout is missing");
+    const at::Tensor& ema = averager.averager().ema(spec.name);
+    const int64_t expected = spec.rangeOf(averager.rank()).size();
+    TORCH_CHECK_VALUE(reader.entry(spec.name).numel() == expected, path, ": tensor '", spec.name,
+                      "' has ", reader.entry(spec.name).numel(), " elements, rank ",
+                      averager.rank(), " owns ", expected);
+    TORCH_CHECK_VALUE(reader.scalarType(spec.name) == ema.scalar_type(), path, ": tensor '",
+                      spec.name, "' is stored as ", reader.scalarType(spec.name),
+                      " but the EMA keeps ", ema.scalar_type());
+    file.tensors.emplace_back(spec.name, reader.read(spec.name).reshape(ema.sizes()));
+  }
+  file.metadata = reader.header().metadata;
+  return file;
+}
+
+void checkNoUnknownTensors(const TensorFileReader& reader, const shard::ShardLayout& layout) {
+  for (const std::string& name : reader.names()) {
+    bool known = false;
+    for (const shard::ShardSpec& spec : layout.specs) known = known || spec.name == name;
+    TORCH_CHECK_VALUE(known, reader.path(), ": tensor '", name,
+                      "' is not in the checkpoint's layout");
+  }
+}
+
+}  // namespace
+
+RankFileRecord writeRankFile(const std::string& dir, const ShardedAverager& averager) {
+  return writeRankFile(dir, averager, rankFileName(averager.rank(), averager.step(), newSaveId()));
+}
+
+RankFileRecord writeRankFile(const std::string& dir, const ShardedAverager& averager,
+                             const std::string& name) {
+  TORCH_CHECK_VALUE(isRankFileName(name, averager.rank()), "writeRankFile: '", name,
+                    "' is not a rank file name of rank ", averager.rank());
+  detail::ensureDirectory(dir, "writeRankFile");
+  const TensorFile state = averager.averager().state();
+  std::vector<TensorFileEntry> entries;
+  for (const auto& [name, ema] : state.tensors) {
+    entries.push_back({name, ema.scalar_type(), {ema.numel()}});
+  }
+  TensorFileWriter writer(detail::joinPath(dir, name), std::move(entries),
+                          detail::rankMetadata(state.metadata, averager.rank(), averager.layout()));
+  for (const auto& [tensorName, ema] : state.tensors) {
+    writer.append(ema.is_cpu() ? ema.contiguous() : ema.to(c10::Device(c10::kCPU)).contiguous());
+  }
+  writer.commit();
+  return RankFileRecord{averager.rank(), name, writer.fileSize(), writer.checksum()};
+}
+
+RankManifest manifestFor(const ShardedAverager& averager) {
+  RankManifest manifest;
+  manifest.step = averager.step();
+  manifest.schedule = averager.averager().schedule();
+  manifest.layout = averager.layout();
+  return manifest;
+}
+
+void saveCheckpoint(const std::string& dir, const std::vector<const ShardedAverager*>& averagers) {
+  constexpr const char* kApi = "saveCheckpoint";
+  TORCH_CHECK_VALUE(!averagers.empty(), kApi, ": no averagers given");
+  const std::string fingerprint = averagers.front()->layout().fingerprint();
+  for (size_t r = 0; r < averagers.size(); ++r) {
+    const ShardedAverager& a = *averagers[r];
+    TORCH_CHECK_VALUE(a.rank() == static_cast<int64_t>(r) &&
+                          a.worldSize() == static_cast<int64_t>(averagers.size()) &&
+                          a.layout().fingerprint() == fingerprint &&
+                          a.step() == averagers.front()->step(),
+                      kApi, ": averagers[", r, "] is rank ", a.rank(), " of ", a.worldSize(),
+                      " at step ", a.step(), " with layout ", a.layout().describe(),
+                      "; expected rank ", r, " of ", averagers.size(), " of one job and one step");
+  }
+  detail::ensureDirectory(dir, kApi);
+  // New names for this save; the old manifest and its files stay until the
+  // rename of the new manifest commits it.
+  const uint64_t saveId = newSaveId();
+  RankManifest manifest = manifestFor(*averagers.front());
+  for (const ShardedAverager* a : averagers) {
+    manifest.files.push_back(
+        writeRankFile(dir, *a, rankFileName(a->rank(), manifest.step, saveId)));
+  }
+  writeManifest(dir, manifest);
+  removeUnreferencedRankFiles(dir, manifest);
+}
+
+void loadCheckpoint(const std::string& dir, ShardedAverager& averager) {
+  const RankManifest manifest = readManifest(dir);
+  checkSameJob(averager, manifest, dir);
+  const RankFileRecord& record = manifest.files.at(static_cast<size_t>(averager.rank()));
+  // The checksum is verified by path and the file then opened again. Safe
+  // against shardema's own saves: they never rewrite a file a committed
+  // manifest names (each save writes new names) and delete only files the
+  // newest manifest does not name; only an outside writer could swap it.
+  verifyRankFile(dir, record);
+  const TensorFileReader reader(detail::joinPath(dir, record.name));
+  checkNoUnknownTensors(reader, averager.layout());
+  detail::checkRankMetadata(reader.path(), reader.header().metadata, averager.rank(),
+                            manifest.worldSize(), manifest.layout.fingerprint(), manifest.step);
+  const TensorFile state = readRankTensors(reader, averager);
+  try {
+    averager.averager().loadState(state, LoadStrictness::kStrict);
+  } catch (const c10::ValueError& error) {
+    // loadState sees tensors, not files: name the file its complaint is about.
+    TORCH_CHECK_VALUE(false, reader.path(), ": ", error.what_without_backtrace());
+    throw;  // not reached
+  }
+}
+
+}  // namespace shardema

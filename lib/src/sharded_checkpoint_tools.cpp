@@ -1,0 +1,234 @@
+// Offline tools over a per-rank checkpoint folder: merge into deployable
+// weights, reshard to another layout. Streaming: every read is a
+// TensorFileReader::readRangeInto of at most bufferBytes into one reused
+// buffer, every write a TensorFileWriter::append, so memory stays at about
+// twice the buffer whatever the model size.
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <system_error>
+#include <unordered_set>
+
+#include "sharded_internal.h"
+#include "shardema/core/output_path.h"
+#include "shardema/detail/rank_manifest.h"
+#include "shardema/core/tensor_file_reader.h"
+#include "shardema/core/tensor_file_writer.h"
+#include "shardema/sharded_checkpoint.h"
+
+namespace shardema {
+namespace {
+
+// A verified checkpoint with every rank's file open and checked against the
+// layout: exactly its tensors, each 1-D of the rank's size, one dtype per
+// tensor across ranks, the manifest's step.
+struct OpenCheckpoint {
+  RankManifest manifest;
+  std::vector<TensorFileReader> readers;
+  std::vector<c10::ScalarType> dtypes;  // per layout spec
+};
+
+void checkRankFile(const TensorFileReader& reader, const RankManifest& manifest, int64_t rank) {
+  const shard::ShardLayout& layout = manifest.layout;
+  std::unordered_set<std::string> names;
+  for (const shard::ShardSpec& spec : layout.specs) names.insert(spec.name);
+  for (const std::string& name : reader.names()) {
+    TORCH_CHECK_VALUE(names.count(name), reader.path(), ": tensor '", name,
+                      "' is not in the checkpoint's layout");
+  }
+  for (const shard::ShardSpec& spec : layout.specs) {
+    TORCH_CHECK_VALUE(reader.contains(spec.name), reader.path(), ": tensor '", spec.name,
+                      "' of the layout is missing");
+    const TensorEntry& entry = reader.entry(spec.name);
+    TORCH_CHECK_VALUE(entry.shape.size() == 1 && entry.numel() == spec.rangeOf(rank).size(),
+                      reader.path(), ": tensor '", spec.name, "' must be 1-D with ",
+                      spec.rangeOf(rank).size(), " elements (rank ", rank, "'s range), found ",
+                      entry.numel());
+  }
+  detail::checkRankMetadata(reader.path(), reader.header().metadata, rank, manifest.worldSize(),
+                            layout.fingerprint(), manifest.step);
+}
+
+OpenCheckpoint openCheckpoint(const std::string& dir) {
+  OpenCheckpoint checkpoint{verifyRankFiles(dir), {}, {}};
+  const RankManifest& manifest = checkpoint.manifest;
+  for (const RankFileRecord& record : manifest.files) {
+    checkpoint.readers.emplace_back(detail::joinPath(dir, record.name));
+    checkRankFile(checkpoint.readers.back(), manifest, record.rank);
+  }
+  for (const shard::ShardSpec& spec : manifest.layout.specs) {
+    const c10::ScalarType dtype = checkpoint.readers.front().scalarType(spec.name);
+    for (const TensorFileReader& reader : checkpoint.readers) {
+      TORCH_CHECK_VALUE(reader.scalarType(spec.name) == dtype, reader.path(), ": tensor '",
+                        spec.name, "' is stored as ", reader.scalarType(spec.name), " but as ",
+                        dtype, " in ", checkpoint.readers.front().path());
+    }
+    checkpoint.dtypes.push_back(dtype);
+  }
+  return checkpoint;
+}
+
+// Appends elements [begin, begin + count) of `name` in `reader` to `writer`
+// in pieces of at most buffer.numel(), converted to `dtype`.
+void copyRange(const TensorFileReader& reader, const std::string& name, int64_t begin,
+               int64_t count, const at::Tensor& buffer, c10::ScalarType dtype,
+               TensorFileWriter& writer) {
+  for (int64_t done = 0; done < count;) {
+    const int64_t n = std::min(buffer.numel(), count - done);
+    const at::Tensor piece = buffer.narrow(0, 0, n);
+    reader.readRangeInto(name, begin + done, piece);
+    writer.append(piece.scalar_type() == dtype ? piece : piece.to(dtype));
+    done += n;
+  }
+}
+
+at::Tensor pieceBuffer(int64_t maxElements, c10::ScalarType stored, const ExportOptions& options) {
+  const int64_t perPiece = detail::elementsPerPiece(options.bufferBytes, stored);
+  return at::empty({std::min(perPiece, maxElements)}, at::TensorOptions().dtype(stored));
+}
+
+void checkSameTensors(const shard::ShardLayout& source, const shard::ShardLayout& target) {
+  TORCH_CHECK_VALUE(source.specs.size() == target.specs.size(), "reshardCheckpoint: the target ",
+                    "layout has ", target.specs.size(), " tensors, the checkpoint ",
+                    source.specs.size());
+  for (size_t i = 0; i < source.specs.size(); ++i) {
+    const shard::ShardSpec& a = source.specs[i];
+    const shard::ShardSpec& b = target.specs[i];
+    TORCH_CHECK_VALUE(a.name == b.name && a.globalShape == b.globalShape && a.dtype == b.dtype,
+                      "reshardCheckpoint: target tensor ", i, " '", b.name,
+                      "' differs in name, shape or dtype from the checkpoint's '", a.name, "'");
+  }
+}
+
+RankFileRecord writeReshardedRank(const OpenCheckpoint& source, const shard::ShardLayout& target,
+                                  int64_t rank, const std::string& outDir, uint64_t saveId,
+                                  const ExportOptions& options) {
+  const shard::ShardLayout& layout = source.manifest.layout;
+  std::vector<TensorFileEntry> entries;
+  for (size_t i = 0; i < target.specs.size(); ++i) {
+    entries.push_back(
+        {target.specs[i].name, source.dtypes[i], {target.specs[i].rangeOf(rank).size()}});
+  }
+  const std::string name = rankFileName(rank, source.manifest.step, saveId);
+  TensorFileWriter writer(
+      detail::joinPath(outDir, name), std::move(entries),
+      detail::rankMetadata(source.readers.front().header().metadata, rank, target));
+  for (size_t i = 0; i < target.specs.size(); ++i) {
+    const shard::ElementRange wanted = target.specs[i].rangeOf(rank);
+    const at::Tensor buffer = pieceBuffer(wanted.size(), source.dtypes[i], options);
+    for (int64_t q = 0; q < layout.worldSize(); ++q) {
+      const shard::ElementRange old = layout.specs[i].rangeOf(q);
+      const shard::ElementRange overlap = shard::intersect(wanted, old);
+      if (overlap.empty()) continue;
+      copyRange(source.readers[q], layout.specs[i].name, overlap.begin - old.begin, overlap.size(),
+                buffer, source.dtypes[i], writer);
+    }
+  }
+  writer.commit();
+  return RankFileRecord{rank, name, writer.fileSize(), writer.checksum()};
+}
+
+// After a failed reshard: the rank files this call committed (the one in
+// progress removed its own ".tmp"), and the folder if this call created it
+// and it is now empty. An old checkpoint there is untouched: its files have
+// other names. Best effort, like removeUnreferencedRankFiles.
+void removeWrittenFiles(const std::string& outDir, const std::vector<RankFileRecord>& written,
+                        bool createdOutDir) {
+  std::error_code ignored;
+  for (const RankFileRecord& record : written) {
+    std::filesystem::remove(detail::joinPath(outDir, record.name), ignored);
+  }
+  if (createdOutDir) std::filesystem::remove(outDir, ignored);  // only if empty
+}
+
+}  // namespace
+
+int64_t maxReshardWorldSize(const shard::ShardLayout& layout) {
+  int64_t largest = 1;
+  for (const shard::ShardSpec& spec : layout.specs) largest = std::max(largest, spec.numel());
+  return largest;
+}
+
+int64_t maxReshardWorldSize(const std::string& dir) {
+  return maxReshardWorldSize(readManifest(dir).layout);
+}
+
+RankManifest inspectCheckpoint(const std::string& dir) { return openCheckpoint(dir).manifest; }
+
+ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFile,
+                               ExportOptions options) {
+  detail::checkExportDtype(options.outputDtype, "exportCheckpoint");
+  TORCH_CHECK_VALUE(options.bufferBytes > 0, "exportCheckpoint: bufferBytes must be > 0, got ",
+                    options.bufferBytes);
+  detail::refuseOutputOverInput("exportCheckpoint", outFile, {dir});
+  const OpenCheckpoint source = openCheckpoint(dir);
+  const shard::ShardLayout& layout = source.manifest.layout;
+  std::vector<TensorFileEntry> entries;
+  for (size_t i = 0; i < layout.specs.size(); ++i) {
+    entries.push_back({layout.specs[i].name,
+                       detail::exportedDtype(source.dtypes[i], options.outputDtype),
+                       layout.specs[i].globalShape});
+  }
+  TensorFileWriter writer(outFile, entries,
+                          detail::exportedMetadata(source.manifest.step, source.manifest.schedule,
+                                                   source.manifest.worldSize()));
+  for (size_t i = 0; i < layout.specs.size(); ++i) {
+    const shard::ShardSpec& spec = layout.specs[i];
+    int64_t largest = 0;
+    for (const shard::ElementRange& range : spec.ranges) largest = std::max(largest, range.size());
+    const at::Tensor buffer = pieceBuffer(largest, source.dtypes[i], options);
+    for (int64_t r = 0; r < spec.worldSize(); ++r) {
+      copyRange(source.readers[r], spec.name, 0, spec.rangeOf(r).size(), buffer, entries[i].dtype,
+                writer);
+    }
+  }
+  writer.commit();
+  return ExportSummary{source.manifest.step, static_cast<int64_t>(entries.size()),
+                       writer.fileSize()};
+}
+
+ExportSummary reshardCheckpoint(const std::string& dir, const std::string& outDir,
+                                const shard::ShardLayout& target, ExportOptions options) {
+  constexpr const char* kApi = "reshardCheckpoint";
+  TORCH_CHECK_VALUE(options.bufferBytes > 0, kApi, ": bufferBytes must be > 0, got ",
+                    options.bufferBytes);
+  target.check();
+  TORCH_CHECK_VALUE(target.worldSize() >= 1, kApi, ": the target layout has no ranks");
+  detail::refuseOutputOverInput(kApi, outDir, {dir});
+  const OpenCheckpoint source = openCheckpoint(dir);
+  checkSameTensors(source.manifest.layout, target);
+  std::error_code ignored;
+  const bool createdOutDir = !std::filesystem::exists(outDir, ignored);
+  detail::ensureDirectory(outDir, kApi);
+  const uint64_t saveId = newSaveId();
+  RankManifest manifest = source.manifest;
+  manifest.layout = target;
+  manifest.files.clear();
+  uint64_t bytes = 0;
+  try {
+    for (int64_t rank = 0; rank < target.worldSize(); ++rank) {
+      manifest.files.push_back(writeReshardedRank(source, target, rank, outDir, saveId, options));
+      bytes += manifest.files.back().size;
+    }
+    writeManifest(outDir, manifest);
+  } catch (...) {
+    removeWrittenFiles(outDir, manifest.files, createdOutDir);
+    throw;
+  }
+  removeUnreferencedRankFiles(outDir, manifest);
+  return ExportSummary{manifest.step, static_cast<int64_t>(target.specs.size()), bytes};
+}
+
+ExportSummary reshardCheckpoint(const std::string& dir, const std::string& outDir,
+                                int64_t newWorldSize, ExportOptions options) {
+  const RankManifest manifest = readManifest(dir);
+  const int64_t largest = maxReshardWorldSize(manifest.layout);
+  TORCH_CHECK_VALUE(newWorldSize >= 1 && newWorldSize <= largest,
+                    "reshardCheckpoint: newWorldSize must be in [1, ", largest,
+                    "] (the largest tensor's element count in ", dir, "), got ", newWorldSize);
+  return reshardCheckpoint(dir, outDir, shard::relayout(manifest.layout, newWorldSize), options);
+}
+
+}  // namespace shardema

@@ -1,0 +1,203 @@
+// Bad checkpoints: each is one error naming the file or tensor, and a failed
+// export never replaces an existing output file.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "lib/sharded_fixture.h"
+#include "shardema/core/checksum.h"
+#include "shardema/detail/rank_manifest.h"
+#include "shardema/sharded_checkpoint.h"
+#include "shardema/sharded_averager.h"
+#include "shardema/core/tensor_file.h"
+#include "support/file_bytes.h"
+#include "support/temp_dir.h"
+#include "support/value_error.h"
+
+namespace shardema {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct SavedJob {
+  SavedJob() : job(testing::unevenModel(at::kFloat, true), shard::LayoutKind::kFsdp2, 4) {
+    job.run(1, 4);
+    saveCheckpoint(dir.file("ckpt"), job.averagers());
+  }
+  std::string ckpt() const { return dir.file("ckpt"); }
+  // Saves name their files rank_XXXXX.step_S.ID.safetensors: ask the manifest.
+  std::string rankFile(int r) const { return ckpt() + "/" + readManifest(ckpt()).files[r].name; }
+
+  // Rewrites the manifest so its record of rank r matches the file again
+  // (forged files then pass the checksum and reach the content checks).
+  void rerecord(int r) const {
+    RankManifest manifest = readManifest(ckpt());
+    manifest.files[r].size = fs::file_size(rankFile(r));
+    manifest.files[r].checksum = fileChecksum(rankFile(r));
+    writeManifest(ckpt(), manifest);
+  }
+
+  testing::TempDir dir;
+  testing::PerTensorJob job;
+};
+
+// Every loader and tool refuses the folder with a message naming `what`.
+void expectAllRefuse(const SavedJob& saved, const std::string& what) {
+  EXPECT_VALUE_ERROR(inspectCheckpoint(saved.ckpt()), what);
+  EXPECT_VALUE_ERROR(exportCheckpoint(saved.ckpt(), saved.dir.file("out")), what);
+  EXPECT_VALUE_ERROR(reshardCheckpoint(saved.ckpt(), saved.dir.file("w2"), 2), what);
+}
+
+TEST(ShardedBadInputTest, MissingManifestMeansNoCheckpoint) {
+  SavedJob saved;
+  fs::remove(saved.ckpt() + "/manifest.json");
+  expectAllRefuse(saved, "no valid checkpoint at " + saved.ckpt() + ": manifest.json missing");
+  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *saved.job.ranks[0].averager),
+                     "manifest.json missing");
+  testing::writeFileBytes(saved.ckpt() + "/manifest.json", "{\"format\": 1, \"kind\"");
+  expectAllRefuse(saved, "manifest.json");
+}
+
+TEST(ShardedBadInputTest, MissingTruncatedOrCorruptedRankFilesNameTheFile) {
+  SavedJob saved;
+  const std::string path = saved.rankFile(2);
+  const std::string bytes = testing::readFileBytes(path);
+  fs::remove(path);
+  expectAllRefuse(saved, "rank_00002.step_4.");
+  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *saved.job.ranks[2].averager), "missing");
+  testing::writeFileBytes(path, bytes.substr(0, bytes.size() - 5));
+  expectAllRefuse(saved, "rank_00002.step_4.");
+  std::string flipped = bytes;
+  flipped[bytes.size() - 3] ^= 0x40;  // same size, one bit of EMA data
+  testing::writeFileBytes(path, flipped);
+  expectAllRefuse(saved, "safetensors: XXH64");
+  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *saved.job.ranks[2].averager), "corrupted");
+  // Rank 0 does not read rank 2's file, so its load still works.
+  EXPECT_NO_THROW(loadCheckpoint(saved.ckpt(), *saved.job.ranks[0].averager));
+}
+
+TEST(ShardedBadInputTest, AnotherWorldSizeNamesBothLayoutsAndPointsToResharding) {
+  SavedJob saved;
+  std::vector<testing::RankModel> two =
+      testing::makeRanks(saved.job.model, shard::LayoutKind::kFsdp2, 2);
+  const std::string saved4 = saved.job.ranks[0].averager->layout().describe();
+  const std::string here2 = two[0].averager->layout().describe();
+  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *two[0].averager), saved4);
+  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *two[0].averager), here2);
+  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *two[1].averager), "--world-size 2");
+  // Same world size, other layout kind: also refused.
+  std::vector<testing::RankModel> replicated =
+      testing::makeRanks(saved.job.model, shard::LayoutKind::kReplicated, 4);
+  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *replicated[1].averager), "reshard");
+  // A failed load changed nothing.
+  EXPECT_EQ(two[0].averager->step(), 0);
+}
+
+// A rank file whose metadata claims another rank, world size or layout
+// than the manifest gives it was once accepted by inspect and export (only
+// the load checked shardema.rank). Every tool now names the file and key.
+TEST(ShardedBadInputTest, RankMetadataThatDisagreesWithTheManifestIsRefusedNamingFileAndKey) {
+  for (const auto& [key, forged] : std::vector<std::pair<std::string, std::string>>{
+           {"shardema.rank", "2"},
+           {"shardema.world_size", "5"},
+           {"shardema.layout_fingerprint", "0123456789abcdef"}}) {
+    SCOPED_TRACE(key);
+    SavedJob saved;
+    TensorFile file = readTensorFile(saved.rankFile(1));
+    ASSERT_NE(file.metadata.at(key), forged);
+    file.metadata[key] = forged;
+    writeTensorFile(saved.rankFile(1), file);
+    saved.rerecord(1);
+    const std::string named = saved.rankFile(1) + ": " + key + " is '" + forged + "'";
+    expectAllRefuse(saved, named);
+    EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *saved.job.ranks[1].averager), named);
+    EXPECT_NO_THROW(loadCheckpoint(saved.ckpt(), *saved.job.ranks[0].averager));
+  }
+}
+
+// A failed reshard removes the rank files it wrote and the folder it
+// (if it created it); before, they stayed behind as orphans.
+TEST(ShardedBadInputTest, AFailedReshardLeavesNoFilesBehind) {
+  SavedJob saved;
+  const std::string out = saved.dir.file("w2");
+  // A folder where the manifest goes: every rank file is written, then the
+  // manifest's rename is refused.
+  fs::create_directories(out + "/manifest.json");
+  EXPECT_THROW(reshardCheckpoint(saved.ckpt(), out, 2), c10::ValueError);
+  std::vector<std::string> left;
+  for (const auto& entry : fs::directory_iterator(out)) left.push_back(entry.path().filename());
+  EXPECT_EQ(left, std::vector<std::string>{"manifest.json"});
+}
+
+TEST(ShardedBadInputTest, UnknownOrDuplicateTensorNamesNameTheTensor) {
+  SavedJob saved;
+  TensorFile file = readTensorFile(saved.rankFile(1));
+  file.tensors.emplace_back("stray.weight", at::zeros({2}));
+  writeTensorFile(saved.rankFile(1), file);
+  saved.rerecord(1);
+  EXPECT_VALUE_ERROR(exportCheckpoint(saved.ckpt(), saved.dir.file("out")), "'stray.weight'");
+  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *saved.job.ranks[1].averager), "'stray.weight'");
+
+  // Rename "prime" to "empty" in the header bytes (same length): a
+  // duplicate name, which the safetensors parser rejects naming the file.
+  file.tensors.pop_back();
+  writeTensorFile(saved.rankFile(1), file);
+  std::string bytes = testing::readFileBytes(saved.rankFile(1));
+  const size_t at = bytes.find("\"prime\"");
+  ASSERT_NE(at, std::string::npos);
+  bytes.replace(at, 7, "\"empty\"");
+  testing::writeFileBytes(saved.rankFile(1), bytes);
+  saved.rerecord(1);
+  EXPECT_VALUE_ERROR(exportCheckpoint(saved.ckpt(), saved.dir.file("out")), "rank_00001");
+  // A layout with a duplicate name cannot be attached either.
+  const shard::ShardSpec spec = shard::fsdp2Spec("dup", {4}, at::kFloat, 1);
+  EXPECT_VALUE_ERROR(ShardedAverager(0, 1, {{at::zeros({4}), spec}, {at::zeros({4}), spec}}),
+                     "'dup'");
+}
+
+TEST(ShardedBadInputTest, FailedExportLeavesTheOldOutputByteIdentical) {
+  SavedJob saved;
+  const std::string out = saved.dir.file("deployable.safetensors");
+  exportCheckpoint(saved.ckpt(), out);
+  const std::string before = testing::readFileBytes(out);
+  ASSERT_FALSE(before.empty());
+  std::string bytes = testing::readFileBytes(saved.rankFile(3));
+  bytes[bytes.size() - 1] ^= 1;
+  testing::writeFileBytes(saved.rankFile(3), bytes);
+  ExportOptions bf16;
+  bf16.outputDtype = at::kBFloat16;
+  EXPECT_VALUE_ERROR(exportCheckpoint(saved.ckpt(), out, bf16), "rank_00003");
+  EXPECT_EQ(testing::readFileBytes(out), before);
+  EXPECT_FALSE(fs::exists(out + ".tmp"));
+  // A failed reshard leaves no manifest, so no checkpoint, in its folder.
+  EXPECT_THROW(reshardCheckpoint(saved.ckpt(), saved.dir.file("w2"), 2), c10::ValueError);
+  EXPECT_FALSE(fs::exists(saved.dir.file("w2/manifest.json")));
+  EXPECT_VALUE_ERROR(reshardCheckpoint(saved.ckpt(), saved.ckpt(), 2), "elsewhere");
+}
+
+TEST(ShardedBadInputTest, ManifestRefusesOutOfRangeIntegersAndUnsafeNames) {
+  SavedJob saved;
+  const std::string text = testing::readFileBytes(saved.ckpt() + "/manifest.json");
+  nlohmann::json manifest = nlohmann::json::parse(text);
+  nlohmann::json bad = manifest;
+  bad["step"] = uint64_t{9223372036854775808u};  // INT64_MAX + 1 would wrap negative
+  EXPECT_VALUE_ERROR(RankManifest::fromJson(bad.dump()), "'step'");
+  for (const std::string name :
+       {"../rank_00001.x.safetensors", "rank_00001/../x.safetensors", "rank_00001..safetensors",
+        "rank_00002.x.safetensors", "rank_000011.safetensors", "rank_00001.x.bin"}) {
+    bad = manifest;
+    bad["files"][1]["name"] = name;
+    EXPECT_VALUE_ERROR(RankManifest::fromJson(bad.dump()), "files[1]");
+  }
+  bad = manifest;
+  bad["files"][1]["name"] = "rank_00001.safetensors";  // the older fixed name is still read
+  EXPECT_EQ(RankManifest::fromJson(bad.dump()).files[1].name, "rank_00001.safetensors");
+}
+
+}  // namespace
+}  // namespace shardema
