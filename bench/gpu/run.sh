@@ -90,7 +90,7 @@ ran=$(grep -cE "^\[ +OK \] CudaCopyEngineTest\." "$logs/cuda_tests.log")
 skipped=$(grep -E "^\[  SKIPPED \] CudaCopyEngineTest\.[A-Za-z]+ \(" "$logs/cuda_tests.log" |
   grep -vc ConstructionFailsCleanlyWithoutDevice)
 ((skipped == 0 && ran >= 4)) || fail "CUDA-engine tests: $ran ran, $skipped skipped on a GPU machine"
-for suite in offload_concurrency_tests facade_concurrency_tests; do
+for suite in offload_concurrency_tests lib_concurrency_tests; do
   step "$suite"
   timeout 300 "$tests/$suite" --gtest_brief=1 >"$logs/$suite.log" 2>&1 || fail "$suite"
   tail -3 "$logs/$suite.log"
