@@ -85,7 +85,7 @@ Model::Model(at::ScalarType dtype_, int64_t elements_)
 std::vector<offload::PipelineJob> Model::jobs() const {
   std::vector<offload::PipelineJob> out;
   for (int t = 0; t < kTensors; ++t) {
-    out.push_back({emas[t], sources[t], UpdateOp::kLerp, false, "t" + std::to_string(t), {}});
+    out.push_back({emas[t], sources[t], UpdateOp::kLerp, "t" + std::to_string(t), {}});
   }
   return out;
 }

@@ -38,7 +38,7 @@ struct SmallModel {
     std::vector<offload::PipelineJob> out;
     out.reserve(kSmallTensors);
     for (int t = 0; t < kSmallTensors; ++t) {
-      out.push_back({emas[t], sources[t], UpdateOp::kLerp, false, names[t], {}});
+      out.push_back({emas[t], sources[t], UpdateOp::kLerp, names[t], {}});
     }
     return out;
   }

@@ -73,7 +73,7 @@ def bench_dtype(dtype, sizes, repeats):
         a.add_(b)
 
     ema = shardema.EMA([(f"t{i}", p) for i, p in enumerate(params)],
-                       schedule=shardema.ConstantSchedule(0.999), policy="ema_pytorch")
+                       schedule=shardema.DecaySchedule.constant(0.999), policy="ema_pytorch")
     returns = []
 
     def ours():

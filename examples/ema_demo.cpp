@@ -2,7 +2,7 @@
 // ranks (processes it starts itself, one c10d group over loopback Gloo),
 // averaging the gradients through the communicator as DDP would. Every rank
 // keeps only its FSDP2 rows of a warmup EMA (ShardedAverager) and of the
-// post-hoc EMA profiles (PostHocCallback, sharded placement), in host
+// post-hoc EMA profiles (PostHocCallback, sharded layout), in host
 // memory. After training it gathers the EMAs, sweeps sigma_rel by synthesis
 // from the per-rank snapshots, prints the held-out loss of each beside the
 // raw weights, draws the sweep as an SVG and writes deployable files.
@@ -36,7 +36,7 @@ using shardema::shard::Communicator;
 
 shardema::PostHocCallbackOptions posthocOptions(const demo::DemoOptions& o) {
   shardema::PostHocCallbackOptions options;  // sigmaRels {0.05, 0.1}
-  options.placement = shardema::PostHocPlacement::kSharded;
+  options.layout = shardema::PostHocLayout::kSharded;
   options.checkpointFolder = o.out + "/posthoc";
   options.checkpointEvery =
       o.snapshotEvery > 0 ? o.snapshotEvery : std::max<int64_t>(1, o.steps / 10);
@@ -99,7 +99,7 @@ int64_t train(const demo::DemoOptions& o, Communicator& comm, demo::RegressionTa
 int64_t emaBytes(const shardema::ShardedAverager& averager) {
   const int64_t profiles = averager.averager().numProfiles();
   int64_t bytes = 0;
-  for (const at::Tensor& piece : averager.localEmaPieces()) {
+  for (const at::Tensor& piece : averager.localEma()) {
     bytes += piece.nbytes() * (piece.is_floating_point() ? profiles : 1);
   }
   return bytes;
@@ -134,7 +134,7 @@ void reportMemory(Communicator& comm, const RankEmas& emas, demo::RunReport& rep
 // the sharded EMA state from every rank.
 void evaluateAndSave(const demo::DemoOptions& o, Communicator& comm, demo::Student& model,
                      const demo::RegressionTask& task, RankEmas& emas, demo::RunReport& report) {
-  const auto full = emas.warmup.gatherFull(comm);
+  const auto full = emas.warmup.fullStateDict(comm);
   if (comm.rank() == 0) {
     report.rawLoss = demo::heldOutLoss(model, task);
     demo::Student scratch(task.inputs(), o.width);
@@ -143,7 +143,7 @@ void evaluateAndSave(const demo::DemoOptions& o, Communicator& comm, demo::Stude
     report.emaDecay = emas.warmup.averager().lastDecay();
   }
   report.emaWeightsPath = o.out + "/ema_weights.safetensors";
-  emas.warmup.exportFull(comm, report.emaWeightsPath);
+  emas.warmup.exportWeights(comm, report.emaWeightsPath);
   shardema::saveCheckpoint(comm, o.out + "/checkpoint/ema", emas.warmup);
   if (comm.rank() == 0) {
     shardema::TrainingCheckpoint checkpoint = shardema::TrainingCheckpoint::capture(*model);

@@ -1,7 +1,7 @@
 // One-shot GPU check (bench/gpu/run.sh): on a machine with a CUDA device
 // and a CUDA LibTorch,
 //   1. the pinned-host EMA over device tensors allocates no device memory
-//      (cudaMemGetInfo before/after, beside the device placement's cost),
+//      (cudaMemGetInfo before/after, beside the device storage's cost),
 //      and its values match a float64 reference;
 //   2. pinned D2H/H2D GB/s through the CUDA copy engine (32 MiB chunks, as
 //      the pipeline issues them) beside plain cudaMemcpy of the same bytes.
@@ -46,14 +46,14 @@ double mib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
 
 // Steps 1..steps with decay 0.5: step 1 copies, later ones lerp. The
 // sources move by +0.25 per step, on the device, in place (no allocation).
-int64_t runAverager(shardema::EmaPlacement placement, std::vector<at::Tensor>& sources, int steps,
+int64_t runAverager(shardema::EmaStorage storage, std::vector<at::Tensor>& sources, int steps,
                     double* maxError) {
   std::vector<shardema::TrackedTensor> tracked;
   for (size_t i = 0; i < sources.size(); ++i) {
     tracked.push_back({"t" + std::to_string(i), sources[i], shardema::TrackRole::kAverage});
   }
   shardema::AveragerOptions options;
-  options.placement = placement;
+  options.storage = storage;
   shardema::ConstantScheduleOptions constant;
   constant.decay = 0.5;
   options.schedule = shardema::DecaySchedule::constant(constant);
@@ -103,8 +103,8 @@ bool checkNoDeviceMemory() {
     warm->synchronize();
   }
   double errHost = 0, errDevice = 0;
-  const int64_t host = runAverager(shardema::EmaPlacement::kPinnedHost, sources, 5, &errHost);
-  const int64_t device = runAverager(shardema::EmaPlacement::kDevice, sources, 5, &errDevice);
+  const int64_t host = runAverager(shardema::EmaStorage::kPinnedHost, sources, 5, &errHost);
+  const int64_t device = runAverager(shardema::EmaStorage::kDevice, sources, 5, &errDevice);
   // Below CUDA's 2 MiB allocation granularity: any real allocation shows.
   const int64_t tolerance = int64_t{1} << 20;
   const bool ok = host < tolerance && errHost <= 1e-5 && errDevice <= 1e-5;

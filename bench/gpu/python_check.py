@@ -57,7 +57,7 @@ def check(ema_full, ref, what):
 def cuda_engine_check():
     model = model_on("cuda")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    ema = shardema.EMA(model, schedule=shardema.ConstantSchedule(DECAY), engine="cuda")
+    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(DECAY), engine="cuda")
     ref = {}
     train(model, optimizer, ema, ref, lambda: dict(model.named_parameters()))
     free_before = torch.cuda.mem_get_info()[0]
@@ -82,7 +82,7 @@ def fsdp2_gpu_check():
             fully_shard(layer)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ema = shardema.EMA(model, schedule=shardema.ConstantSchedule(DECAY))
+    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(DECAY))
     assert ema.layout == "fsdp2", ema.layout
     ref = {}
     train(model, optimizer, ema, ref,
@@ -131,7 +131,7 @@ def fsdp2_callback_checkpoint_check():
         trainer.global_step += 1
         callback.on_train_batch_end(trainer, model, None, None, batch)
     callback.ema.wait()
-    expected = callback.ema.local_state()
+    expected = callback.ema.local_ema()
     checkpoint = {"state_dict": get_model_state_dict(model)}
     callback.on_save_checkpoint(trainer, model, checkpoint)
     state, raw = checkpoint["state_dict"], checkpoint[EMACallback.RAW_STATE_KEY]
@@ -147,7 +147,7 @@ def fsdp2_callback_checkpoint_check():
     callback2.on_fit_start(trainer, resumed)
     for name, param in resumed.named_parameters():
         ok &= torch.equal(param.to_local(), raw[name].to_local())
-    got = callback2.ema.local_state()
+    got = callback2.ema.local_ema()
     ok &= all(torch.equal(got[n], v) for n, v in expected.items())
     print(f"EMACallback checkpoint of a fully_shard model (sharded state dict, resume): "
           f"{'ok' if ok else 'FAILED'}")

@@ -84,9 +84,9 @@ void validateInfo(const SnapshotInfo& info, const std::string& path) {
                     "); pass both from one profile");
   if (info.rank < 0) {
     TORCH_CHECK_VALUE(info.rank == -1, "writeSnapshot(", path,
-                      "): rank must be -1 (full placement) or >= 0, got ", info.rank);
+                      "): rank must be -1 (full-copy layout) or >= 0, got ", info.rank);
     TORCH_CHECK_VALUE(info.worldSize == 0 && info.layoutJson.empty(), "writeSnapshot(", path,
-                      "): a full-placement snapshot (rank -1) must have worldSize 0 and an empty "
+                      "): a full-copy snapshot (rank -1) must have worldSize 0 and an empty "
                       "layoutJson, got worldSize ",
                       info.worldSize);
   } else {
@@ -332,7 +332,7 @@ SnapshotFolder scanSnapshotFolder(const std::string& dir) {
   }
   TORCH_CHECK_VALUE(folder.snapshots.empty(), dir, ": mixed layouts: both top-level snapshots (",
                     folder.snapshots.front().path,
-                    ") and rank_NNNNN folders; keep one placement "
+                    ") and rank_NNNNN folders; keep one layout "
                     "per folder");
   folder.sharded = true;
   folder.perRank = readRanks(rankDirs, dir, &folder.worldSize);

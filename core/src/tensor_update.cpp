@@ -69,6 +69,8 @@ SourceType sourceTypeIn(const at::Tensor& source, const std::string& name, const
 void checkPair(const TensorUpdate& update, const char* api) {
   const at::Tensor& ema = update.ema;
   const at::Tensor& source = update.source;
+  TORCH_CHECK_VALUE(update.op == UpdateOp::kLerp || update.op == UpdateOp::kCopy, api, ": '",
+                    update.name, "': the kernels run kLerp and kCopy only");
   checkCommon(ema, "ema", update.name, api);
   checkCommon(source, "source", update.name, api);
   TORCH_CHECK_TYPE(ema.scalar_type() == at::kFloat, api, ": ", subject("ema", update.name),

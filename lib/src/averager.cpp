@@ -1,5 +1,5 @@
 // Averager: names, roles, progress and the failure mark; the EMA storage
-// and the update mechanics are its store's (ema_store.h), one per placement.
+// and the update mechanics are its store's (ema_store.h), one per storage.
 #include "shardema/averager.h"
 
 #include <c10/core/GradMode.h>
@@ -67,14 +67,15 @@ void checkSchedules(const AveragerOptions& options) {
 }
 
 // What a due update does to one tensor: kCopyOnce tensors are left alone,
-// copies are refreshed, averaged tensors lerp (or copy on the first update,
-// with a zero decay, or while frozen).
-detail::EmaAction actionFor(const TrackedTensor& tracked, bool firstCopy, bool weightIsOne) {
-  if (tracked.role == TrackRole::kCopyOnce) return detail::EmaAction::kSkip;
-  if (tracked.role == TrackRole::kCopy || firstCopy || weightIsOne) return detail::EmaAction::kCopy;
+// copies are refreshed in their own dtype, averaged tensors lerp (or are set
+// to their source on the first update, with a zero decay, or while frozen).
+UpdateOp opFor(const TrackedTensor& tracked, bool firstCopy, bool weightIsOne) {
+  if (tracked.role == TrackRole::kCopyOnce) return UpdateOp::kSkip;
+  if (tracked.role == TrackRole::kCopy) return UpdateOp::kCopyRaw;
+  if (firstCopy || weightIsOne) return UpdateOp::kCopy;
   const bool frozen =
       tracked.role == TrackRole::kAverageIfTrainable && !tracked.source.requires_grad();
-  return frozen ? detail::EmaAction::kCopy : detail::EmaAction::kLerp;
+  return frozen ? UpdateOp::kCopy : UpdateOp::kLerp;
 }
 
 // A zero decay must reproduce the source exactly; ema + 1 * (x - ema) can
@@ -94,7 +95,7 @@ Averager::Averager(std::vector<TrackedTensor> tensors, AveragerOptions options)
   for (const TrackedTensor& tracked : tensors) checkTracked(tracked, seen);
   checkSchedules(options_);
   moreLastDecays_.assign(options_.moreSchedules.size(), 0.0);
-  if (options_.placement == EmaPlacement::kPinnedHost) {
+  if (options_.storage == EmaStorage::kPinnedHost) {
     store_ = std::make_unique<detail::PinnedHostEmaStore>(tensors, options_);
   } else {
     store_ = std::make_unique<detail::DeviceEmaStore>(tensors, numProfiles());
@@ -165,9 +166,9 @@ bool Averager::update(int64_t step) {
   detail::EmaUpdate plan;
   plan.step = step;
   plan.weights.assign(weights.begin(), weights.end());
-  plan.actions.reserve(tracked_.size());
+  plan.ops.reserve(tracked_.size());
   for (const TrackedTensor& t : tracked_)
-    plan.actions.push_back(actionFor(t, firstCopy, weightIsOne));
+    plan.ops.push_back(opFor(t, firstCopy, weightIsOne));
   emaStore.update(tracked_, plan);
   // Progress is recorded only once the update was accepted, so an update
   // refused on the caller can be retried at the same step.
@@ -253,11 +254,11 @@ TrackRole Averager::role(const std::string& name) const {
 
 std::vector<TrackedTensor> Averager::tracked() const { return tracked_; }
 
-void Averager::copyEmaToSources() {
-  settle("copyEmaToSources");
+void Averager::copyTo() {
+  settle("copyTo");
   // Writing into leaf parameters is only allowed outside autograd.
   c10::NoGradGuard noGrad;
-  store("copyEmaToSources").copyToSources(tracked_);
+  store("copyTo").copyTo(tracked_);
 }
 
 }  // namespace shardema

@@ -27,16 +27,16 @@ void DeviceEmaStore::update(const std::vector<TrackedTensor>& tracked, const Ema
     TORCH_CHECK_VALUE(t.source.device() == ema.device() && t.source.sizes() == ema.sizes(),
                       "Averager::update: tensor '", t.name, "' is now ", t.source.sizes(), " on ",
                       t.source.device(), " but its EMA is ", ema.sizes(), " on ", ema.device(),
-                      " (placement kDevice keeps the EMA where the source was)");
+                      " (storage kDevice keeps the EMA where the source was)");
   }
   c10::NoGradGuard noGrad;
   for (size_t i = 0; i < tracked.size(); ++i) {
-    const EmaAction action = update.actions[i];
-    if (action == EmaAction::kSkip) continue;
+    const UpdateOp op = update.ops[i];
+    if (op == UpdateOp::kSkip) continue;
     const at::Tensor source = tracked[i].source.detach();
     for (size_t p = 0; p < storage_[i].size(); ++p) {  // copies: one, shared
       const at::Tensor& ema = storage_[i][p];
-      if (action == EmaAction::kCopy) {
+      if (op != UpdateOp::kLerp) {  // kCopy converts, kCopyRaw keeps the dtype
         ema.copy_(source);
         continue;
       }
@@ -46,7 +46,7 @@ void DeviceEmaStore::update(const std::vector<TrackedTensor>& tracked, const Ema
   }
 }
 
-void DeviceEmaStore::copyToSources(const std::vector<TrackedTensor>& tracked) {
+void DeviceEmaStore::copyTo(const std::vector<TrackedTensor>& tracked) {
   for (size_t i = 0; i < tracked.size(); ++i) tracked[i].source.detach().copy_(storage(i, 0));
 }
 

@@ -1,5 +1,5 @@
 #pragma once
-// Internal to lib/src: the kDevice placement. The EMA lives on each
+// Internal to lib/src: the kDevice storage. The EMA lives on each
 // source's device and update() runs there synchronously with ATen ops, one
 // tensor at a time (the fused _foreach_lerp_ does not exist in LibTorch
 // 1.13): the comparison mode. Everything runs on the caller's thread;
@@ -21,7 +21,7 @@ class DeviceEmaStore final : public EmaStore {
   void fence() override {}
   void wait() override {}
   bool sourcesReleased() const override { return true; }
-  void copyToSources(const std::vector<TrackedTensor>& tracked) override;
+  void copyTo(const std::vector<TrackedTensor>& tracked) override;
   offload::PipelineStats stats() const override { return {}; }
 };
 

@@ -38,7 +38,7 @@ void EmaCallback::onFitStart(torch::nn::Module& module) {
   AveragerOptions averagerOptions;
   averagerOptions.schedule = DecaySchedule::warmup(options_.schedule);
   averagerOptions.pool = options_.pool;
-  averagerOptions.placement = options_.placement;
+  averagerOptions.storage = options_.storage;
   averagerOptions.offload = options_.offload;
   // VersatIL deep-copies the model here and every optimizer step then
   // lerps with the scheduled decay (which is 0, an exact copy, early on).
@@ -157,7 +157,7 @@ void EmaCallback::onValidationStart() {
   }
   rawDuringValidation_ = std::move(raw);
   try {
-    averager_->copyEmaToSources();
+    averager_->copyTo();
   } catch (...) {
     onValidationEnd();  // a partial swap must not leave the module half EMA
     throw;

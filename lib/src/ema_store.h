@@ -1,6 +1,6 @@
 #pragma once
 // Internal to lib/src: where an Averager's EMA lives and how an
-// update reaches it. One implementation per EmaPlacement:
+// update reaches it. One implementation per EmaStorage:
 //   PinnedHostEmaStore  host memory, the asynchronous chunked pipeline
 //   DeviceEmaStore      the sources' device, synchronous ATen ops
 // The Averager keeps what both share (names, roles, step and progress, the
@@ -19,28 +19,19 @@
 #include <functional>
 #include <vector>
 
+#include "shardema/core/update_kernels.h"
 #include "shardema/offload/pipeline_stats.h"
 #include "shardema/tracking_policy.h"
 
 namespace shardema {
 namespace detail {
 
-/// What a due update does to one tracked tensor.
-enum class EmaAction {
-  /// Left alone (kCopyOnce tensors after construction).
-  kSkip,
-  /// ema += weight * (source - ema), per profile.
-  kLerp,
-  /// ema = source (copies; the first update; a weight of 1; frozen tensors).
-  kCopy,
-};
-
 /// One due update, as the Averager decided it.
 struct EmaUpdate {
   /// Optimizer step, named in errors.
   int64_t step = 0;
-  /// One per tracked tensor, in construction order.
-  std::vector<EmaAction> actions;
+  /// What happens to each tracked tensor, in construction order.
+  std::vector<UpdateOp> ops;
   /// 1 - decay per profile (profile 0 first), rounded to float as the
   /// kernels use it.
   std::vector<float> weights;
@@ -67,7 +58,7 @@ class EmaStore {
   virtual bool sourcesReleased() const = 0;
   /// Writes profile 0 into the sources (converted to their dtype and
   /// device). Blocks. The caller has waited and disabled autograd.
-  virtual void copyToSources(const std::vector<TrackedTensor>& tracked) = 0;
+  virtual void copyTo(const std::vector<TrackedTensor>& tracked) = 0;
   /// The pipeline's counters (zero for the device store).
   virtual offload::PipelineStats stats() const = 0;
 

@@ -38,7 +38,7 @@ void PinnedHostEmaStore::update(const std::vector<TrackedTensor>& tracked,
   // Shapes are checked before the first snapshot is written; each source's
   // dtype and layout once, by the pipeline's submit().
   for (size_t i = 0; i < tracked.size(); ++i) {
-    if (update.actions[i] == EmaAction::kSkip) continue;
+    if (update.ops[i] == UpdateOp::kSkip) continue;
     const at::Tensor& ema = storage(i, 0);
     TORCH_CHECK_VALUE(tracked[i].source.sizes() == ema.sizes(), "Averager::update: tensor '",
                       tracked[i].name, "' has shape ", tracked[i].source.sizes(),
@@ -47,20 +47,18 @@ void PinnedHostEmaStore::update(const std::vector<TrackedTensor>& tracked,
   std::vector<offload::PipelineJob> jobs;
   jobs.reserve(tracked.size());
   for (size_t i = 0; i < tracked.size(); ++i) {
-    const EmaAction action = update.actions[i];
-    if (action == EmaAction::kSkip) continue;
+    const UpdateOp op = update.ops[i];
+    if (op == UpdateOp::kSkip) continue;
     const TrackedTensor& t = tracked[i];
     const std::vector<at::Tensor>& profiles = storage_[i];
-    offload::PipelineJob job{profiles.front(), at::Tensor(), UpdateOp::kCopy, false, t.name, {}};
-    if (isAveragingRole(t.role)) {
-      job.moreEmas.assign(profiles.begin() + 1, profiles.end());
-      job.source = pipelineSource(i, t, t.source.scalar_type());
-      job.op = action == EmaAction::kLerp ? UpdateOp::kLerp : UpdateOp::kCopy;
-    } else {
+    offload::PipelineJob job{profiles.front(), at::Tensor(), op, t.name, {}};
+    if (op == UpdateOp::kCopyRaw) {
       // Copies keep their dtype; a source that changed dtype is converted
       // (rare: a module cast after the Averager was built).
       job.source = pipelineSource(i, t, job.ema.scalar_type());
-      job.rawCopy = true;
+    } else {
+      job.moreEmas.assign(profiles.begin() + 1, profiles.end());
+      job.source = pipelineSource(i, t, t.source.scalar_type());
     }
     jobs.push_back(std::move(job));
   }
@@ -94,13 +92,13 @@ at::Tensor PinnedHostEmaStore::pipelineSource(size_t index, const TrackedTensor&
   return snapshot;
 }
 
-void PinnedHostEmaStore::copyToSources(const std::vector<TrackedTensor>& tracked) {
+void PinnedHostEmaStore::copyTo(const std::vector<TrackedTensor>& tracked) {
   std::vector<offload::SwapJob> jobs;
   jobs.reserve(tracked.size());
   for (size_t i = 0; i < tracked.size(); ++i) {
     jobs.push_back({storage(i, 0), tracked[i].source.detach(), tracked[i].name});
   }
-  pipeline_.copyToDestinations(jobs);
+  pipeline_.copyTo(jobs);
 }
 
 }  // namespace shardema::detail

@@ -1,5 +1,5 @@
 #pragma once
-// Internal to lib/src: the kPinnedHost placement (DESIGN section 2).
+// Internal to lib/src: the kPinnedHost storage (DESIGN section 2).
 // The EMA lives in host memory from a PinnedArena; update() hands the
 // sources to the UpdatePipeline and returns once the first copies are
 // queued: the copies run on the engine's thread, the math on the pool's
@@ -32,7 +32,7 @@ class PinnedHostEmaStore final : public EmaStore {
   void fence() override { pipeline_.fence(); }
   void wait() override { pipeline_.wait(); }
   bool sourcesReleased() const override { return pipeline_.sourcesReleased(); }
-  void copyToSources(const std::vector<TrackedTensor>& tracked) override;
+  void copyTo(const std::vector<TrackedTensor>& tracked) override;
   offload::PipelineStats stats() const override { return pipeline_.stats(); }
 
 

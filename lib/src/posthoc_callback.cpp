@@ -61,7 +61,7 @@ void checkOptions(const PostHocCallbackOptions& o) {
   TORCH_CHECK_VALUE(o.bufferBytes >= 64, kApi, ": bufferBytes must be >= 64, got ", o.bufferBytes);
 }
 
-void checkRanks(const PostHocRanks& r, PostHocPlacement placement) {
+void checkRanks(const PostHocRanks& r, PostHocLayout layout) {
   TORCH_CHECK_VALUE(r.worldSize >= 1 && r.rank >= 0 && r.rank < r.worldSize, kApi, ": rank ",
                     r.rank, " is outside the world size ", r.worldSize);
   if (r.comm != nullptr) {
@@ -70,8 +70,8 @@ void checkRanks(const PostHocRanks& r, PostHocPlacement placement) {
                       " but ranks says ", r.rank, " of ", r.worldSize);
   }
   TORCH_CHECK_VALUE(
-      placement != PostHocPlacement::kSharded || r.worldSize == 1 || r.comm != nullptr, kApi,
-      ": the sharded placement with worldSize ", r.worldSize,
+      layout != PostHocLayout::kSharded || r.worldSize == 1 || r.comm != nullptr, kApi,
+      ": the sharded layout with worldSize ", r.worldSize,
       " needs ranks.comm (onTrainEnd gathers the synthesized shards)");
 }
 
@@ -91,7 +91,7 @@ AveragerOptions averagerOptions(const PostHocCallbackOptions& o) {
   }
   out.pool = o.pool;
   out.copyOnFirstUpdate = true;  // nitrous: the first due update copies
-  out.placement = o.emaPlacement;
+  out.storage = o.storage;
   out.offload = o.offload;
   return out;
 }
@@ -109,7 +109,7 @@ int64_t parseCalls(const std::string& text) {
 PostHocCallback::PostHocCallback(PostHocCallbackOptions options, PostHocRanks ranks)
     : options_(std::move(options)), ranks_(ranks) {
   checkOptions(options_);
-  checkRanks(ranks_, options_.placement);
+  checkRanks(ranks_, options_.layout);
   const auto normal = [](const std::string& folder) {
     std::filesystem::path path = std::filesystem::absolute(folder).lexically_normal();
     return path.filename().empty() ? path.parent_path() : path;
@@ -123,7 +123,7 @@ PostHocCallback::PostHocCallback(PostHocCallbackOptions options, PostHocRanks ra
 PostHocCallback::~PostHocCallback() = default;
 
 bool PostHocCallback::holdsEma() const {
-  return options_.placement == PostHocPlacement::kSharded || ranks_.rank == 0;
+  return options_.layout == PostHocLayout::kSharded || ranks_.rank == 0;
 }
 
 const ShardedAverager& PostHocCallback::averager() const {
@@ -132,7 +132,7 @@ const ShardedAverager& PostHocCallback::averager() const {
 }
 
 std::string PostHocCallback::snapshotFolder() const {
-  if (options_.placement == PostHocPlacement::kSharded) {
+  if (options_.layout == PostHocLayout::kSharded) {
     return detail::joinPath(options_.checkpointFolder, rankFolderName(ranks_.rank));
   }
   return options_.checkpointFolder;
@@ -160,7 +160,7 @@ void PostHocCallback::onFitStart(torch::nn::Module& module) {
 }
 
 void PostHocCallback::onFitStart(std::vector<TrackedTensor> full) {
-  if (options_.placement == PostHocPlacement::kSharded) {
+  if (options_.layout == PostHocLayout::kSharded) {
     // Every rank holds the whole replicated module but keeps the EMA of its
     // FSDP2 rows only; validation swaps the whole (gathered) EMA in.
     std::vector<LocalShard> rows =
@@ -178,8 +178,8 @@ void PostHocCallback::onFitStart(std::vector<TrackedTensor> full) {
 }
 
 void PostHocCallback::onFitStart(std::vector<LocalShard> shards) {
-  TORCH_CHECK_VALUE(options_.placement == PostHocPlacement::kSharded, kApi,
-                    "::onFitStart(shards) is for the sharded placement; kRankZeroFullCopy takes "
+  TORCH_CHECK_VALUE(options_.layout == PostHocLayout::kSharded, kApi,
+                    "::onFitStart(shards) is for the sharded layout; kRankZero takes "
                     "the module");
   std::vector<TrackedTensor> targets;
   for (const LocalShard& s : shards) {
@@ -267,7 +267,7 @@ void PostHocCallback::writeSnapshots() {
   const std::string folder = snapshotFolder();
   detail::ensureDirectory(folder, kApi);
   const Averager& averager = averager_->averager();
-  const bool sharded = options_.placement == PostHocPlacement::kSharded;
+  const bool sharded = options_.layout == PostHocLayout::kSharded;
   const std::string layoutJson = sharded ? averager_->layout().toJson() : std::string();
   for (int p = 0; p < averager.numProfiles(); ++p) {
     SnapshotInfo info;
@@ -330,7 +330,7 @@ void PostHocCallback::resumeAt(int64_t calls) {
     std::unordered_map<std::string, std::vector<int64_t>> localShapes;
     for (const LocalShard& s : averager_->shards())
       localShapes[s.spec.name] = s.local.sizes().vec();
-    const bool sharded = options_.placement == PostHocPlacement::kSharded;
+    const bool sharded = options_.layout == PostHocLayout::kSharded;
     const std::string layoutJson = sharded ? averager_->layout().toJson() : std::string();
     for (int p = 0; p < averager.numProfiles(); ++p) {
       const std::string path = detail::joinPath(snapshotFolder(), snapshotFileName(p, calls));
@@ -344,7 +344,7 @@ void PostHocCallback::resumeAt(int64_t calls) {
                         options_.sigmaRels[p], "; resume with the same sigmaRels");
       TORCH_CHECK_VALUE(info.sharded() == sharded, kApi, ": ", path, " is a ",
                         info.sharded() ? "sharded" : "full-copy", " snapshot; this run uses the ",
-                        sharded ? "sharded" : "rank-0 full-copy", " placement");
+                        sharded ? "sharded" : "rank-0 full-copy", " layout");
       TORCH_CHECK_VALUE(
           !sharded || (info.rank == ranks_.rank && info.worldSize == ranks_.worldSize &&
                        info.layoutJson == layoutJson),

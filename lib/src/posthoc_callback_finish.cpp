@@ -104,7 +104,7 @@ std::vector<at::Tensor> PostHocCallback::piecesInLayoutOrder(
 bool PostHocCallback::onValidationStart() {
   TORCH_CHECK(averager_ != nullptr, kFinishApi, "::onValidationStart: called before onFitStart");
   TORCH_CHECK(!emaSwappedIn(), kFinishApi, "::onValidationStart: the EMA is already swapped in");
-  if (options_.placement == PostHocPlacement::kSharded) return swapInSharded();
+  if (options_.layout == PostHocLayout::kSharded) return swapInSharded();
   return swapInRankZero();
 }
 
@@ -197,7 +197,7 @@ bool PostHocCallback::swapInRankZero() {
   const bool collective = ranks_.worldSize > 1;
   TORCH_CHECK_VALUE(!collective || ranks_.comm != nullptr, kFinishApi,
                     "::onValidationStart: with worldSize ", ranks_.worldSize,
-                    " the rank-0 placement broadcasts the synthesized weights and needs "
+                    " the rank-0 layout broadcasts the synthesized weights and needs "
                     "ranks.comm");
   // Rank 0 decides (it alone holds the EMA and its snapshot count) and
   // says so before any tensor moves: 1 swap, 0 no snapshot yet, or every
@@ -271,7 +271,7 @@ std::string PostHocCallback::onTrainEnd() {
                  std::to_string(options_.startIter) + "); nothing to synthesize");
     return "";
   }
-  if (options_.placement == PostHocPlacement::kSharded) return finishSharded();
+  if (options_.layout == PostHocLayout::kSharded) return finishSharded();
   return finishRankZero();
 }
 

@@ -112,7 +112,7 @@ ShardedAverager::ShardedAverager(int64_t rank, int64_t worldSize, std::vector<Lo
                     " is outside the world size ", worldSize);
 }
 
-std::vector<at::Tensor> ShardedAverager::localEmaPieces() const {
+std::vector<at::Tensor> ShardedAverager::localEma() const {
   std::vector<at::Tensor> pieces;
   pieces.reserve(shards_.size());
   for (const auto& [name, ema] : averager_.emaTensors()) {
@@ -122,12 +122,12 @@ std::vector<at::Tensor> ShardedAverager::localEmaPieces() const {
   return pieces;
 }
 
-std::vector<std::pair<std::string, at::Tensor>> ShardedAverager::gatherFull(
+std::vector<std::pair<std::string, at::Tensor>> ShardedAverager::fullStateDict(
     shard::Communicator& comm, shard::GatherOptions options,
     const std::optional<std::vector<std::string>>& only) const {
   std::vector<at::Tensor> pieces;
   try {
-    pieces = localEmaPieces();
+    pieces = localEma();
   } catch (...) {
     // A background failure rethrown here: join the gather's first exchange
     // with it, so every rank fails at once naming this one.

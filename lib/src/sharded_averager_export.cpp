@@ -1,4 +1,4 @@
-// ShardedAverager::exportFull (streaming gather into a deployable file) and
+// ShardedAverager::exportWeights (streaming gather into a deployable file) and
 // the export helpers the offline tools share.
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
@@ -52,7 +52,7 @@ std::unique_ptr<TensorFileWriter> openOnRoot(shard::Communicator& comm, const st
       ok.fill_(0);
     }
   }
-  comm.broadcast(ok, options.root, "exportFull open " + path);
+  comm.broadcast(ok, options.root, "exportWeights open " + path);
   if (failure) std::rethrow_exception(failure);
   TORCH_CHECK(ok.item<int>() != 0, api, ": rank ", options.root, " could not create ", path,
               "; nothing was exported");
@@ -65,7 +65,7 @@ void agreeOnCommit(shard::Communicator& comm, const std::string& path, int64_t r
                    std::exception_ptr failure, const char* api) {
   at::Tensor ok = at::zeros({1}, at::kInt);
   ok.fill_(failure ? 0 : 1);
-  comm.broadcast(ok, root, "exportFull commit " + path);
+  comm.broadcast(ok, root, "exportWeights commit " + path);
   if (failure) std::rethrow_exception(failure);
   TORCH_CHECK(ok.item<int>() == 1, api, ": rank ", root, " could not write ", path,
               "; nothing was exported");
@@ -106,9 +106,9 @@ void detail::exportPieces(shard::Communicator& comm, const std::string& path,
   agreeOnCommit(comm, path, options.root, sinkFailure, api);
 }
 
-void ShardedAverager::exportFull(shard::Communicator& comm, const std::string& path,
+void ShardedAverager::exportWeights(shard::Communicator& comm, const std::string& path,
                                  c10::ScalarType outputDtype, shard::GatherOptions options) const {
-  constexpr const char* kExportApi = "ShardedAverager::exportFull";
+  constexpr const char* kExportApi = "ShardedAverager::exportWeights";
   detail::checkExportDtype(outputDtype, kExportApi);
   TORCH_CHECK_VALUE(options.root >= 0 && options.root < comm.worldSize(), kExportApi,
                     ": options.root must name one rank in [0, ", comm.worldSize(), "), got ",
@@ -118,7 +118,7 @@ void ShardedAverager::exportFull(shard::Communicator& comm, const std::string& p
                     " but this averager is rank ", rank_, " of ", worldSize_);
   std::vector<at::Tensor> pieces;
   try {
-    pieces = localEmaPieces();
+    pieces = localEma();
   } catch (...) {
     // A background failure: join the gather's checks with it (see gather.h).
     options.localError = detail::currentErrorMessage();

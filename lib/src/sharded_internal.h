@@ -54,7 +54,7 @@ std::map<std::string, std::string> exportedMetadata(int64_t step, const DecaySch
 /// Elements per piece for a buffer bound of `bufferBytes` (at least 1).
 int64_t elementsPerPiece(int64_t bufferBytes, c10::ScalarType dtype);
 
-/// The collective behind ShardedAverager::exportFull, for any pieces of
+/// The collective behind ShardedAverager::exportWeights, for any pieces of
 /// `layout` (this rank's, layout order, 1-D CPU): options.root opens `path`
 /// first and tells every rank whether it could, the pieces are gathered
 /// into it (floating ones written as `dtype`), and the root's commit

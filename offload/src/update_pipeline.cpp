@@ -47,7 +47,9 @@ SourceType checkJob(const PipelineJob& job, size_t profiles) {
                     "); pass source.contiguous()");
   TORCH_CHECK_VALUE(job.ema.numel() == job.source.numel(), api, ": tensor '", job.name, "' has ",
                     job.source.numel(), " source elements but ", job.ema.numel(), " EMA elements");
-  if (job.rawCopy) {
+  TORCH_CHECK_VALUE(job.op != UpdateOp::kSkip, api, ": tensor '", job.name,
+                    "' has op kSkip; leave skipped tensors out of the jobs");
+  if (job.op == UpdateOp::kCopyRaw) {
     TORCH_CHECK_VALUE(job.moreEmas.empty(), api, ": raw copy of '", job.name,
                       "' cannot have more EMAs (copies are shared by every profile)");
     TORCH_CHECK_TYPE(job.ema.scalar_type() == job.source.scalar_type(), api, ": raw copy of '",
@@ -348,7 +350,7 @@ void UpdatePipeline::applyChunk(int64_t chunk, const char* staging) {
       const Piece& piece = pieces_[p];
       const char* src = staging != nullptr ? staging + piece.stagingOffset : piece.src;
       const PipelineJob& job = jobs_[piece.job];
-      if (job.rawCopy) {
+      if (job.op == UpdateOp::kCopyRaw) {
         if (piece.bytes > 0) std::memcpy(piece.ema, src, static_cast<size_t>(piece.bytes));
         continue;
       }
@@ -363,7 +365,7 @@ void UpdatePipeline::applyChunk(int64_t chunk, const char* staging) {
     const Piece& piece = pieces_[p];
     const PipelineJob& job = jobs_[piece.job];
     const char* staged = staging != nullptr ? staging + piece.stagingOffset : piece.src;
-    if (job.rawCopy) {
+    if (job.op == UpdateOp::kCopyRaw) {
       if (piece.bytes > 0) std::memcpy(piece.ema, staged, static_cast<size_t>(piece.bytes));
       continue;
     }

@@ -1,4 +1,4 @@
-// UpdatePipeline::copyToDestinations: host tensors (the EMA) into their
+// UpdatePipeline::copyTo: host tensors (the EMA) into their
 // destinations (the model's tensors, on any device) through the engine.
 #include <c10/util/Exception.h>
 
@@ -13,7 +13,7 @@ namespace shardema::offload {
 namespace {
 
 void checkSwapJob(const SwapJob& job) {
-  const char* api = "UpdatePipeline::copyToDestinations";
+  const char* api = "UpdatePipeline::copyTo";
   TORCH_CHECK_VALUE(job.host.defined() && job.destination.defined(), api, ": tensor '", job.name,
                     "' has an undefined host or destination tensor");
   TORCH_CHECK_VALUE(job.host.device().is_cpu() && job.host.is_contiguous(), api, ": host tensor '",
@@ -25,7 +25,7 @@ void checkSwapJob(const SwapJob& job) {
 
 }  // namespace
 
-// Outstanding copies of one copyToDestinations call. Callbacks run on the
+// Outstanding copies of one copyTo call. Callbacks run on the
 // engine's thread; engine->synchronize() is called before this goes away.
 struct UpdatePipeline::SwapState {
   std::mutex mutex;
@@ -52,7 +52,7 @@ void UpdatePipeline::SwapState::done(int slot, const std::string* name, std::exc
   slotFreed.notify_all();
 }
 
-void UpdatePipeline::copyToDestinations(const std::vector<SwapJob>& jobs) {
+void UpdatePipeline::copyTo(const std::vector<SwapJob>& jobs) {
   wait();
   for (const SwapJob& job : jobs) checkSwapJob(job);
   SwapState state;
@@ -67,7 +67,7 @@ void UpdatePipeline::copyToDestinations(const std::vector<SwapJob>& jobs) {
     throw;
   }
   engine.synchronize();
-  TORCH_CHECK(state.error.empty(), "UpdatePipeline::copyToDestinations: copying tensor '",
+  TORCH_CHECK(state.error.empty(), "UpdatePipeline::copyTo: copying tensor '",
               *state.errorName, "' to its destination failed: ", state.error);
 }
 

@@ -44,22 +44,20 @@ if not _same_torch(_C.built_with_torch, torch.__version__):
         f"or install torch {_C.built_with_torch}."
     )
 
-from ._schedules import ConstantSchedule, PowerSchedule, WarmupSchedule  # noqa: E402
 from ._shards import FlatParamLayout, LocalShard, ShardSpec, layout_spec  # noqa: E402
 from ._ema import EMA  # noqa: E402
-from ._posthoc import PostHocEMA, synthesize, read_safetensors  # noqa: E402
+from ._posthoc import PostHocEMA, synthesize, read_tensor_file  # noqa: E402
 
 DecaySchedule = _C.DecaySchedule
+LoadReport = _C.LoadReport
 
 __all__ = [
     "EMA",
     "PostHocEMA",
     "synthesize",
-    "read_safetensors",
-    "WarmupSchedule",
-    "ConstantSchedule",
-    "PowerSchedule",
+    "read_tensor_file",
     "DecaySchedule",
+    "LoadReport",
     "LocalShard",
     "ShardSpec",
     "FlatParamLayout",

@@ -8,7 +8,6 @@ import torch
 
 from . import _C
 from ._model import Plan, checked_group, module_tensors, named_tensors, plan_layout, unwrap
-from ._schedules import WarmupSchedule
 from ._shards import as_local_shard
 
 
@@ -21,11 +20,11 @@ class EMA:
 
     model_or_named_tensors: an nn.Module (DDP-wrapped or not; FSDP2
     DTensor parameters included) or (name, tensor) pairs.
-    schedule: a DecaySchedule (default WarmupSchedule()).
+    schedule: a DecaySchedule (default DecaySchedule.warmup()).
     policy: "versatil" (buffers and BatchNorm copied, frozen parameters
     copied) or "ema_pytorch" (floating tensors averaged, integer ones copied
     once).
-    placement: "pinned_host" (the EMA in host memory, updated in the
+    storage: "pinned_host" (the EMA in host memory, updated in the
     background) or "device" (beside the parameters, synchronous).
     layout: "auto" (FSDP2 for DTensor parameters; "replicated" under an
     initialised process group; one process otherwise), "replicated"
@@ -41,7 +40,7 @@ class EMA:
     """
 
     def __init__(self, model_or_named_tensors: Any, schedule: Optional["_C.DecaySchedule"] = None,
-                 policy: str = "versatil", placement: str = "pinned_host", layout: str = "auto",
+                 policy: str = "versatil", storage: str = "pinned_host", layout: str = "auto",
                  process_group: Any = None, chunk_mib: Optional[float] = None,
                  num_slots: Optional[int] = None, *,
                  copy_on_first_update: bool = True, fence_in_update: bool = False,
@@ -61,12 +60,12 @@ class EMA:
             raise TypeError("model_or_named_tensors must be an nn.Module, a dict of tensors or "
                             f"(name, tensor) pairs, got {type(model_or_named_tensors).__name__}")
         plan = plan_layout(tracked, layout, process_group)
-        self._build(plan, schedule, placement, chunk_mib, num_slots, copy_on_first_update,
+        self._build(plan, schedule, storage, chunk_mib, num_slots, copy_on_first_update,
                     fence_in_update, engine, timeout, more_schedules)
 
     @classmethod
     def from_local_shards(cls, shards: Sequence[Any], schedule: Optional["_C.DecaySchedule"] = None,
-                          placement: str = "pinned_host", process_group: Any = None,
+                          storage: str = "pinned_host", process_group: Any = None,
                           chunk_mib: Optional[float] = None, num_slots: Optional[int] = None,
                           **kwargs: Any) -> "EMA":
         """The EMA of this rank's local shards, each a shardema.LocalShard, a
@@ -82,7 +81,7 @@ class EMA:
             from ._model import _default_group
             group = _default_group()
         local = [as_local_shard(s, i) for i, s in enumerate(shards)]
-        self._build(Plan("local_shards", group, local, []), schedule, placement, chunk_mib,
+        self._build(Plan("local_shards", group, local, []), schedule, storage, chunk_mib,
                     num_slots, kwargs.pop("copy_on_first_update", True),
                     kwargs.pop("fence_in_update", False), kwargs.pop("engine", "auto"),
                     kwargs.pop("timeout", 300.0), kwargs.pop("more_schedules", ()))
@@ -90,13 +89,14 @@ class EMA:
             raise TypeError(f"from_local_shards: unexpected arguments {sorted(kwargs)}")
         return self
 
-    def _build(self, plan: Plan, schedule, placement, chunk_mib, num_slots, copy_on_first_update,
+    def _build(self, plan: Plan, schedule, storage, chunk_mib, num_slots, copy_on_first_update,
                fence_in_update, engine, timeout, more_schedules) -> None:
         if schedule is None:
-            schedule = WarmupSchedule()
+            schedule = _C.DecaySchedule.warmup()
         if not isinstance(schedule, _C.DecaySchedule):
-            raise TypeError("schedule must be a shardema schedule (WarmupSchedule, "
-                            f"ConstantSchedule, PowerSchedule), got {type(schedule).__name__}")
+            raise TypeError("schedule must be a shardema.DecaySchedule (DecaySchedule.warmup(), "
+                            ".constant(), .power_function()), got "
+                            f"{type(schedule).__name__}")
         chunk_bytes = (_C.default_chunk_bytes if chunk_mib is None
                        else int(chunk_mib * (1 << 20)) if chunk_mib > 0 else 0)
         if chunk_bytes <= 0:
@@ -104,7 +104,7 @@ class EMA:
         num_slots = _C.default_num_slots if num_slots is None else num_slots
         self._hooks: list = []
         self._engine = _C.Ema(plan.group, _seconds(timeout), plan.shards, plan.whole, schedule,
-                              list(more_schedules), bool(copy_on_first_update), placement,
+                              list(more_schedules), bool(copy_on_first_update), storage,
                               chunk_bytes, int(num_slots), bool(fence_in_update),
                               engine, plan.layout)
 
@@ -143,9 +143,9 @@ class EMA:
         return self._engine.step
 
     @property
-    def decay(self) -> float:
+    def last_decay(self) -> float:
         """The decay of the last due update (0 before any)."""
-        return self._engine.decay
+        return self._engine.last_decay
 
     @property
     def rank(self) -> int:
@@ -192,30 +192,30 @@ class EMA:
             raise TypeError(f"load_state_dict: expected a dict, got {type(state).__name__}")
         self._engine.load_state_dict(state)
 
-    def save(self, folder: str) -> None:
+    def save_checkpoint(self, folder: str) -> None:
         """Collective: this rank's file and (rank 0) the manifest in `folder`."""
-        self._engine.save(str(folder))
+        self._engine.save_checkpoint(str(folder))
 
-    def load(self, folder: str) -> None:
+    def load_checkpoint(self, folder: str) -> None:
         """Collective: every rank loads its file of a checkpoint of the same
         layout; if one rank fails, every rank raises and none changed."""
-        self._engine.load(str(folder))
+        self._engine.load_checkpoint(str(folder))
 
-    def export(self, path: str, dtype: torch.dtype = torch.float32) -> None:
+    def export_weights(self, path: str, dtype: torch.dtype = torch.float32) -> None:
         """Collective: rank 0 writes deployable safetensors of the full
         tensors (floating ones as `dtype`)."""
-        self._engine.export(str(path), dtype)
+        self._engine.export_weights(str(path), dtype)
 
     def full_state_dict(self, rank0_only: bool = True,
                         names: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:
         """Collective: the full EMA tensors as CPU tensors, on rank 0 (empty
         dict on the others) or on every rank; `names` (the same on every
-        rank): just those, else all. For small models and tests; export()
-        streams large ones."""
+        rank): just those, else all. For small models and tests;
+        export_weights() streams large ones."""
         chosen = None if names is None else [str(n) for n in names]
         return dict(self._engine.full_state_dict(rank0_only, chosen))
 
-    def local_state(self) -> Dict[str, torch.Tensor]:
+    def local_ema(self) -> Dict[str, torch.Tensor]:
         """This rank's EMA pieces (1-D clones), the elements it owns."""
         return dict(self._engine.local_ema())
 

@@ -12,7 +12,7 @@ from . import _C
 from ._model import _default_group, module_tensors, unwrap
 
 
-def read_safetensors(path: str) -> Dict[str, Any]:
+def read_tensor_file(path: str) -> Dict[str, Any]:
     """A safetensors file shardema wrote, validated (sizes, per-tensor
     checksums): {"tensors": {name: tensor}, "metadata": {key: text}}."""
     return _C.read_tensor_file(str(path))
@@ -25,7 +25,7 @@ def synthesize(folder: str, sigma_rel: float, step: Optional[int] = None,
     snapshot) from a snapshot folder (rank-0 or sharded). Writes deployable
     safetensors to `path` and returns it; without a path returns the tensors."""
     def run(out: str) -> None:
-        _C.synthesize_folder(str(folder), out, float(sigma_rel), int(step or 0), bool(normalize),
+        _C.synthesize_snapshot_folder(str(folder), out, float(sigma_rel), int(step or 0), bool(normalize),
                              dtype, int(buffer_mib) << 20)
 
     if path is not None:
@@ -34,18 +34,18 @@ def synthesize(folder: str, sigma_rel: float, step: Optional[int] = None,
     with tempfile.TemporaryDirectory(prefix="shardema-synth-") as tmp:
         out = os.path.join(tmp, "synthesized.safetensors")
         run(out)
-        return dict(read_safetensors(out)["tensors"])
+        return dict(read_tensor_file(out)["tensors"])
 
 
 def start_engine(model: torch.nn.Module, *, sigma_rels: Sequence[float], update_every: int,
                  checkpoint_every: int, folder: str, start_iter: int, default_sigma: float,
-                 step_size_correction: bool, placement: str, policy: str,
+                 step_size_correction: bool, layout: str, policy: str,
                  output_dtype: torch.dtype, group: Any, seconds: float) -> Any:
     """The C++ post-hoc engine (the PostHocCallback) over `model`'s tensors,
     started: what PostHocEMA and DDPPostHocEMACallback share."""
     engine = _C.PostHoc(
         [float(s) for s in sigma_rels], int(update_every), int(checkpoint_every), str(folder),
-        int(start_iter), float(default_sigma), bool(step_size_correction), placement, policy, "",
+        int(start_iter), float(default_sigma), bool(step_size_correction), layout, policy, "",
         "shardema_ema_final", output_dtype, group, float(seconds))
     tracked = module_tensors(model, policy)
     engine.on_fit_start([(t.name, t.tensor) for t in tracked], [t.role for t in tracked],
@@ -56,7 +56,7 @@ def start_engine(model: torch.nn.Module, *, sigma_rels: Sequence[float], update_
 class PostHocEMA:
     """Post-hoc EMA of a model: one power-function EMA per sigma_rel, updated
     in one pass, snapshotted every checkpoint_every_num_steps updates into
-    checkpoint_folder. placement "rank0" (rank 0 keeps full EMAs, as under
+    checkpoint_folder. layout "rank0" (rank 0 keeps full EMAs, as under
     DDP) or "sharded" (every rank its FSDP2-style rows).
 
     update() after optimizer.step() (returns at once) and fence() before the
@@ -66,7 +66,7 @@ class PostHocEMA:
     def __init__(self, model: torch.nn.Module, sigma_rels: Sequence[float] = (0.05, 0.1),
                  update_every: int = 1, checkpoint_every_num_steps: int = 1000,
                  checkpoint_folder: str = "./post-hoc-ema-checkpoints",
-                 placement: str = "rank0", step_size_correction: bool = False, *,
+                 layout: str = "rank0", step_size_correction: bool = False, *,
                  policy: str = "ema_pytorch", process_group: Any = None,
                  output_dtype: torch.dtype = torch.float32,
                  timeout: Union[float, timedelta] = 300.0) -> None:
@@ -80,7 +80,7 @@ class PostHocEMA:
             model, sigma_rels=sigma_rels, update_every=update_every,
             checkpoint_every=checkpoint_every_num_steps, folder=self.checkpoint_folder,
             start_iter=0, default_sigma=float(sigma_rels[0]) if sigma_rels else 0.05,
-            step_size_correction=step_size_correction, placement=placement, policy=policy,
+            step_size_correction=step_size_correction, layout=layout, policy=policy,
             output_dtype=output_dtype, group=group, seconds=seconds)
         self.sigma_rels = tuple(float(s) for s in sigma_rels)
 
@@ -90,7 +90,7 @@ class PostHocEMA:
         return self._engine.on_train_batch_end(calls + 1, 0, 1, True)
 
     def fence(self) -> None:
-        self._engine.fence()
+        self._engine.on_before_optimizer_step()
 
     def wait(self) -> None:
         self._engine.wait()
@@ -104,6 +104,6 @@ class PostHocEMA:
                    dtype: torch.dtype = torch.float32) -> Union[str, Dict[str, torch.Tensor]]:
         """The EMA of profile `sigma_rel` at `step` (default: the newest
         snapshot) from this run's snapshots; see shardema.synthesize. Reads
-        the snapshot folder (every rank's, for the sharded placement)."""
+        the snapshot folder (every rank's, for the sharded layout)."""
         self._engine.wait()
         return synthesize(self.checkpoint_folder, sigma_rel, step=step, path=path, dtype=dtype)

@@ -4,7 +4,7 @@ EMACallback: VersatIL's Lightning EMACallback (a warmup EMA updated on
 optimizer steps only, checkpoints that hold the EMA with the raw weights
 kept for resume, the validation swap). DDPPostHocEMACallback: FastVideo's
 DDPPostHocEMACallback (nitrous post-hoc EMA on rank 0 under DDP), with a
-sharded placement. Both subclass Lightning's Callback when Lightning is
+sharded layout. Both subclass Lightning's Callback when Lightning is
 importable and work with any trainer object that carries the attributes
 they read (global_step, accumulate_grad_batches, is_last_batch).
 """
@@ -13,10 +13,10 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
+from . import _C
 from ._ema import EMA
 from ._model import _default_group, is_dtensor, unwrap
 from ._posthoc import start_engine
-from ._schedules import WarmupSchedule
 
 try:  # pragma: no cover - depends on what is installed
     from lightning.pytorch import Callback as _Callback
@@ -43,7 +43,7 @@ class EMACallback(_Callback):
 
     def __init__(self, power: float = 0.75, update_after_step: int = 0, inv_gamma: float = 1.0,
                  min_value: float = 0.0, max_value: float = 0.9999,
-                 attribute: Optional[str] = None, *, placement: str = "pinned_host",
+                 attribute: Optional[str] = None, *, storage: str = "pinned_host",
                  layout: str = "auto", process_group: Any = None) -> None:
         super().__init__()
         self.power = power
@@ -54,12 +54,12 @@ class EMACallback(_Callback):
         self.attribute = attribute
         self.decay = 0.0
         self.ema: Optional[EMA] = None
-        self._placement = placement
+        self._storage = storage
         self._layout = layout
         self._process_group = process_group
         self._resume_ema_state: Optional[Dict[str, torch.Tensor]] = None
         # Validates the options now, as the seed's constructor stores them.
-        self._schedule = WarmupSchedule(inv_gamma=inv_gamma, power=power, min_value=min_value,
+        self._schedule = _C.DecaySchedule.warmup(inv_gamma=inv_gamma, power=power, min_value=min_value,
                                         max_value=max_value, update_after_step=update_after_step)
 
     def _target(self, pl_module: Any) -> torch.nn.Module:
@@ -72,7 +72,7 @@ class EMACallback(_Callback):
         # The seed deep-copies the module here; that copy is the start of the
         # average, and every optimizer step lerps with the scheduled decay.
         self.ema = EMA(self._target(pl_module), schedule=self._schedule, policy="versatil",
-                       placement=self._placement, layout=self._layout,
+                       storage=self._storage, layout=self._layout,
                        process_group=self._process_group, copy_on_first_update=False)
         if self._resume_ema_state is not None:
             # What on_save_checkpoint wrote: DTensors hold this rank's rows,
@@ -93,7 +93,7 @@ class EMACallback(_Callback):
         if self.ema is None or not _optimizer_stepped(trainer, batch_idx):
             return
         self.ema.update(int(trainer.global_step))
-        self.decay = self.ema.decay
+        self.decay = self.ema.last_decay
         if trainer.global_step % 100 == 0 and hasattr(pl_module, "log"):
             pl_module.log("ema_decay", self.decay, on_step=True, on_epoch=False)
 
@@ -160,8 +160,8 @@ class EMACallback(_Callback):
 
 class DDPPostHocEMACallback(_Callback):
     """Post-hoc EMA with FastVideo's signature and defaults: rank 0 keeps
-    one full EMA per sigma_rel (placement="rank0"), or every rank its rows
-    (placement="sharded"); snapshots every checkpoint_every optimizer steps;
+    one full EMA per sigma_rel (layout="rank0"), or every rank its rows
+    (layout="sharded"); snapshots every checkpoint_every optimizer steps;
     default_output_sigma synthesized for validation and at the end of
     training (its path in `output_path` on rank 0)."""
 
@@ -170,7 +170,7 @@ class DDPPostHocEMACallback(_Callback):
     def __init__(self, *, sigma_rels: Sequence[float] = (0.05, 0.1), update_every: int = 1,
                  checkpoint_every: int = 5000, checkpoint_folder: Optional[str] = None,
                  start_iter: int = 0, default_output_sigma: float = 0.05,
-                 step_size_correction: bool = True, placement: str = "rank0",
+                 step_size_correction: bool = True, layout: str = "rank0",
                  process_group: Any = None, output_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.sigma_rels = tuple(float(s) for s in sigma_rels)
@@ -180,7 +180,7 @@ class DDPPostHocEMACallback(_Callback):
         self.start_iter = int(start_iter)
         self.default_output_sigma = float(default_output_sigma)
         self.step_size_correction = bool(step_size_correction)
-        self.placement = placement
+        self.layout = layout
         self.output_path: Optional[str] = None
         self._process_group = process_group
         self._output_dtype = output_dtype
@@ -199,15 +199,15 @@ class DDPPostHocEMACallback(_Callback):
             unwrap(pl_module), sigma_rels=self.sigma_rels, update_every=self.update_every,
             checkpoint_every=self.checkpoint_every, folder=self._folder(trainer),
             start_iter=self.start_iter, default_sigma=self.default_output_sigma,
-            step_size_correction=self.step_size_correction, placement=self.placement,
+            step_size_correction=self.step_size_correction, layout=self.layout,
             policy="ema_pytorch", output_dtype=self._output_dtype, group=group, seconds=300.0)
         if self._queued_state is not None:
-            self._engine.load_state(self._queued_state)
+            self._engine.on_load_checkpoint(self._queued_state)
             self._queued_state = None
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self._engine is not None:
-            self._engine.fence()
+            self._engine.on_before_optimizer_step()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -223,7 +223,7 @@ class DDPPostHocEMACallback(_Callback):
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Dict[str, Any]) -> None:
         if self._engine is not None:
-            checkpoint[self.STATE_KEY] = dict(self._engine.save_state())
+            checkpoint[self.STATE_KEY] = dict(self._engine.on_save_checkpoint())
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Dict[str, Any]) -> None:
         state = checkpoint.get(self.STATE_KEY)
@@ -232,21 +232,21 @@ class DDPPostHocEMACallback(_Callback):
         if self._engine is None:
             self._queued_state = dict(state)
         else:
-            self._engine.load_state(dict(state))
+            self._engine.on_load_checkpoint(dict(state))
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self._engine is not None:
-            self._engine.validation_start()
+            self._engine.on_validation_start()
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self._engine is not None:
-            self._engine.validation_end()
+            self._engine.on_validation_end()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self._engine is not None:
-            self._engine.validation_end()
+            self._engine.on_validation_end()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._engine is not None:
-            path = self._engine.train_end()
+            path = self._engine.on_train_end()
             self.output_path = path or None

@@ -1,6 +1,8 @@
 // PythonEma in Python (shardema._C.Ema): shardema.EMA builds the local
-// shards and holds one. Every call that waits, copies or communicates
-// releases the GIL.
+// shards and holds one. A thin map: each name is the snake_case of the
+// PythonEma member it calls (tests/python/test_api_names.py checks it), and
+// lambdas only convert Python objects. Every call that waits, copies or
+// communicates releases the GIL.
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -25,9 +27,6 @@ namespace {
 
 using Release = py::call_guard<py::gil_scoped_release>;
 
-
-
-
 RankState fromPython(const py::dict& state) {
   TORCH_CHECK_VALUE(state.contains("tensors") && state.contains("metadata"),
                     "shardema.EMA.load_state_dict: expected a dict with 'tensors' and 'metadata' "
@@ -49,19 +48,26 @@ void bindEma(py::module_& m) {
   // engine's instead of numbers of its own.
   m.attr("default_chunk_bytes") = offload::kDefaultChunkBytes;
   m.attr("default_num_slots") = offload::kDefaultNumSlots;
+  py::class_<LoadReport>(m, "LoadReport", "Which names a load did not match")
+      .def_readonly("missing", &LoadReport::missing, "tracked here, absent in what was loaded")
+      .def_readonly("unexpected", &LoadReport::unexpected, "loaded, not tracked here")
+      .def("__repr__", [](const LoadReport& r) {
+        return "LoadReport(missing=" + std::string(py::str(py::cast(r.missing))) +
+               ", unexpected=" + std::string(py::str(py::cast(r.unexpected))) + ")";
+      });
   py::class_<PythonEma>(m, "Ema", "The engine under shardema.EMA (one rank's shards)")
       .def(py::init([](const py::object& group, double timeoutSeconds,
                        std::vector<LocalShard> shards,
                        const std::vector<std::pair<std::string, at::Tensor>>& wholeTensors,
                        const DecaySchedule& schedule, std::vector<DecaySchedule> moreSchedules,
-                       bool copyOnFirstUpdate, const std::string& placement,
+                       bool copyOnFirstUpdate, const std::string& storage,
                        int64_t chunkBytes, int numSlots, bool fenceInUpdate,
                        const std::string& engine, std::string layoutName) {
              AveragerOptions options;
              options.schedule = schedule;
              options.moreSchedules = std::move(moreSchedules);
              options.copyOnFirstUpdate = copyOnFirstUpdate;
-             options.placement = parseEmaPlacement(placement);
+             options.storage = parseEmaStorage(storage);
              options.offload.chunkBytes = chunkBytes;
              options.offload.numSlots = numSlots;
              options.offload.fenceInUpdate = fenceInUpdate;
@@ -76,53 +82,25 @@ void bindEma(py::module_& m) {
            }),
            py::arg("process_group"), py::arg("timeout_seconds"), py::arg("shards"),
            py::arg("whole_tensors"), py::arg("schedule"), py::arg("more_schedules"),
-           py::arg("copy_on_first_update"), py::arg("placement"), py::arg("chunk_bytes"),
+           py::arg("copy_on_first_update"), py::arg("storage"), py::arg("chunk_bytes"),
            py::arg("num_slots"), py::arg("fence_in_update"), py::arg("engine"),
            py::arg("layout"))
       .def("update", &PythonEma::update, py::arg("step") = py::none(), Release())
       .def("fence", &PythonEma::fence, Release())
       .def("wait", &PythonEma::wait, Release())
       .def_property_readonly("step", &PythonEma::step)
-      .def_property_readonly("decay", &PythonEma::decay)
+      .def_property_readonly("last_decay", &PythonEma::lastDecay)
       .def_property_readonly("rank", &PythonEma::rank)
       .def_property_readonly("world_size", &PythonEma::worldSize)
-      .def_property_readonly("layout", &PythonEma::layoutName)
+      .def_property_readonly("layout", &PythonEma::layout)
       .def_property_readonly("swapped", &PythonEma::swapped)
-      .def("names", [](const PythonEma& e) { return e.averager().averager().names(); })
-      .def(
-          "local_ema",
-          [](const PythonEma& e) {
-            py::gil_scoped_release release;
-            std::vector<std::pair<std::string, at::Tensor>> out;
-            const auto pieces = e.averager().localEmaPieces();
-            const auto& specs = e.averager().layout().specs;
-            for (size_t i = 0; i < pieces.size(); ++i) {
-              out.emplace_back(specs[i].name, pieces[i].clone());
-            }
-            return out;
-          },
-          "This rank's EMA pieces (1-D clones, layout order)")
-      .def(
-          "ema",
-          [](const PythonEma& e, const std::string& name, int profile) {
-            py::gil_scoped_release release;
-            return e.averager().averager().ema(name, profile).clone();
-          },
-          py::arg("name"), py::arg("profile") = 0, "One tensor's EMA in local shape (a clone)")
-      .def(
-          "load_full_values",
-          [](PythonEma& e, const std::vector<std::pair<std::string, at::Tensor>>& full) {
-            py::gil_scoped_release release;
-            e.loadFullValues(full);
-          },
-          py::arg("full"))
-      .def(
-          "load_local_values",
-          [](PythonEma& e, const std::vector<std::pair<std::string, at::Tensor>>& local) {
-            py::gil_scoped_release release;
-            e.loadLocalValues(local);
-          },
-          py::arg("local"))
+      .def("names", &PythonEma::names)
+      .def("local_ema", &PythonEma::localEma, Release(),
+           "This rank's EMA pieces (1-D clones, layout order)")
+      .def("ema", &PythonEma::ema, py::arg("name"), py::arg("profile") = 0, Release(),
+           "One tensor's EMA in local shape (a clone)")
+      .def("load_full_values", &PythonEma::loadFullValues, py::arg("full"), Release())
+      .def("load_local_values", &PythonEma::loadLocalValues, py::arg("local"), Release())
       .def("copy_to", &PythonEma::copyTo, Release())
       .def("swap_in", &PythonEma::swapIn, Release())
       .def("swap_out", &PythonEma::swapOut, Release())
@@ -143,20 +121,20 @@ void bindEma(py::module_& m) {
             e.loadStateDict(native);
           },
           py::arg("state"))
-      .def("save", &PythonEma::save, py::arg("folder"), Release())
-      .def("load", &PythonEma::load, py::arg("folder"), Release())
+      .def("save_checkpoint", &PythonEma::saveCheckpoint, py::arg("folder"), Release())
+      .def("load_checkpoint", &PythonEma::loadCheckpoint, py::arg("folder"), Release())
       .def(
-          "export",
+          "export_weights",
           [](PythonEma& e, const std::string& path, py::handle dtype) {
-            const c10::ScalarType type = scalarTypeOf(dtype, "export: dtype");
+            const c10::ScalarType type = scalarTypeOf(dtype, "export_weights: dtype");
             py::gil_scoped_release release;
-            e.exportTo(path, type);
+            e.exportWeights(path, type);
           },
           py::arg("path"), py::arg("dtype"))
       .def("full_state_dict", &PythonEma::fullStateDict, py::arg("rank0_only"),
            py::arg("names") = py::none(), Release())
       .def("offload_stats", [](const PythonEma& e) {
-        const auto stats = e.averager().averager().offloadStats();
+        const offload::PipelineStats stats = e.offloadStats();
         py::dict out;
         out["updates"] = stats.updates;
         out["chunks"] = stats.chunks;

@@ -1,6 +1,8 @@
 // Post-hoc EMA in Python: the PostHocCallback lifecycle (shardema.PostHocEMA
 // and callbacks.DDPPostHocEMACallback hold one), offline synthesis over a
-// snapshot folder, and reading our safetensors files back.
+// snapshot folder, and reading our safetensors files back. A thin map: each
+// name is the snake_case of the PostHocCallback member (or free function)
+// it calls.
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -40,7 +42,7 @@ void bindPostHoc(py::module_& m) {
       .def(py::init([](const std::vector<double>& sigmaRels, int64_t updateEvery,
                        int64_t checkpointEvery, std::string checkpointFolder, int64_t startIter,
                        double defaultOutputSigma, bool stepSizeCorrection,
-                       const std::string& placement, const std::string& policy,
+                       const std::string& layout, const std::string& policy,
                        std::string outputFolder, std::string outputPrefix, py::handle outputDtype,
                        const py::object& group, double timeoutSeconds) {
              PostHocCallbackOptions o;
@@ -51,7 +53,7 @@ void bindPostHoc(py::module_& m) {
              o.startIter = startIter;
              o.defaultOutputSigma = defaultOutputSigma;
              o.stepSizeCorrection = stepSizeCorrection;
-             o.placement = parsePostHocPlacement(placement);
+             o.layout = parsePostHocLayout(layout);
              o.policy = parsePolicy(policy);
              o.outputFolder = std::move(outputFolder);
              o.outputPrefix = std::move(outputPrefix);
@@ -65,7 +67,7 @@ void bindPostHoc(py::module_& m) {
            }),
            py::arg("sigma_rels"), py::arg("update_every"), py::arg("checkpoint_every"),
            py::arg("checkpoint_folder"), py::arg("start_iter"), py::arg("default_output_sigma"),
-           py::arg("step_size_correction"), py::arg("placement"), py::arg("policy"),
+           py::arg("step_size_correction"), py::arg("layout"), py::arg("policy"),
            py::arg("output_folder"), py::arg("output_prefix"), py::arg("output_dtype"),
            py::arg("process_group"), py::arg("timeout_seconds"))
       .def(
@@ -85,7 +87,7 @@ void bindPostHoc(py::module_& m) {
           },
           py::arg("tensors"), py::arg("roles"), py::arg("changes_in_forward"))
       .def(
-          "on_fit_start_shards",
+          "on_fit_start",
           [](PythonPostHoc& p, std::vector<LocalShard> shards) {
             py::gil_scoped_release release;
             p.callback->onFitStart(std::move(shards));
@@ -100,17 +102,18 @@ void bindPostHoc(py::module_& m) {
           py::arg("global_step"), py::arg("batch_idx"), py::arg("accumulate_grad_batches"),
           py::arg("is_last_batch"), Release())
       .def(
-          "fence", [](PythonPostHoc& p) { p.callback->onBeforeOptimizerStep(); }, Release())
+          "on_before_optimizer_step",
+          [](PythonPostHoc& p) { p.callback->onBeforeOptimizerStep(); }, Release())
       .def(
           "wait", [](PythonPostHoc& p) { p.callback->wait(); }, Release())
-      .def("save_state",
+      .def("on_save_checkpoint",
            [](const PythonPostHoc& p) {
              TrainingCheckpoint checkpoint;
              p.callback->onSaveCheckpoint(checkpoint);
              return checkpoint.metadata;
            })
       .def(
-          "load_state",
+          "on_load_checkpoint",
           [](PythonPostHoc& p, std::map<std::string, std::string> metadata) {
             TrainingCheckpoint checkpoint;
             checkpoint.metadata = std::move(metadata);
@@ -119,12 +122,14 @@ void bindPostHoc(py::module_& m) {
           },
           py::arg("metadata"))
       .def(
-          "validation_start", [](PythonPostHoc& p) { return p.callback->onValidationStart(); },
+          "on_validation_start",
+          [](PythonPostHoc& p) { return p.callback->onValidationStart(); },
           Release())
       .def(
-          "validation_end", [](PythonPostHoc& p) { p.callback->onValidationEnd(); }, Release())
+          "on_validation_end", [](PythonPostHoc& p) { p.callback->onValidationEnd(); },
+          Release())
       .def(
-          "train_end", [](PythonPostHoc& p) { return p.callback->onTrainEnd(); }, Release())
+          "on_train_end", [](PythonPostHoc& p) { return p.callback->onTrainEnd(); }, Release())
       .def_property_readonly("calls", [](const PythonPostHoc& p) { return p.callback->calls(); })
       .def_property_readonly("rank", [](const PythonPostHoc& p) { return p.comm->rank(); })
       .def_property_readonly("world_size",
@@ -133,11 +138,11 @@ void bindPostHoc(py::module_& m) {
                              [](const PythonPostHoc& p) { return p.callback->holdsEma(); })
       .def_property_readonly("snapshot_folder",
                              [](const PythonPostHoc& p) { return p.callback->snapshotFolder(); })
-      .def_property_readonly("swapped",
+      .def_property_readonly("ema_swapped_in",
                              [](const PythonPostHoc& p) { return p.callback->emaSwappedIn(); });
 
   m.def(
-      "synthesize_folder",
+      "synthesize_snapshot_folder",
       [](const std::string& folder, const std::string& path, double sigmaRel, int64_t step,
          bool normalize, py::handle dtype, int64_t bufferBytes) {
         SnapshotSynthesisOptions o;

@@ -1,7 +1,10 @@
-// DecaySchedule in Python: one class with three factories, as in C++.
+// DecaySchedule in Python: one class with its three factories
+// (DecaySchedule.warmup / constant / power_function), as in C++.
 #include <pybind11/operators.h>
+#include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <optional>
 #include <string>
 
 #include "bindings.h"
@@ -28,46 +31,65 @@ void bindSchedules(py::module_& m) {
       .def_static("from_json", &DecaySchedule::fromJson, py::arg("json"))
       .def(py::self == py::self)
       .def(py::self != py::self)
-      .def("__repr__", &DecaySchedule::describe);
+      .def("__repr__", &DecaySchedule::describe)
+      // The three factories of the C++ class, with its defaults.
+      .def_static(
+          "warmup",
+          [](double invGamma, double power, double minValue, double maxValue,
+             int64_t updateAfterStep, int64_t updateEvery) {
+            WarmupScheduleOptions o;
+            o.invGamma = invGamma;
+            o.power = power;
+            o.minValue = minValue;
+            o.maxValue = maxValue;
+            o.updateAfterStep = updateAfterStep;
+            o.updateEvery = updateEvery;
+            return DecaySchedule::warmup(o);
+          },
+          py::arg("inv_gamma") = WarmupScheduleOptions{}.invGamma,
+          py::arg("power") = WarmupScheduleOptions{}.power,
+          py::arg("min_value") = WarmupScheduleOptions{}.minValue,
+          py::arg("max_value") = WarmupScheduleOptions{}.maxValue,
+          py::arg("update_after_step") = WarmupScheduleOptions{}.updateAfterStep,
+          py::arg("update_every") = WarmupScheduleOptions{}.updateEvery,
+          "Warmup (\"inverse decay\") schedule, VersatIL's and ema-pytorch's: decay = "
+          "clamp(1 - (1 + e / inv_gamma) ** -power, min_value, max_value), e = step - "
+          "update_after_step - 1, and 0 while e <= 0")
+      .def_static(
+          "constant",
+          [](double decay, int64_t updateEvery) {
+            ConstantScheduleOptions o;
+            o.decay = decay;
+            o.updateEvery = updateEvery;
+            return DecaySchedule::constant(o);
+          },
+          py::arg("decay"), py::arg("update_every") = ConstantScheduleOptions{}.updateEvery,
+          "The same decay at every step")
+      .def_static(
+          "power_function",
+          [](std::optional<double> sigmaRel, std::optional<double> gamma,
+             const std::string& convention, int64_t updateEvery, bool stepSizeCorrection) {
+            TORCH_CHECK_VALUE(sigmaRel.has_value() != gamma.has_value(),
+                              "DecaySchedule.power_function: give exactly one of sigma_rel and "
+                              "gamma");
+            TORCH_CHECK_VALUE(!gamma || *gamma > 0, "DecaySchedule.power_function: gamma must "
+                              "be > 0, got ", *gamma);
+            PowerScheduleOptions o;
+            if (sigmaRel) o.sigmaRel = *sigmaRel;
+            if (gamma) o.gamma = *gamma;
+            o.convention = parseConvention(convention);
+            o.updateEvery = updateEvery;
+            o.stepSizeCorrection = stepSizeCorrection;
+            return DecaySchedule::powerFunction(o);
+          },
+          py::arg("sigma_rel") = py::none(), py::arg("gamma") = py::none(),
+          py::arg("convention") = "nitrous",
+          py::arg("update_every") = PowerScheduleOptions{}.updateEvery,
+          py::arg("step_size_correction") = PowerScheduleOptions{}.stepSizeCorrection,
+          "Karras et al.'s power-function EMA, given by exactly one of sigma_rel or gamma. "
+          "convention: \"nitrous\" (ema-pytorch; the first update copies) or \"edm2\" (the "
+          "paper's beta(n) = (1 - 1/n) ** (gamma + 1))");
 
-  m.def(
-      "warmup_schedule",
-      [](double invGamma, double power, double minValue, double maxValue, int64_t updateAfterStep,
-         int64_t updateEvery) {
-        WarmupScheduleOptions o;
-        o.invGamma = invGamma;
-        o.power = power;
-        o.minValue = minValue;
-        o.maxValue = maxValue;
-        o.updateAfterStep = updateAfterStep;
-        o.updateEvery = updateEvery;
-        return DecaySchedule::warmup(o);
-      },
-      py::arg("inv_gamma"), py::arg("power"), py::arg("min_value"), py::arg("max_value"),
-      py::arg("update_after_step"), py::arg("update_every"));
-  m.def(
-      "constant_schedule",
-      [](double decay, int64_t updateEvery) {
-        ConstantScheduleOptions o;
-        o.decay = decay;
-        o.updateEvery = updateEvery;
-        return DecaySchedule::constant(o);
-      },
-      py::arg("decay"), py::arg("update_every"));
-  m.def(
-      "power_schedule",
-      [](double sigmaRel, double gamma, const std::string& convention, int64_t updateEvery,
-         bool stepSizeCorrection) {
-        PowerScheduleOptions o;
-        o.sigmaRel = sigmaRel;
-        o.gamma = gamma;
-        o.convention = parseConvention(convention);
-        o.updateEvery = updateEvery;
-        o.stepSizeCorrection = stepSizeCorrection;
-        return DecaySchedule::powerFunction(o);
-      },
-      py::arg("sigma_rel"), py::arg("gamma"), py::arg("convention"), py::arg("update_every"),
-      py::arg("step_size_correction"));
 }
 
 }  // namespace shardema::python

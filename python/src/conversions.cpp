@@ -9,7 +9,7 @@ namespace shardema::python {
 namespace {
 
 // The value of `word` among `choices`, or a ValueError such as
-// "placement must be 'rank0' or 'sharded', got 'x'".
+// "layout must be 'rank0' or 'sharded', got 'x'".
 template <class Enum>
 Enum parseChoice(const char* parameter, const std::string& word,
                  std::initializer_list<std::pair<const char*, Enum>> choices) {
@@ -26,9 +26,9 @@ Enum parseChoice(const char* parameter, const std::string& word,
 
 }  // namespace
 
-EmaPlacement parseEmaPlacement(const std::string& word) {
-  return parseChoice<EmaPlacement>("placement", word,
-                     {{"pinned_host", EmaPlacement::kPinnedHost}, {"device", EmaPlacement::kDevice}});
+EmaStorage parseEmaStorage(const std::string& word) {
+  return parseChoice<EmaStorage>("storage", word,
+                     {{"pinned_host", EmaStorage::kPinnedHost}, {"device", EmaStorage::kDevice}});
 }
 
 offload::EngineChoice parseEngine(const std::string& word) {
@@ -38,10 +38,10 @@ offload::EngineChoice parseEngine(const std::string& word) {
                       {"cuda", offload::EngineChoice::kCuda}});
 }
 
-PostHocPlacement parsePostHocPlacement(const std::string& word) {
-  return parseChoice<PostHocPlacement>("placement", word,
-                     {{"rank0", PostHocPlacement::kRankZeroFullCopy},
-                      {"sharded", PostHocPlacement::kSharded}});
+PostHocLayout parsePostHocLayout(const std::string& word) {
+  return parseChoice<PostHocLayout>("layout", word,
+                     {{"rank0", PostHocLayout::kRankZero},
+                      {"sharded", PostHocLayout::kSharded}});
 }
 
 TrackingPolicy parsePolicy(const std::string& word) {
@@ -51,7 +51,7 @@ TrackingPolicy parsePolicy(const std::string& word) {
 }
 
 BetaConvention parseConvention(const std::string& word) {
-  return parseChoice<BetaConvention>("PowerSchedule: convention", word,
+  return parseChoice<BetaConvention>("DecaySchedule.power_function: convention", word,
                      {{"nitrous", BetaConvention::kNitrous}, {"edm2", BetaConvention::kEdm2}});
 }
 

@@ -15,9 +15,9 @@
 
 namespace shardema::python {
 
-EmaPlacement parseEmaPlacement(const std::string& word);         // pinned_host | device
+EmaStorage parseEmaStorage(const std::string& word);         // pinned_host | device
 offload::EngineChoice parseEngine(const std::string& word);      // auto | host | cuda
-PostHocPlacement parsePostHocPlacement(const std::string& word);  // rank0 | sharded
+PostHocLayout parsePostHocLayout(const std::string& word);  // rank0 | sharded
 TrackingPolicy parsePolicy(const std::string& word);             // versatil | ema_pytorch
 BetaConvention parseConvention(const std::string& word);         // nitrous | edm2
 

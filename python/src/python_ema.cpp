@@ -46,13 +46,13 @@ bool PythonEma::update(std::optional<int64_t> step) {
 }
 
 void PythonEma::writeEmaIntoModel() {
-  averager_->averager().copyEmaToSources();
+  averager_->averager().copyTo();
   if (wholeTensors_.empty()) return;
   // A replicated model: each rank averaged its rows, every rank needs all.
   shard::GatherOptions options;
   options.root = -1;
   std::map<std::string, at::Tensor> full;
-  for (auto& [name, tensor] : averager_->gatherFull(*comm_, options)) full[name] = tensor;
+  for (auto& [name, tensor] : averager_->fullStateDict(*comm_, options)) full[name] = tensor;
   at::NoGradGuard noGrad;
   for (const TrackedTensor& whole : wholeTensors_) {
     auto it = full.find(whole.name);
@@ -155,7 +155,8 @@ void PythonEma::loadStateDict(const RankState& state) {
   TORCH_CHECK_VALUE(rank == toString(this->rank()) && world == toString(worldSize()), kApi,
                     ".load_state_dict: the state is rank ", rank, " of ", world,
                     " but this is rank ", this->rank(), " of ", worldSize(),
-                    "; use save()/load() with `shardema reshard` to change world size");
+                    "; to change world size, save_checkpoint(), reshard it with `shardema export "
+                    "--world-size`, and load_checkpoint()");
   TORCH_CHECK_VALUE(fingerprint == averager_->layout().fingerprint(), kApi,
                     ".load_state_dict: the state's layout (fingerprint ", fingerprint,
                     ") is not this EMA's: ", averager_->layout().describe());
@@ -165,23 +166,35 @@ void PythonEma::loadStateDict(const RankState& state) {
   averager_->averager().loadState(file, LoadStrictness::kStrict);
 }
 
-void PythonEma::save(const std::string& folder) {
-  saveCheckpoint(*comm_, folder, *averager_);
+at::Tensor PythonEma::ema(const std::string& name, int profile) const {
+  return averager_->averager().ema(name, profile).clone();
 }
 
-void PythonEma::load(const std::string& folder) {
+std::vector<std::pair<std::string, at::Tensor>> PythonEma::localEma() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  const std::vector<at::Tensor> pieces = averager_->localEma();
+  const auto& specs = averager_->layout().specs;
+  for (size_t i = 0; i < pieces.size(); ++i) out.emplace_back(specs[i].name, pieces[i].clone());
+  return out;
+}
+
+void PythonEma::saveCheckpoint(const std::string& folder) {
+  ::shardema::saveCheckpoint(*comm_, folder, *averager_);
+}
+
+void PythonEma::loadCheckpoint(const std::string& folder) {
   // Keep what we have, so that a rank that loaded can go back when another
   // rank failed: a collective load changes all ranks or none.
   TensorFile before = averager_->averager().state();
   for (auto& entry : before.tensors) entry.second = entry.second.clone();
   std::string error;
   try {
-    loadCheckpoint(folder, *averager_);
+    ::shardema::loadCheckpoint(folder, *averager_);
   } catch (const std::exception& e) {
     error = e.what();
   }
   shard::AgreementRequest request;
-  request.api = "shardema.EMA.load";
+  request.api = "shardema.EMA.load_checkpoint";
   request.consequence = "no rank changed its EMA";
   request.localError = error;
   request.failureIsValueError = true;
@@ -193,15 +206,15 @@ void PythonEma::load(const std::string& folder) {
   }
 }
 
-void PythonEma::exportTo(const std::string& path, c10::ScalarType dtype) {
-  averager_->exportFull(*comm_, path, dtype);
+void PythonEma::exportWeights(const std::string& path, c10::ScalarType dtype) {
+  averager_->exportWeights(*comm_, path, dtype);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> PythonEma::fullStateDict(
     bool rank0Only, const std::optional<std::vector<std::string>>& names) {
   shard::GatherOptions options;
   options.root = rank0Only ? 0 : -1;
-  return averager_->gatherFull(*comm_, options, names);
+  return averager_->fullStateDict(*comm_, options, names);
 }
 
 }  // namespace shardema::python

@@ -1,10 +1,11 @@
 #pragma once
-// PythonEma: what shardema.EMA holds. A ShardedAverager over this rank's
-// local shards plus the communicator of the job, and the few things a
-// Python training loop asks of them together: update by call count, swap
-// the EMA into the model and back, resume state as plain tensors, the
-// collective save / load / export / gather. No math here: every figure
-// comes from the Averager and the shard/ collectives.
+// PythonEma: the one C++ type behind shardema.EMA (shardema._C.Ema). A
+// ShardedAverager over this rank's local shards plus the communicator of the
+// job, and what a Python training loop asks of them together: update by
+// call count, swap the EMA into the model and back, resume state as plain
+// tensors, the collective checkpoint / export / gather. Each method is bound
+// under its own name in snake_case (bind_ema.cpp, API_NAMES.md). No math
+// here: every figure comes from the Averager and the shard/ collectives.
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
@@ -16,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "shardema/offload/pipeline_stats.h"
 #include "shardema/shard/communicator.h"
 #include "shardema/sharded_averager.h"
 
@@ -45,11 +47,20 @@ class PythonEma {
   void fence() { averager_->fence(); }
   void wait() { averager_->wait(); }
   int64_t step() const { return averager_->step(); }
-  double decay() const { return averager_->averager().lastDecay(); }
+  double lastDecay() const { return averager_->averager().lastDecay(); }
   int64_t rank() const { return averager_->rank(); }
   int64_t worldSize() const { return averager_->worldSize(); }
-  const std::string& layoutName() const { return layoutName_; }
-  const ShardedAverager& averager() const { return *averager_; }
+  /// "single", "replicated", "rank0", "fsdp2" or "local_shards".
+  const std::string& layout() const { return layoutName_; }
+  /// The tracked names, in construction order.
+  std::vector<std::string> names() const { return averager_->averager().names(); }
+  /// One tensor's EMA of `profile`, in its local shape (a clone). Waits.
+  at::Tensor ema(const std::string& name, int profile) const;
+  /// This rank's EMA pieces by name (1-D clones, layout order), no
+  /// communication. Waits.
+  std::vector<std::pair<std::string, at::Tensor>> localEma() const;
+  /// What the background pipeline did so far (zeros for storage kDevice).
+  offload::PipelineStats offloadStats() const { return averager_->averager().offloadStats(); }
 
   /// The EMA into the model (local shards, and whole tensors when
   /// replicated; collective then); swapIn keeps the raw values to put back
@@ -76,16 +87,15 @@ class PythonEma {
   void loadStateDict(const RankState& state);
 
   /// Collective: the per-rank checkpoint folder (with its manifest).
-  void save(const std::string& folder);
+  void saveCheckpoint(const std::string& folder);
   /// Collective: every rank loads its file; if one fails, all fail and
   /// none changed.
-  void load(const std::string& folder);
+  void loadCheckpoint(const std::string& folder);
   /// Collective: rank 0 streams deployable safetensors to `path`.
-  void exportTo(const std::string& path, c10::ScalarType dtype);
-  /// Collective: full EMA tensors on rank 0 (rank0Only) or every rank;
-  /// an empty list on the others.
-  /// Collective: the full EMA tensors (every rank's or rank 0's); `names`:
-  /// just those (every rank the same), None: all.
+  void exportWeights(const std::string& path, c10::ScalarType dtype);
+  /// Collective: the full EMA tensors on rank 0 (rank0Only) or on every
+  /// rank, an empty list on the others; `names`: just those (every rank
+  /// the same), nullopt: all.
   std::vector<std::pair<std::string, at::Tensor>> fullStateDict(
       bool rank0Only, const std::optional<std::vector<std::string>>& names = std::nullopt);
 

@@ -20,7 +20,7 @@ namespace fs = std::filesystem;
 
 using Tensors = std::vector<std::pair<std::string, at::Tensor>>;
 
-// A consistent full-placement info: sigmaRel recomputed from gamma so that
+// A consistent full-copy info: sigmaRel recomputed from gamma so that
 // the pair agrees to the last bit.
 inline SnapshotInfo fullInfo(int64_t profileIndex, int64_t step, double sigmaRel) {
   SnapshotInfo info;

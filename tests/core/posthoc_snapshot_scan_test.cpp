@@ -1,4 +1,4 @@
-// scanSnapshotFolder: the folder layouts of both placements and every way
+// scanSnapshotFolder: the folders of both post-hoc layouts and every way
 // a folder can be inconsistent (DESIGN section 5).
 #include "shardema/core/posthoc_snapshot.h"
 

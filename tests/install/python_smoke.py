@@ -42,7 +42,7 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 5))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    ema = shardema.EMA(model, schedule=shardema.ConstantSchedule(DECAY))
+    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(DECAY))
     assert ema.layout == "replicated" and ema.world_size == world
     reference = None
     torch.manual_seed(1 + rank)
@@ -55,10 +55,10 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
         now = {n: p.detach().double().clone() for n, p in model.module.named_parameters()}
         reference = now if reference is None else \
             {n: DECAY * reference[n] + (1 - DECAY) * now[n] for n in now}
-    ema.export(os.path.join(out, "ema.safetensors"))
-    ema.save(os.path.join(out, "checkpoint"))
+    ema.export_weights(os.path.join(out, "ema.safetensors"))
+    ema.save_checkpoint(os.path.join(out, "checkpoint"))
     before = ema.full_state_dict()
-    ema.load(os.path.join(out, "checkpoint"))
+    ema.load_checkpoint(os.path.join(out, "checkpoint"))
     after = ema.full_state_dict()
     if rank == 0:
         exported = read_float32_safetensors(os.path.join(out, "ema.safetensors"))

@@ -66,14 +66,14 @@ std::vector<TrackedTensor> fourTensors() {
           {"n", at::zeros({1}, at::kLong), TrackRole::kCopy}};
 }
 
-AveragerOptions optionsFor(EmaPlacement placement, offload::WorkerPool& pool) {
+AveragerOptions optionsFor(EmaStorage storage, offload::WorkerPool& pool) {
   AveragerOptions options;
-  options.placement = placement;
+  options.storage = storage;
   options.pool = &pool;
   return options;
 }
 
-class AveragerConstructionTest : public ::testing::TestWithParam<EmaPlacement> {
+class AveragerConstructionTest : public ::testing::TestWithParam<EmaStorage> {
  protected:
   offload::WorkerPool pool_{2};
 };
@@ -142,7 +142,7 @@ TEST_P(AveragerConstructionTest, AllocationLargerThanMemoryIsAnError) {
 #endif
 
 INSTANTIATE_TEST_SUITE_P(Placements, AveragerConstructionTest,
-                         ::testing::Values(EmaPlacement::kPinnedHost, EmaPlacement::kDevice));
+                         ::testing::Values(EmaStorage::kPinnedHost, EmaStorage::kDevice));
 
 TEST(ShardedAveragerConstructionTest, FailurePartWayUnwindsCleanly) {
   offload::WorkerPool pool(2);

@@ -64,7 +64,7 @@ offload::UpdatePipelineOptions pipelineOptions(offload::WorkerPool& pool,
 
 std::vector<offload::PipelineJob> lerpJob(const at::Tensor& ema, const at::Tensor& source,
                                           const std::string& name) {
-  return {offload::PipelineJob{ema, source, UpdateOp::kLerp, false, name, {}}};
+  return {offload::PipelineJob{ema, source, UpdateOp::kLerp, name, {}}};
 }
 
 // The refusal of a write to "enc.w" (640 floats in chunks of 256 bytes)
@@ -230,7 +230,7 @@ TEST(AveragerMisuseTest, EveryCallOnAMovedFromAveragerSaysSo) {
       {"emaTensors", [&] { averager.save(dir.file("moved.safetensors")); }},
       {"loadState", [&] { averager.load(dir.file("state.safetensors")); }},
       {"restoreProgress", [&] { averager.restoreProgress(1, true); }},
-      {"copyEmaToSources", [&] { averager.copyEmaToSources(); }},
+      {"copyTo", [&] { averager.copyTo(); }},
   };
   for (const auto& [api, call] : calls) {
     const std::string message = errorOf(call);

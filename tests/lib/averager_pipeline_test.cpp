@@ -1,4 +1,4 @@
-// Averager placements: kPinnedHost (asynchronous pipeline) against kDevice
+// Averager storages: kPinnedHost (asynchronous pipeline) against kDevice
 // (synchronous ATen) on CPU tensors, bit for bit; a failure on a worker
 // marks the Averager failed until a saved state is loaded. Runs under TSan.
 #include <ATen/ops/empty.h>
@@ -98,10 +98,10 @@ TEST(AveragerPipelineTest, PinnedHostEqualsDeviceBitForBitWithDeferredFence) {
   hostOptions.offload.numSlots = 3;
   hostOptions.offload.engine = offload::EngineChoice::kHost;
   AveragerOptions deviceOptions;
-  deviceOptions.placement = EmaPlacement::kDevice;
+  deviceOptions.storage = EmaStorage::kDevice;
   Averager host(hostSources, hostOptions);
   Averager device(deviceSources, deviceOptions);
-  EXPECT_EQ(host.placement(), EmaPlacement::kPinnedHost);
+  EXPECT_EQ(host.storage(), EmaStorage::kPinnedHost);
   for (int64_t step = 1; step <= kSteps; ++step) {
     setSources(hostSources, step);
     setSources(deviceSources, step);
@@ -164,7 +164,7 @@ TEST(AveragerPipelineTest, AWorkerFailureMarksTheAveragerFailedUntilAStateIsLoad
   expectFailed([&] { averager.emaTensors(); }, "emaTensors");
   expectFailed([&] { averager.state(); }, "state");
   expectFailed([&] { averager.update(4); }, "update");
-  expectFailed([&] { averager.copyEmaToSources(); }, "copyEmaToSources");
+  expectFailed([&] { averager.copyTo(); }, "copyTo");
   averager.fence();  // nothing in flight: fine
   averager.load(dir.file("good.safetensors"));
   EXPECT_FALSE(averager.failed());

@@ -172,7 +172,7 @@ TEST(AveragerTest, CopyEmaToSourcesConvertsToTheSourceDtype) {
   source.fill_(3.0);
   averager.update(2);  // decay(2) = 1 - 2^-0.75
   const float expected = static_cast<float>(1.0 + std::pow(2.0, -0.75) * 2.0);
-  averager.copyEmaToSources();
+  averager.copyTo();
   EXPECT_EQ(source.scalar_type(), at::kBFloat16);
   EXPECT_FLOAT_EQ(source[0].item<float>(), static_cast<float>(c10::BFloat16(expected)));
 }
@@ -308,21 +308,21 @@ TEST(AveragerTest, UnknownNameIsAnIndexError) {
   EXPECT_THROW(averager.ema("nope"), c10::IndexError);
 }
 
-// Both placements follow the float64 reference; kDevice keeps the EMA on
+// Both storages follow the float64 reference; kDevice keeps the EMA on
 // the source's device (the CPU here) and needs no fence.
 TEST(AveragerTest, BothPlacementsFollowTheFloat64Reference) {
-  for (EmaPlacement placement : {EmaPlacement::kPinnedHost, EmaPlacement::kDevice}) {
+  for (EmaStorage storage : {EmaStorage::kPinnedHost, EmaStorage::kDevice}) {
     at::Tensor source = at::zeros({70}, at::kBFloat16);
     AveragerOptions options;
-    options.placement = placement;
+    options.storage = storage;
     options.offload.chunkBytes = 64;
     Averager averager({{"w", source, TrackRole::kAverage}}, options);
-    EXPECT_EQ(averager.placement(), placement);
+    EXPECT_EQ(averager.storage(), storage);
     const std::vector<double> reference = updateAgainstWarmupReference(averager, source, 8);
     const std::vector<double> got = toDoubles(averager.ema("w"));
     for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], reference[i], 2e-6) << i;
     EXPECT_EQ(averager.offloadStats().stagingBytes,
-              placement == EmaPlacement::kDevice ? 0 : options.offload.numSlots * 64);
+              storage == EmaStorage::kDevice ? 0 : options.offload.numSlots * 64);
   }
 }
 

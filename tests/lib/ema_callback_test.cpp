@@ -233,7 +233,7 @@ TEST(EmaCallbackTest, HooksBeforeFitStartAndBadArguments) {
 
 // The asynchronous default with the fence deferred to onBeforeOptimizerStep
 // (called before the forward: BatchNorm's running statistics change there)
-// gives the same EMA, bit for bit, as the synchronous on-device placement.
+// gives the same EMA, bit for bit, as the synchronous on-device storage.
 TEST(EmaCallbackTest, DeferredFencePinnedHostEqualsDevicePlacement) {
   auto train = [](EmaCallbackOptions options) {
     torch::manual_seed(11);
@@ -262,7 +262,7 @@ TEST(EmaCallbackTest, DeferredFencePinnedHostEqualsDevicePlacement) {
   ASSERT_FALSE(pinned.offload.fenceInUpdate) << "the asynchronous update is the default";
   pinned.offload.chunkBytes = 64;  // many chunks even for this small net
   EmaCallbackOptions device;
-  device.placement = EmaPlacement::kDevice;
+  device.storage = EmaStorage::kDevice;
   const NamedTensors a = train(pinned);
   const NamedTensors b = train(device);
   ASSERT_EQ(a.size(), b.size());

@@ -330,7 +330,7 @@ TEST(PostHocCallbackTest, RejectsOutputDtypesOtherThanFloat32Bfloat16Float16) {
 TEST(PostHocCallbackTest, ShardedWorldWithoutACommunicatorIsRefused) {
   TempDir dir;
   PostHocCallbackOptions options = smallOptions(dir.path(), 2);
-  options.placement = PostHocPlacement::kSharded;
+  options.layout = PostHocLayout::kSharded;
   EXPECT_THROW(
       {
         PostHocRun run(11, options, PostHocRanks{0, 2, nullptr});

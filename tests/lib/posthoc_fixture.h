@@ -225,7 +225,7 @@ inline std::set<std::string> snapshotNames(const std::vector<int64_t>& steps) {
 }
 
 /// The raw post-hoc synthesis (spec section 3) of `sigmaRel` at `step` from
-/// the full-placement snapshots of `folder` for the given profiles and
+/// the full-copy snapshots of `folder` for the given profiles and
 /// steps: weights from solveSynthesisWeights over (step, gamma of
 /// sigmaRels[i]), tensors read with readTensorFile and summed in float64.
 /// Integer tensors come from the newest snapshot.

@@ -122,9 +122,9 @@ TEST(PostHocProfileGoldenTest, ProfilesMatchTheReferenceRuns) {
 }
 
 AveragerOptions profileOptions(const std::vector<double>& sigmaRels, const RunSettings& settings,
-                               EmaPlacement placement) {
+                               EmaStorage storage) {
   AveragerOptions options;
-  options.placement = placement;
+  options.storage = storage;
   for (size_t p = 0; p < sigmaRels.size(); ++p) {
     PowerScheduleOptions power;
     power.sigmaRel = sigmaRels[p];
@@ -146,7 +146,7 @@ bool sameBytes(const at::Tensor& a, const at::Tensor& b) {
 
 // Three profiles of bf16 and fp32 weights plus a copied buffer, in one
 // Averager (one staged pass per update), against one Averager per profile:
-// bit for bit, on both placements, and from a resume halfway.
+// bit for bit, on both storages, and from a resume halfway.
 TEST(PostHocProfileGoldenTest, OnePassProfilesEqualOneAveragerPerProfile) {
   const std::vector<double> sigmas = {0.05, 0.1, 0.2};
   for (const auto& [name, settings] : runSettings()) {
@@ -158,14 +158,14 @@ TEST(PostHocProfileGoldenTest, OnePassProfilesEqualOneAveragerPerProfile) {
                                         {"h", h, TrackRole::kAverage},
                                         {"count", count, TrackRole::kCopy}};
     };
-    AveragerOptions small = profileOptions(sigmas, settings, EmaPlacement::kPinnedHost);
+    AveragerOptions small = profileOptions(sigmas, settings, EmaStorage::kPinnedHost);
     small.offload.chunkBytes = 256;  // many chunks, pieces cut inside tensors
     Averager host(tracked(), small);
-    Averager device(tracked(), profileOptions(sigmas, settings, EmaPlacement::kDevice));
+    Averager device(tracked(), profileOptions(sigmas, settings, EmaStorage::kDevice));
     std::vector<std::unique_ptr<Averager>> singles;
     for (double sigma : sigmas) {
       singles.push_back(std::make_unique<Averager>(
-          tracked(), profileOptions({sigma}, settings, EmaPlacement::kPinnedHost)));
+          tracked(), profileOptions({sigma}, settings, EmaStorage::kPinnedHost)));
     }
     std::unique_ptr<Averager> resumed;
     for (int64_t k = 1; k <= 60; ++k) {
@@ -210,13 +210,13 @@ TEST(PostHocProfileGoldenTest, OnePassProfilesEqualOneAveragerPerProfile) {
 
 TEST(PostHocProfileGoldenTest, ProfileMisuseIsRefused) {
   at::Tensor w = at::rand({4});
-  AveragerOptions options = profileOptions({0.05, 0.1}, {1, true}, EmaPlacement::kPinnedHost);
+  AveragerOptions options = profileOptions({0.05, 0.1}, {1, true}, EmaStorage::kPinnedHost);
   Averager averager({{"w", w, TrackRole::kAverage}}, options);
   EXPECT_THROW(averager.ema("w", 2), c10::IndexError);
   EXPECT_THROW(averager.emaTensors(-1), c10::IndexError);
   EXPECT_THROW(averager.state(), c10::Error);
   EXPECT_THROW(averager.restoreProgress(-1, true), c10::ValueError);
-  AveragerOptions mismatched = profileOptions({0.05, 0.1}, {1, true}, EmaPlacement::kPinnedHost);
+  AveragerOptions mismatched = profileOptions({0.05, 0.1}, {1, true}, EmaStorage::kPinnedHost);
   PowerScheduleOptions every2;
   every2.updateEvery = 2;
   mismatched.moreSchedules = {DecaySchedule::powerFunction(every2)};

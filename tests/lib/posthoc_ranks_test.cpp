@@ -1,6 +1,6 @@
 // PostHocCallback with two ranks (threads over Gloo): every rank holds the
 // same replicated module and trains it on the same data, as under DDP. The
-// rank-0 full copy and the sharded placement must give the same deployable
+// rank-0 full copy and the sharded layout must give the same deployable
 // weights and validation swap (within fp32 rounding), each with its own
 // file layout, and the offline merge of a sharded folder must agree with
 // the callback's gathered file.
@@ -38,14 +38,14 @@ struct RankResult {
 
 // 10 steps (snapshots at 4 and 8), a validation swap (newest snapshot: 8),
 // then the end of training (final snapshot at 10, synthesis at 10).
-std::vector<RankResult> runTwoRanks(PostHocPlacement placement, const std::string& folder,
+std::vector<RankResult> runTwoRanks(PostHocLayout layout, const std::string& folder,
                                     const std::string& output,
-                                    EmaPlacement ema = EmaPlacement::kPinnedHost) {
+                                    EmaStorage ema = EmaStorage::kPinnedHost) {
   std::vector<RankResult> results(kWorld);
   testing::runThreadRanks(kWorld, [&](shard::Communicator& comm) {
     PostHocCallbackOptions options = posthoc_test::smallOptions(folder, 4, output);
-    options.placement = placement;
-    options.emaPlacement = ema;
+    options.layout = layout;
+    options.storage = ema;
     PostHocRun run(kSeed, options, PostHocRanks{comm.rank(), kWorld, &comm});
     run.fit(2, 5);
     RankResult& result = results[comm.rank()];
@@ -90,12 +90,12 @@ TEST(PostHocRanksTest, RankZeroFullCopyKeepsTopLevelSnapshotsOfRankZero) {
   TempDir folder;
   TempDir output;
   const auto results =
-      runTwoRanks(PostHocPlacement::kRankZeroFullCopy, folder.path(), output.path());
+      runTwoRanks(PostHocLayout::kRankZero, folder.path(), output.path());
   expectCommonLifecycle(results, output.path());
   EXPECT_TRUE(results[0].holdsEma);
   EXPECT_FALSE(results[1].holdsEma);
   EXPECT_EQ(results[0].snapshotFolder, folder.path());
-  // Full-placement files only: no rank_ folders, no shard metadata.
+  // Full-copy files only: no rank_ folders, no shard metadata.
   EXPECT_EQ(posthoc_test::filesIn(folder.path()), posthoc_test::snapshotNames({4, 8, 10}));
   for (const auto& name : posthoc_test::filesIn(folder.path())) {
     EXPECT_FALSE(readSnapshotInfo(folder.file(name)).sharded()) << name;
@@ -115,7 +115,7 @@ TEST(PostHocRanksTest, RankZeroFullCopyKeepsTopLevelSnapshotsOfRankZero) {
 TEST(PostHocRanksTest, ShardedPlacementWritesOneFolderPerRank) {
   TempDir folder;
   TempDir output;
-  const auto results = runTwoRanks(PostHocPlacement::kSharded, folder.path(), output.path());
+  const auto results = runTwoRanks(PostHocLayout::kSharded, folder.path(), output.path());
   expectCommonLifecycle(results, output.path());
   EXPECT_EQ(posthoc_test::filesIn(folder.path()),
             (std::set<std::string>{"rank_00000", "rank_00001"}));
@@ -139,12 +139,12 @@ TEST(PostHocRanksTest, ShardedPlacementWritesOneFolderPerRank) {
   EXPECT_EQ(scan.worldSize, kWorld);
 }
 
-// The two-rank run of each post-hoc placement on the given EMA placement,
+// The two-rank run of each post-hoc layout on the given EMA storage,
 // each with its own snapshot and output folders.
 struct BothPlacements {
-  explicit BothPlacements(EmaPlacement ema)
-      : full(runTwoRanks(PostHocPlacement::kRankZeroFullCopy, folderA.path(), outputA.path(), ema)),
-        sharded(runTwoRanks(PostHocPlacement::kSharded, folderB.path(), outputB.path(), ema)) {}
+  explicit BothPlacements(EmaStorage ema)
+      : full(runTwoRanks(PostHocLayout::kRankZero, folderA.path(), outputA.path(), ema)),
+        sharded(runTwoRanks(PostHocLayout::kSharded, folderB.path(), outputB.path(), ema)) {}
   TempDir folderA;
   TempDir outputA;
   TempDir folderB;
@@ -153,9 +153,9 @@ struct BothPlacements {
   std::vector<RankResult> sharded;
 };
 
-// Both placements on the given EMA placement, then the offline merge of the
+// Both post-hoc layouts on the given EMA storage, then the offline merge of the
 // sharded folder.
-void expectTheSameDeployableWeights(EmaPlacement ema) {
+void expectTheSameDeployableWeights(EmaStorage ema) {
   const BothPlacements runs(ema);
   const auto& full = runs.full;
   const auto& sharded = runs.sharded;
@@ -178,16 +178,16 @@ void expectTheSameDeployableWeights(EmaPlacement ema) {
 }
 
 TEST(PostHocRanksTest, BothPlacementsAndTheOfflineMergeGiveTheSameWeights) {
-  expectTheSameDeployableWeights(EmaPlacement::kPinnedHost);
+  expectTheSameDeployableWeights(EmaStorage::kPinnedHost);
 }
 
 TEST(PostHocRanksTest, BothPlacementsGiveTheSameWeightsOnTheDevicePlacement) {
-  expectTheSameDeployableWeights(EmaPlacement::kDevice);
+  expectTheSameDeployableWeights(EmaStorage::kDevice);
 }
 
-// Both placements on the given EMA placement: the values each rank's module
+// Both post-hoc layouts on the given EMA storage: the values each rank's module
 // held during the validation swap.
-void expectTheSameSwapInEveryRank(EmaPlacement ema) {
+void expectTheSameSwapInEveryRank(EmaStorage ema) {
   const BothPlacements runs(ema);
   const auto& full = runs.full;
   const auto& sharded = runs.sharded;
@@ -230,11 +230,11 @@ void expectTheSameSwapInEveryRank(EmaPlacement ema) {
 }
 
 TEST(PostHocRanksTest, ValidationSwapPutsTheSameEmaIntoEveryRank) {
-  expectTheSameSwapInEveryRank(EmaPlacement::kPinnedHost);
+  expectTheSameSwapInEveryRank(EmaStorage::kPinnedHost);
 }
 
 TEST(PostHocRanksTest, ValidationSwapPutsTheSameEmaIntoEveryRankOnTheDevicePlacement) {
-  expectTheSameSwapInEveryRank(EmaPlacement::kDevice);
+  expectTheSameSwapInEveryRank(EmaStorage::kDevice);
 }
 
 }  // namespace

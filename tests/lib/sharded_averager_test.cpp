@@ -98,13 +98,13 @@ void sweep(const AveragerOptions& options) {
   }
 }
 
-// The default placement: the asynchronous pinned-host pipeline.
+// The default storage: the asynchronous pinned-host pipeline.
 TEST(ShardedAveragerTest, UnionOfRankEmasEqualsFullEmaBitForBit) {
-  sweep(testing::smallChunkOptions(EmaPlacement::kPinnedHost));
+  sweep(testing::smallChunkOptions(EmaStorage::kPinnedHost));
 }
 
 TEST(ShardedAveragerTest, UnionOfRankEmasEqualsFullEmaBitForBitOnTheDevicePlacement) {
-  sweep(testing::smallChunkOptions(EmaPlacement::kDevice));
+  sweep(testing::smallChunkOptions(EmaStorage::kDevice));
 }
 
 TEST(ShardedAveragerTest, Fsdp2ShardsAreRowViewsOfTheFullTensor) {
@@ -137,7 +137,7 @@ TEST(ShardedAveragerTest, Fsdp2ShardsAreRowViewsOfTheFullTensor) {
 
 TEST(ShardedAveragerTest, AttachValidatesEveryShardNamingTheTensor) {
   AveragerOptions device;
-  device.placement = EmaPlacement::kDevice;
+  device.storage = EmaStorage::kDevice;
   const at::Tensor rows = at::zeros({2, 3});
   const shard::ShardSpec spec = shard::fsdp2Spec("layer.w", {5, 3}, at::kFloat, 3);
   // Rank 1 owns rows 2-3 (6 elements): a 2x3 local is right, others are not.

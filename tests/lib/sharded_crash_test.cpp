@@ -58,7 +58,7 @@ void setSources(const std::vector<TrackedTensor>& tracked, int64_t step) {
 AveragerOptions copyingOptions() {
   AveragerOptions options;
   options.schedule = DecaySchedule::constant({0.0});
-  options.placement = EmaPlacement::kDevice;
+  options.storage = EmaStorage::kDevice;
   return options;
 }
 

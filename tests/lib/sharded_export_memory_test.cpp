@@ -58,7 +58,7 @@ TEST(ShardedExportMemoryTest, OfflineExportPeakRssStaysBounded) {
       shards.push_back({at::full({n}, static_cast<float>(i + 1 + r), at::kFloat), spec});
     }
     AveragerOptions options;
-    options.placement = EmaPlacement::kDevice;  // CPU tensors: EMA on the host, no pipeline
+    options.storage = EmaStorage::kDevice;  // CPU tensors: EMA on the host, no pipeline
     ShardedAverager averager(r, kWorld, std::move(shards), options);
     averager.update(1);
     if (r == 0) manifest = manifestFor(averager);

@@ -81,9 +81,9 @@ inline std::vector<TrackedTensor> trackedModel(const std::vector<ModelTensor>& m
 /// boundaries that differ between the full and the per-rank runs; or
 /// kDevice (CPU sources: a synchronous host EMA), which the checkpoint tests
 /// use so they test files, not the pipeline.
-inline AveragerOptions smallChunkOptions(EmaPlacement placement = EmaPlacement::kDevice) {
+inline AveragerOptions smallChunkOptions(EmaStorage storage = EmaStorage::kDevice) {
   AveragerOptions options;
-  options.placement = placement;
+  options.storage = storage;
   options.offload.chunkBytes = 64;
   return options;
 }
@@ -112,7 +112,7 @@ inline std::vector<RankModel> makeRanks(const std::vector<ModelTensor>& model,
 /// what a gather would produce (1-D per tensor).
 inline std::vector<at::Tensor> unionOfRanks(const std::vector<const ShardedAverager*>& ranks) {
   std::vector<std::vector<at::Tensor>> pieces;
-  for (const ShardedAverager* rank : ranks) pieces.push_back(rank->localEmaPieces());
+  for (const ShardedAverager* rank : ranks) pieces.push_back(rank->localEma());
   std::vector<at::Tensor> full;
   for (size_t i = 0; i < pieces.front().size(); ++i) {
     std::vector<at::Tensor> parts;

@@ -1,6 +1,6 @@
 // The collective paths over real Gloo (ranks as threads): the online save
 // writes the same checkpoint the file-level API does, and the streaming
-// exportFull writes the same bytes as the offline export of that checkpoint.
+// exportWeights writes the same bytes as the offline export of that checkpoint.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -52,8 +52,8 @@ TEST(ShardedOnlineTest, OnlineSaveAndStreamingExportMatchTheOfflineTools) {
     saveCheckpoint(comm, dir.file("ckpt"), *averager);
     shard::GatherOptions small;
     small.bufferBytes = 40;
-    averager->exportFull(comm, dir.file("online.safetensors"), at::kBFloat16, small);
-    auto full = averager->gatherFull(comm, small);
+    averager->exportWeights(comm, dir.file("online.safetensors"), at::kBFloat16, small);
+    auto full = averager->fullStateDict(comm, small);
     std::lock_guard<std::mutex> lock(mutex);
     if (comm.rank() == 0) gathered = std::move(full);
   });
@@ -180,7 +180,7 @@ TEST(ShardedOnlineTest, ARootThatCannotWriteTheExportFailsEveryRank) {
     std::vector<at::Tensor> tensors;
     const auto averager = trainedRank(model, comm.rank(), tensors);
     try {
-      averager->exportFull(comm, dir.file("taken"));
+      averager->exportWeights(comm, dir.file("taken"));
     } catch (const c10::Error& error) {
       std::lock_guard<std::mutex> lock(mutex);
       errors[comm.rank()] = error.what_without_backtrace();

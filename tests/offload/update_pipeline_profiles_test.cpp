@@ -107,7 +107,7 @@ TEST(UpdatePipelineProfilesTest, OnePassEqualsEachProfileAlone) {
         PipelineJob raw;
         raw.ema = p.raw;
         raw.source = p.rawSource;
-        raw.rawCopy = true;
+        raw.op = UpdateOp::kCopyRaw;
         raw.name = "raw" + std::to_string(t);
         jobs.push_back(raw);
       }

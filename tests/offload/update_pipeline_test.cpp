@@ -156,7 +156,7 @@ void orderingSweep(Path path, uint32_t seed) {
       for (Tracked& t : tensors) {
         fillSource(t, rng);
         applyReference(t, op, weight);
-        jobs.push_back(PipelineJob{t.ema, t.source, op, t.raw, t.name, {}});
+        jobs.push_back(PipelineJob{t.ema, t.source, t.raw ? UpdateOp::kCopyRaw : op, t.name, {}});
       }
       pipeline.submit(std::move(jobs), {weight}, step);
       pipeline.fence();
@@ -202,7 +202,7 @@ TEST(UpdatePipelineTest,
 }
 
 // Direct and staged chunks of one update share the workers and the state
-// machine, as a device placement with some host sources would.
+// machine, as a job with device sources with some host sources would.
 TEST(UpdatePipelineTest, MixedPathsMatchSynchronousReferenceBitForBit) {
   orderingSweep(Path::kMixed, 20261204);
 }
@@ -219,7 +219,7 @@ TEST(UpdatePipelineTest, StagedFenceReturnsBeforeTheMathIsDone) {
   std::promise<void> release;
   std::shared_future<void> released = release.get_future().share();
   pool.post([released] { released.wait(); });  // the worker is busy elsewhere
-  pipeline.submit({PipelineJob{ema, source, UpdateOp::kLerp, false, "w", {}}}, {0.5f}, 1);
+  pipeline.submit({PipelineJob{ema, source, UpdateOp::kLerp, "w", {}}}, {0.5f}, 1);
   pipeline.fence();
   EXPECT_TRUE(pipeline.busy()) << "fence waited for the math";
   EXPECT_EQ(ema[0].item<float>(), 0.0f);
@@ -243,7 +243,7 @@ TEST(UpdatePipelineTest, DirectFenceReturnsOnceTheMathHasReadTheSources) {
   std::promise<void> release;
   std::shared_future<void> released = release.get_future().share();
   pool.post([released] { released.wait(); });  // the worker is busy elsewhere
-  pipeline.submit({PipelineJob{ema, source, UpdateOp::kLerp, false, "w", {}}}, {0.5f}, 1);
+  pipeline.submit({PipelineJob{ema, source, UpdateOp::kLerp, "w", {}}}, {0.5f}, 1);
   std::future<void> fenced = std::async(std::launch::async, [&] { pipeline.fence(); });
   EXPECT_EQ(fenced.wait_for(std::chrono::milliseconds(50)), std::future_status::timeout)
       << "fence returned before the direct chunks were read";
@@ -278,8 +278,8 @@ TEST_P(UpdatePipelinePathTest, InjectedFaultIsRethrownFromWaitWithNameAndStep) {
   at::Tensor emaA = at::zeros({16});
   at::Tensor emaB = at::zeros({40});
   auto jobs = [&] {
-    return std::vector<PipelineJob>{{emaA, a, UpdateOp::kCopy, false, "layer.a", {}},
-                                    {emaB, b, UpdateOp::kCopy, false, "layer.b", {}}};
+    return std::vector<PipelineJob>{{emaA, a, UpdateOp::kCopy, "layer.a", {}},
+                                    {emaB, b, UpdateOp::kCopy, "layer.b", {}}};
   };
   pipeline.submit(jobs(), {1.0f}, 1);
   pipeline.submit(jobs(), {1.0f}, 2);
@@ -311,7 +311,7 @@ TEST(UpdatePipelineTest, EngineCopyErrorIsRethrownWithTheTensorName) {
   UpdatePipeline pipeline(optionsFor(Path::kStaged, pool, engine, 64));
   at::Tensor a = at::ones({40});
   at::Tensor ema = at::zeros({40});
-  pipeline.submit({PipelineJob{ema, a, UpdateOp::kCopy, false, "enc.w", {}}}, {1.0f}, 7);
+  pipeline.submit({PipelineJob{ema, a, UpdateOp::kCopy, "enc.w", {}}}, {1.0f}, 7);
   try {
     pipeline.wait();
     FAIL() << "expected the copy error";
@@ -348,7 +348,7 @@ TEST(UpdatePipelineTest, CopyToDestinationsConvertsThroughStaging) {
   at::Tensor host = at::rand({4, 3});
   jobs.push_back({host, wide.narrow(1, 0, 3), "strided"});
   expected.push_back(host);
-  pipeline.copyToDestinations(jobs);
+  pipeline.copyTo(jobs);
   for (size_t k = 0; k < jobs.size(); ++k) {
     EXPECT_TRUE(at::equal(jobs[k].destination, expected[k])) << jobs[k].name;
   }
@@ -376,16 +376,16 @@ TEST(UpdatePipelineTest, RejectsBadOptionsAndJobs) {
   o.chunkBytes = 1024;
   UpdatePipeline pipeline(o);
   at::Tensor ema = at::zeros({4});
-  EXPECT_THROW(pipeline.submit({{ema, at::zeros({5}), UpdateOp::kLerp, false, "n", {}}}, {0.5f}, 1),
+  EXPECT_THROW(pipeline.submit({{ema, at::zeros({5}), UpdateOp::kLerp, "n", {}}}, {0.5f}, 1),
                c10::ValueError);
   EXPECT_THROW(
-      pipeline.submit({{ema, at::zeros({4}, at::kDouble), UpdateOp::kLerp, false, "d", {}}}, {0.5f},
+      pipeline.submit({{ema, at::zeros({4}, at::kDouble), UpdateOp::kLerp, "d", {}}}, {0.5f},
                       1),
       c10::TypeError);
   EXPECT_THROW(
-      pipeline.submit({{ema, at::zeros({2, 2}).t(), UpdateOp::kLerp, false, "s", {}}}, {0.5f}, 1),
+      pipeline.submit({{ema, at::zeros({2, 2}).t(), UpdateOp::kLerp, "s", {}}}, {0.5f}, 1),
       c10::ValueError);
-  EXPECT_THROW(pipeline.submit({{ema, at::zeros({4}), UpdateOp::kLerp, false, "w", {}}}, {1.5f}, 1),
+  EXPECT_THROW(pipeline.submit({{ema, at::zeros({4}), UpdateOp::kLerp, "w", {}}}, {1.5f}, 1),
                c10::ValueError);
   EXPECT_FALSE(pipeline.busy());
 }
@@ -403,7 +403,7 @@ TEST_P(UpdatePipelinePathTest, StagingIsAllocatedOnceAndBoundedByTheOptions) {
   at::Tensor source = at::ones({100000});  // 400 KB: ~100 chunks
   at::Tensor ema = at::zeros({100000});
   for (int64_t step = 1; step <= 3; ++step) {
-    pipeline.submit({PipelineJob{ema, source, UpdateOp::kLerp, false, "w", {}}}, {0.5f}, step);
+    pipeline.submit({PipelineJob{ema, source, UpdateOp::kLerp, "w", {}}}, {0.5f}, step);
     pipeline.wait();
   }
   EXPECT_EQ(arena.usage().peakBytes, 3 * 4096);

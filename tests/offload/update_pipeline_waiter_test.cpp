@@ -45,7 +45,7 @@ struct Fixture {
   at::Tensor ema = at::zeros({kElements});
 
   std::vector<PipelineJob> jobs() const {
-    return {PipelineJob{ema, source, UpdateOp::kLerp, false, "enc.w", {}}};
+    return {PipelineJob{ema, source, UpdateOp::kLerp, "enc.w", {}}};
   }
   // Submits update `step` while the worker is held, so that it can start
   // only the chunk submit() gave it, and runs `waitCall` (fence or wait).

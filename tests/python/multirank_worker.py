@@ -28,7 +28,7 @@ def train_step(model, step):
 
 
 def schedule():
-    return shardema.WarmupSchedule(power=0.75)
+    return shardema.DecaySchedule.warmup(power=0.75)
 
 
 def local_rows(tensor, rank, world):
@@ -73,7 +73,7 @@ def train_rows(ema, model, locals_, rank, world, out):
         copy_rows(model, locals_, rank, world)
         ema.update()
     ema.wait()
-    torch.save({"local": ema.local_state(), "full": ema.full_state_dict()},
+    torch.save({"local": ema.local_ema(), "full": ema.full_state_dict()},
                os.path.join(out, f"rank{rank}.pt"))
 
 
@@ -132,7 +132,7 @@ def dtensor_checkpoint(model, rank, world):
         callback.on_train_batch_end(trainer, sharded, None, None, 0)
     ema = callback.ema
     ema.wait()
-    expected = ema.local_state()
+    expected = ema.local_ema()
     buffers = [n for n, _ in sharded.named_buffers()]
     full_buffers = ema.full_state_dict(rank0_only=False, names=buffers)
     gathered = []
@@ -160,7 +160,7 @@ def dtensor_checkpoint(model, rank, world):
     callback2.on_fit_start(trainer, resumed)
     for name, param in resumed.named_parameters():
         assert torch.equal(param.to_local(), raw[name].to_local()), name
-    got = callback2.ema.local_state()
+    got = callback2.ema.local_ema()
     assert list(got) == list(expected)
     for name, value in expected.items():
         assert torch.equal(got[name], value), name
@@ -176,9 +176,9 @@ def run(scenario, rank, world, out):
             train_step(model, step)
             ema.update()
         ema.wait()
-        result = {"local": ema.local_state(), "full_all": ema.full_state_dict(rank0_only=False),
+        result = {"local": ema.local_ema(), "full_all": ema.full_state_dict(rank0_only=False),
                   "full_rank0": ema.full_state_dict()}
-        ema.export(os.path.join(out, "export.safetensors"))
+        ema.export_weights(os.path.join(out, "export.safetensors"))
         with ema.swap(model):
             result["swapped"] = {k: v.clone() for k, v in model.state_dict().items()}
         result["after_swap"] = {k: v.clone() for k, v in model.state_dict().items()}
@@ -188,7 +188,7 @@ def run(scenario, rank, world, out):
         ema = shardema.EMA.from_local_shards(shards, schedule=schedule(), timeout=60)
         train_rows(ema, model, locals_, rank, world, out)
         if scenario == "rows_save":
-            ema.save(os.path.join(out, "ckpt"))
+            ema.save_checkpoint(os.path.join(out, "ckpt"))
     elif scenario == "dtensor":
         # FSDP2 as EMA's auto layout sees it: Shard(0) DTensor parameters on
         # a 1-D mesh whose group is the job's (stand-ins: torch 1.13 has no
@@ -208,7 +208,7 @@ def run(scenario, rank, world, out):
     elif scenario == "rows_load":
         shards, _ = fsdp2_rows(model, rank, world)
         ema = shardema.EMA.from_local_shards(shards, schedule=schedule(), timeout=60)
-        ema.load(os.environ["SHARDEMA_TEST_CHECKPOINT"])
+        ema.load_checkpoint(os.environ["SHARDEMA_TEST_CHECKPOINT"])
     elif scenario == "swap_rank_raises":
         # A replicated swap gathers every rank's rows; rank 1 never joins,
         # so rank 0's gather times out after it has already written its own
@@ -236,7 +236,7 @@ def run(scenario, rank, world, out):
         ema = shardema.EMA(model, schedule=schedule(), timeout=20)
         if rank == 1:
             raise RuntimeError("rank 1 fails before the collective")
-        ema.save(os.path.join(out, "ckpt"))
+        ema.save_checkpoint(os.path.join(out, "ckpt"))
     else:
         raise ValueError(scenario)
 

@@ -18,7 +18,7 @@ def dtensor(full, placements=(Shard(0),), mesh=None):
 def test_shard0_dtensors_on_one_rank_are_fsdp2(one_rank_group):
     w = dtensor(torch.arange(12, dtype=torch.float32).reshape(4, 3))
     b = dtensor(torch.zeros(4), mesh=w.device_mesh)
-    ema = shardema.EMA([("w", w), ("b", b)], schedule=shardema.ConstantSchedule(0.5))
+    ema = shardema.EMA([("w", w), ("b", b)], schedule=shardema.DecaySchedule.constant(0.5))
     assert ema.layout == "fsdp2" and ema.world_size == 1
     with torch.no_grad():
         w.add_(2.0)  # the live local shard changes (an optimizer step)
@@ -37,7 +37,7 @@ def test_a_fully_shard_model_is_fsdp2_and_its_ema_follows_full_tensor(one_rank_g
     fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     decay = 0.9
-    ema = shardema.EMA(model, schedule=shardema.ConstantSchedule(decay))
+    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(decay))
     assert ema.layout == "fsdp2"
     reference = {n: p.full_tensor().double() for n, p in model.named_parameters()}
     for step in range(1, 6):

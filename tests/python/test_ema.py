@@ -40,7 +40,7 @@ def reference_ema(model_states, schedule, policy_average):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ema_matches_float64_recomputation(dtype):
     model = make_model(dtype)
-    schedule = shardema.ConstantSchedule(0.9)
+    schedule = shardema.DecaySchedule.constant(0.9)
     ema = shardema.EMA(model, schedule=schedule, policy="ema_pytorch", chunk_mib=0.001)
     states = [{k: v.clone() for k, v in model.state_dict().items()}]
     for step in range(1, 8):
@@ -49,7 +49,7 @@ def test_ema_matches_float64_recomputation(dtype):
         states.append({k: v.clone() for k, v in model.state_dict().items()})
         assert ema.update() is True
     ema.wait()
-    assert ema.step == 7 and ema.decay == pytest.approx(0.9)
+    assert ema.step == 7 and ema.last_decay == pytest.approx(0.9)
     expected = reference_ema(states, schedule, lambda k: "num_batches" not in k)
     got = ema.full_state_dict()
     assert list(got) == list(model.state_dict())
@@ -64,7 +64,7 @@ def test_ema_matches_float64_recomputation(dtype):
 def test_versatil_policy_copies_buffers_batchnorm_and_frozen():
     model = make_model()
     model[2].weight.requires_grad_(False)
-    ema = shardema.EMA(model, schedule=shardema.ConstantSchedule(0.5))
+    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(0.5))
     for step in range(1, 4):
         ema.fence()
         train_step(model, step)
@@ -79,7 +79,7 @@ def test_versatil_policy_copies_buffers_batchnorm_and_frozen():
 
 def test_swap_puts_ema_in_and_raw_back_even_on_error():
     model = make_model()
-    ema = shardema.EMA(model, schedule=shardema.ConstantSchedule(0.5))
+    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(0.5))
     ema.update()
     ema.fence()
     train_step(model, 1)
@@ -101,65 +101,65 @@ def test_swap_puts_ema_in_and_raw_back_even_on_error():
 
 def test_state_dict_round_trip_through_torch_save(tmp_path):
     model = make_model()
-    ema = shardema.EMA(model, schedule=shardema.WarmupSchedule())
+    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.warmup())
     for step in range(1, 4):
         ema.fence()
         train_step(model, step)
         ema.update(step)
     state = ema.state_dict()
     torch.save(state, tmp_path / "ema.pt")
-    other = shardema.EMA(make_model(), schedule=shardema.WarmupSchedule())
+    other = shardema.EMA(make_model(), schedule=shardema.DecaySchedule.warmup())
     other.load_state_dict(torch.load(tmp_path / "ema.pt"))
     assert other.step == 3
     a, b = ema.full_state_dict(), other.full_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="schedule"):
-        shardema.EMA(make_model(), schedule=shardema.ConstantSchedule(0.5)).load_state_dict(state)
+        shardema.EMA(make_model(), schedule=shardema.DecaySchedule.constant(0.5)).load_state_dict(state)
 
 
 def test_save_load_export_agree_with_full_state_dict(tmp_path):
     model = make_model()
-    ema = shardema.EMA(model, schedule=shardema.ConstantSchedule(0.7))
+    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(0.7))
     for step in range(1, 4):
         ema.fence()
         train_step(model, step)
         ema.update()
     folder = str(tmp_path / "ckpt")
-    ema.save(folder)
+    ema.save_checkpoint(folder)
     assert os.path.exists(os.path.join(folder, "manifest.json"))
     path = str(tmp_path / "ema.safetensors")
-    ema.export(path)
-    exported = shardema.read_safetensors(path)
+    ema.export_weights(path)
+    exported = shardema.read_tensor_file(path)
     full = ema.full_state_dict()
     assert list(exported["tensors"]) == list(full)
     assert all(torch.equal(exported["tensors"][k], full[k]) for k in full)
     assert exported["metadata"]["shardema.kind"] == "deployable_weights"
     exported_bf16 = str(tmp_path / "ema_bf16.safetensors")
-    ema.export(exported_bf16, dtype=torch.bfloat16)
-    assert shardema.read_safetensors(exported_bf16)["tensors"]["0.weight"].dtype == torch.bfloat16
+    ema.export_weights(exported_bf16, dtype=torch.bfloat16)
+    assert shardema.read_tensor_file(exported_bf16)["tensors"]["0.weight"].dtype == torch.bfloat16
 
-    resumed = shardema.EMA(make_model(), schedule=shardema.ConstantSchedule(0.7))
-    resumed.load(folder)
+    resumed = shardema.EMA(make_model(), schedule=shardema.DecaySchedule.constant(0.7))
+    resumed.load_checkpoint(folder)
     assert resumed.step == 3
     again = resumed.full_state_dict()
     assert all(torch.equal(again[k], full[k]) for k in full)
 
 
 def test_load_of_another_layout_is_a_value_error_and_changes_nothing(tmp_path):
-    ema = shardema.EMA(make_model(), schedule=shardema.ConstantSchedule(0.7))
-    ema.save(str(tmp_path / "ckpt"))
+    ema = shardema.EMA(make_model(), schedule=shardema.DecaySchedule.constant(0.7))
+    ema.save_checkpoint(str(tmp_path / "ckpt"))
     small = torch.nn.Linear(3, 3)
-    other = shardema.EMA(small, schedule=shardema.ConstantSchedule(0.7))
+    other = shardema.EMA(small, schedule=shardema.DecaySchedule.constant(0.7))
     before = other.full_state_dict()
     with pytest.raises(ValueError, match="layout"):
-        other.load(str(tmp_path / "ckpt"))
+        other.load_checkpoint(str(tmp_path / "ckpt"))
     after = other.full_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_named_tensors_and_device_placement():
+def test_named_tensors_and_device_storage():
     a = torch.nn.Parameter(torch.ones(5))
-    ema = shardema.EMA({"a": a}, schedule=shardema.ConstantSchedule(0.5), placement="device")
+    ema = shardema.EMA({"a": a}, schedule=shardema.DecaySchedule.constant(0.5), storage="device")
     with torch.no_grad():
         a.fill_(3.0)
     ema.update()
@@ -171,7 +171,7 @@ def test_named_tensors_and_device_placement():
 
 def test_offload_stats_count_the_bytes_read_in_place():
     model = torch.nn.Linear(64, 256)  # no buffers: every tensor every update
-    ema = shardema.EMA(model, schedule=shardema.ConstantSchedule(0.5), chunk_mib=0.01)
+    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(0.5), chunk_mib=0.01)
     for _ in range(3):
         ema.fence()
         ema.update()
@@ -213,8 +213,8 @@ def test_bad_arguments_name_the_parameter():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="layout"):
         shardema.EMA(model, layout="hsdp")
-    with pytest.raises(ValueError, match="placement"):
-        shardema.EMA(model, placement="gpu")
+    with pytest.raises(ValueError, match="storage"):
+        shardema.EMA(model, storage="gpu")
     with pytest.raises(ValueError, match="policy"):
         shardema.EMA(model, policy="timm")
     with pytest.raises(TypeError, match="schedule"):
@@ -226,7 +226,7 @@ def test_bad_arguments_name_the_parameter():
     with pytest.raises(ValueError, match="fsdp2"):
         shardema.EMA(model, layout="fsdp2")
     with pytest.raises(TypeError, match="dtype"):
-        shardema.EMA(model).export("/tmp/never.safetensors", dtype="bf16")
+        shardema.EMA(model).export_weights("/tmp/never.safetensors", dtype="bf16")
 
 
 def test_attach_fences_before_and_updates_after_every_optimizer_step():
@@ -234,7 +234,7 @@ def test_attach_fences_before_and_updates_after_every_optimizer_step():
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     decay = 0.8
-    ema = shardema.EMA(model, schedule=shardema.ConstantSchedule(decay)).attach(optimizer)
+    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(decay)).attach(optimizer)
     reference = None
     for step in range(1, 5):
         model(torch.randn(4, 3)).square().mean().backward()
@@ -265,7 +265,7 @@ def test_calls_that_wait_release_the_gil(tmp_path):
     import threading
     import time
     big = torch.nn.Parameter(torch.randn(8 << 20))
-    ema = shardema.EMA({"big": big}, schedule=shardema.ConstantSchedule(0.9))
+    ema = shardema.EMA({"big": big}, schedule=shardema.DecaySchedule.constant(0.9))
     ticks = [0]
     stop = threading.Event()
 
@@ -277,8 +277,8 @@ def test_calls_that_wait_release_the_gil(tmp_path):
     thread = threading.Thread(target=tick)
     thread.start()
     try:
-        for call in (lambda: ema.save(str(tmp_path / "ckpt")),
-                     lambda: ema.export(str(tmp_path / "ema.safetensors")),
+        for call in (lambda: ema.save_checkpoint(str(tmp_path / "ckpt")),
+                     lambda: ema.export_weights(str(tmp_path / "ema.safetensors")),
                      lambda: ema.full_state_dict()):
             before = ticks[0]
             start = time.perf_counter()

@@ -30,11 +30,11 @@ def theta_at(k):
     return (torch.sin(0.1 * k * (i + 1)) + 0.01 * k * (i + 1)).float()
 
 
-def run_posthoc(folder, update_every, correction, placement="rank0"):
+def run_posthoc(folder, update_every, correction, layout="rank0"):
     model = Vec()
     ema = shardema.PostHocEMA(model, sigma_rels=(0.05, 0.1), update_every=update_every,
                               checkpoint_every_num_steps=10, checkpoint_folder=folder,
-                              placement=placement, step_size_correction=correction)
+                              layout=layout, step_size_correction=correction)
     for k in range(1, 101):
         ema.fence()  # before the "optimizer step" writes theta
         with torch.no_grad():
@@ -62,15 +62,15 @@ def test_synthesis_matches_reference_run(name, tmp_path):
             assert ours == pytest.approx(ref, abs=1e-6), (name, key)
 
 
-def test_sharded_placement_and_offline_synthesis_agree(tmp_path):
+def test_sharded_layout_and_offline_synthesis_agree(tmp_path):
     rank0 = run_posthoc(str(tmp_path / "rank0"), 1, True)
-    sharded = run_posthoc(str(tmp_path / "sharded"), 1, True, placement="sharded")
+    sharded = run_posthoc(str(tmp_path / "sharded"), 1, True, layout="sharded")
     a = rank0.synthesize(0.07)["theta"]
     b = sharded.synthesize(0.07)["theta"]
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     path = str(tmp_path / "out.safetensors")
     assert shardema.synthesize(str(tmp_path / "rank0"), 0.07, path=path) == path
-    written = shardema.read_safetensors(path)
+    written = shardema.read_tensor_file(path)
     assert torch.equal(written["tensors"]["theta"], a)
     assert float(written["metadata"]["shardema.sigma_rel"]) == 0.07
     at_50 = shardema.synthesize(str(tmp_path / "rank0"), 0.07, step=50)["theta"]
@@ -81,7 +81,7 @@ def test_sharded_placement_and_offline_synthesis_agree(tmp_path):
 def test_posthoc_bad_input_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="sigma"):
         shardema.PostHocEMA(Vec(), sigma_rels=(0.05, 0.5), checkpoint_folder=str(tmp_path))
-    with pytest.raises(ValueError, match="placement"):
-        shardema.PostHocEMA(Vec(), placement="everywhere", checkpoint_folder=str(tmp_path))
+    with pytest.raises(ValueError, match="layout"):
+        shardema.PostHocEMA(Vec(), layout="everywhere", checkpoint_folder=str(tmp_path))
     with pytest.raises(ValueError):
         shardema.synthesize(str(tmp_path / "nothing"), 0.05)

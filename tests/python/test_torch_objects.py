@@ -17,7 +17,7 @@ from shardema import _same_torch
 def test_a_process_group_of_torch_distributed_runs_the_collectives(one_rank_group):
     group = dist.new_group([0])  # a group other than the default one, made by torch
     model = torch.nn.Linear(4, 3)
-    ema = shardema.EMA(model, schedule=shardema.ConstantSchedule(0.5), process_group=group)
+    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(0.5), process_group=group)
     assert ema.layout == "replicated" and ema.world_size == 1 and ema.rank == 0
     with torch.no_grad():
         model.weight.add_(1.0)

@@ -2,7 +2,7 @@
 // snapshots of tests/data/posthoc_ema_run.json are written by hand in the
 // documented snapshot format (DESIGN section 5), once as a rank-0 full-copy
 // folder and once split over two ranks; the CLI's output must match the
-// references' synthesized weights and be the same for both placements.
+// references' synthesized weights and be the same for both post-hoc layouts.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 

@@ -1,7 +1,7 @@
 #pragma once
 // Averager: the EMA of a set of named tensors (one model, one profile).
 //
-// Two placements (AveragerOptions::placement):
+// Two storages (AveragerOptions::storage):
 //   - kPinnedHost (default, DESIGN section 2): the EMA lives in host memory
 //     from a PinnedArena; update() queues the work, the copy engine moves
 //     the sources into bounded staging slots and the worker pool folds them
@@ -20,7 +20,7 @@
 //     _foreach_lerp_ does not exist in LibTorch 1.13): the comparison mode.
 //     fence() and wait() return at once.
 // Every call that reads or writes the EMA (ema, emaTensors, state, save,
-// copyEmaToSources, loadEmaValues, loadState, load, the destructor) first
+// copyTo, loadEmaValues, loadState, load, the destructor) first
 // waits for an update in flight.
 //
 // Threads. One Averager is used by one thread at a time (the training
@@ -65,14 +65,14 @@ class EmaStore;
 }  // namespace detail
 
 /// Where the EMA lives and how it is updated (see the file comment).
-enum class EmaPlacement {
+enum class EmaStorage {
   /// Host memory, asynchronous chunked pipeline (default).
   kPinnedHost,
   /// The sources' device, synchronous ATen ops on the caller.
   kDevice,
 };
 
-/// The pipeline of the kPinnedHost placement.
+/// The pipeline of the kPinnedHost storage.
 struct AveragerOffloadOptions {
   /// Bytes per staging slot and per direct chunk (default 8 MiB,
   /// offload::kDefaultChunkBytes, >= 64). Larger chunks cost fewer copy
@@ -114,7 +114,7 @@ struct AveragerOptions {
   bool copyOnFirstUpdate = true;
   /// Where the EMA lives. Default kPinnedHost. With kPinnedHost the pool
   /// needs at least one worker (c10::ValueError otherwise).
-  EmaPlacement placement = EmaPlacement::kPinnedHost;
+  EmaStorage storage = EmaStorage::kPinnedHost;
   /// Pipeline settings (kPinnedHost only).
   AveragerOffloadOptions offload;
   /// Further EMA profiles of the same tensors, updated in the same pass as
@@ -190,7 +190,7 @@ class Averager {
   /// naming the tensor and step) and marks the Averager failed.
   void wait();
   /// Where the EMA lives.
-  EmaPlacement placement() const { return options_.placement; }
+  EmaStorage storage() const { return options_.storage; }
   /// Whether a background update failed (see the file comment).
   bool failed() const { return !failure_.empty(); }
   /// Pipeline counters (zero for kDevice): staging bytes, fence waits, ...
@@ -232,7 +232,7 @@ class Averager {
   /// Writes the EMA (profile 0) into the sources (dtype and device
   /// converted), e.g. to evaluate with EMA weights; kPinnedHost goes
   /// through the copy engine. Blocks.
-  void copyEmaToSources();
+  void copyTo();
   /// Overwrites the EMA values of `profile` from named tensors (converted
   /// to our dtype; copy roles: the shared copy), e.g. from a post-hoc
   /// snapshot on resume; shapes must match (c10::ValueError naming the
@@ -279,7 +279,7 @@ class Averager {
   // Why the Averager is failed; empty when it is not. Set by const calls
   // that wait (ema(), state()), hence mutable.
   mutable std::string failure_;
-  // The EMA storage and the update mechanics of options_.placement. Null
+  // The EMA storage and the update mechanics of options_.storage. Null
   // only in a moved-from Averager.
   std::unique_ptr<detail::EmaStore> store_;
 };

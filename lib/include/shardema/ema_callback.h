@@ -2,7 +2,7 @@
 // EmaCallback: the warmup-EMA lifecycle of a trainer callback (DESIGN
 // section 4, the VersatIL EMACallback), for a C++ training loop. Call the
 // hooks where a Lightning trainer would; all of them run on the caller's
-// thread. With the default placement (pinned host) the EMA math runs in the
+// thread. With the default storage (pinned host) the EMA math runs in the
 // background after onTrainBatchEnd returns; the hooks that read the EMA
 // (save, validation swap) wait for it first.
 #include <cstdint>
@@ -30,8 +30,8 @@ struct EmaCallbackOptions {
   int64_t logEveryNSteps = 100;
   /// Worker threads for the updates; not owned. nullptr: the shared pool.
   offload::WorkerPool* pool = nullptr;
-  /// Where the EMA lives (AveragerOptions::placement). Default kPinnedHost.
-  EmaPlacement placement = EmaPlacement::kPinnedHost;
+  /// Where the EMA lives (AveragerOptions::storage). Default kPinnedHost.
+  EmaStorage storage = EmaStorage::kPinnedHost;
   /// Pipeline settings for kPinnedHost. By default (fenceInUpdate = false)
   /// onTrainBatchEnd returns at once: the loop must call
   /// onBeforeOptimizerStep() before every optimizer step (forgetting it

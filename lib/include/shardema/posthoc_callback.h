@@ -6,8 +6,8 @@
 // every checkpointEvery counted calls each rank writes its snapshots; at
 // the end one sigma_rel is synthesized from them into deployable weights.
 //
-// Placements (PostHocCallbackOptions::placement):
-//   - kRankZeroFullCopy (default, the DDP lifecycle): rank 0 keeps one full
+// Layouts (PostHocCallbackOptions::layout):
+//   - kRankZero (default, the DDP lifecycle): rank 0 keeps one full
 //     EMA per profile, the other ranks none; snapshots are
 //     `{folder}/{i}.{calls}.safetensors`, written by rank 0.
 //   - kSharded: every rank keeps its shards of every profile and writes
@@ -15,7 +15,7 @@
 //     each rank's own files and the result is gathered through the
 //     communicator, so no rank reads another's files.
 // Both give the same deployable weights for one training run (within fp32
-// rounding). Every rank counts calls, whatever the placement, so all ranks
+// rounding). Every rank counts calls, whatever the layout, so all ranks
 // agree on the snapshot steps. All hooks run on the caller's thread; with
 // the pinned-host EMA the math runs in the background between calls, and
 // calls that write snapshots wait for it.
@@ -45,9 +45,9 @@ namespace shard {
 class Communicator;
 }  // namespace shard
 
-enum class PostHocPlacement {
+enum class PostHocLayout {
   /// Rank 0 holds full EMAs, the other ranks none (nitrous under DDP).
-  kRankZeroFullCopy,
+  kRankZero,
   /// Every rank holds its shards of every profile.
   kSharded,
 };
@@ -78,11 +78,11 @@ struct PostHocCallbackOptions {
   double defaultOutputSigma = 0.05;
   /// nitrous's step_size_correction. Default true (the seed's).
   bool stepSizeCorrection = true;
-  /// Default kRankZeroFullCopy.
-  PostHocPlacement placement = PostHocPlacement::kRankZeroFullCopy;
+  /// Default kRankZero.
+  PostHocLayout layout = PostHocLayout::kRankZero;
   /// Where the EMA lives on a rank that holds one. Default kPinnedHost;
   /// kDevice keeps it beside the parameters, as nitrous does on CUDA.
-  EmaPlacement emaPlacement = EmaPlacement::kPinnedHost;
+  EmaStorage storage = EmaStorage::kPinnedHost;
   /// What is averaged and what is copied. Default kEmaPytorch: nitrous
   /// averages floating parameters and buffers alike.
   TrackingPolicy policy = TrackingPolicy::kEmaPytorch;
@@ -113,7 +113,7 @@ struct PostHocCallbackOptions {
 
 /// This process's place in the job. `comm` (not owned, must outlive the
 /// callback's collective calls) is needed when worldSize > 1 for the
-/// collective hooks: kSharded's onTrainEnd (gather) and both placements'
+/// collective hooks: kSharded's onTrainEnd (gather) and both layouts'
 /// validation swap; its rank and world size must be these.
 struct PostHocRanks {
   int64_t rank = 0;
@@ -130,7 +130,7 @@ class PostHocCallback {
   PostHocCallback& operator=(const PostHocCallback&) = delete;
 
   /// Every rank passes its (replicated, DDP-style) module, which must
-  /// outlive the callback. kRankZeroFullCopy: rank 0 tracks all of it.
+  /// outlive the callback. kRankZero: rank 0 tracks all of it.
   /// kSharded: each rank tracks its FSDP2 rows of every tensor
   /// (shardsFromFullTensors with kFsdp2). Then resumes from the snapshots
   /// at the calls queued by onLoadCheckpoint, if any.
@@ -175,7 +175,7 @@ class PostHocCallback {
   /// synthesizes its own shards, the ranks check they solved the same
   /// system, and with a module (replicated on every rank) the rows are
   /// gathered to every rank so each swaps in the whole EMA; with LocalShards
-  /// each rank swaps its shards. kRankZeroFullCopy: rank 0 synthesizes and
+  /// each rank swaps its shards. kRankZero: rank 0 synthesizes and
   /// broadcasts. Returns false and changes nothing while no snapshot exists
   /// yet. A failure on any rank fails every rank, with the raw weights in
   /// place.
@@ -197,7 +197,7 @@ class PostHocCallback {
   /// Whether this rank keeps EMA storage (rank 0, or any rank if sharded).
   bool holdsEma() const;
   /// This rank's EMAs (profile p = sigmaRels[p]); c10::Error before
-  /// onFitStart. Empty shard list on ranks > 0 of kRankZeroFullCopy.
+  /// onFitStart. Empty shard list on ranks > 0 of kRankZero.
   const ShardedAverager& averager() const;
   /// Where this rank's snapshots go: checkpointFolder, or its rank_NNNNN
   /// subfolder for kSharded.
@@ -233,7 +233,7 @@ class PostHocCallback {
   std::optional<int64_t> queuedCalls_;
   std::unique_ptr<ShardedAverager> averager_;
   // What the validation swap writes: the full module tensors on every rank
-  // (kRankZeroFullCopy, and kSharded built from a module, whose every rank
+  // (kRankZero, and kSharded built from a module, whose every rank
   // holds the whole replicated model), or this rank's local shards
   // (kSharded built from LocalShards).
   std::vector<TrackedTensor> swapTargets_;

@@ -4,7 +4,7 @@
 // elements it owns, described by a shard::ShardSpec per tensor; the EMA is
 // elementwise, so update() never communicates and the union of every rank's
 // EMA equals the EMA a single process would keep of the full tensors.
-// Full tensors exist only when asked for (gatherFull, exportFull) or offline
+// Full tensors exist only when asked for (fullStateDict, exportWeights) or offline
 // (sharded_checkpoint.h: exportCheckpoint over a saved folder).
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
@@ -31,7 +31,7 @@ class Communicator;
 /// One tensor of this rank: its local elements and how the global tensor is
 /// split. `local` is a handle to the live local shard (e.g. FSDP2's local
 /// DTensor view, a view into FSDP1's flat shard): read at every update,
-/// written only by copyEmaToSources. Any shape; numel must be this rank's
+/// written only by copyTo. Any shape; numel must be this rank's
 /// range size and dtype the spec's.
 struct LocalShard {
   at::Tensor local;
@@ -82,18 +82,18 @@ class ShardedAverager {
   /// This rank's EMA pieces as 1-D contiguous CPU tensors in layout order
   /// (numel = the rank's range size; float32 for averaging roles, the source
   /// dtype for copies). Waits for an update in flight. Views of our storage
-  /// for the kPinnedHost placement; host copies for kDevice.
-  std::vector<at::Tensor> localEmaPieces() const;
+  /// for the kPinnedHost storage; host copies for kDevice.
+  std::vector<at::Tensor> localEma() const;
 
   /// Collective (every rank calls it): the full EMA tensors, global shapes,
   /// on the receiving rank(s) of `options` (shard::gatherFull). When this
-  /// rank's localEmaPieces() throws (e.g. a failed background update), it
+  /// rank's localEma() throws (e.g. a failed background update), it
   /// joins with GatherOptions::localError, so every rank fails at once.
   /// `only`: just these tensors (layout order; every rank the same names;
   /// an untracked name is a c10::IndexError naming it, on every rank before
   /// any exchange), e.g. the replicated buffers of an FSDP2 model whose
   /// parameters a caller reads as local shards.
-  std::vector<std::pair<std::string, at::Tensor>> gatherFull(
+  std::vector<std::pair<std::string, at::Tensor>> fullStateDict(
       shard::Communicator& comm, shard::GatherOptions options = {},
       const std::optional<std::vector<std::string>>& only = std::nullopt) const;
 
@@ -104,11 +104,11 @@ class ShardedAverager {
   /// bfloat16 or float16); integer/bool copies keep their dtype. Metadata:
   /// shardema.kind=deployable_weights, shardema.step, shardema.schedule.
   /// Crash-safe: a failure leaves any old file at `path` as it was. If the
-  /// root cannot create the file, or any rank's localEmaPieces() throws,
+  /// root cannot create the file, or any rank's localEma() throws,
   /// every rank fails (c10::Error naming it) before anything moves; when
   /// the root's append/commit fails, every rank fails after the gather.
   /// Blocks.
-  void exportFull(shard::Communicator& comm, const std::string& path,
+  void exportWeights(shard::Communicator& comm, const std::string& path,
                   c10::ScalarType outputDtype = c10::ScalarType::Float,
                   shard::GatherOptions options = {}) const;
 

@@ -16,8 +16,8 @@
 //        reports it and the update is failed.
 //   "offload.pipeline.stage_host_source"  (job index, 0) UpdatePipeline: that
 //        host source is staged through the copy engine instead of being read
-//        in place, so one update runs both paths side by side (as a device
-//        placement with some host sources would) without a GPU.
+//        in place, so one update runs both paths side by side (as a job
+//        with some device and some host sources would) without a GPU.
 //   "lib.ema_storage.allocate"            (tracked tensor index, 0) the EMA
 //        storage of that tensor fails to allocate (c10::Error), after the
 //        earlier ones were allocated: a constructor failing part-way.

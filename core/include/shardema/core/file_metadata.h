@@ -61,7 +61,7 @@ bool parseDecimalDigits(const std::string& text, int64_t* value);
 
 /// What a deployable-weights file says about where its weights came from.
 struct DeployableInfo {
-  /// An EMA exported as it stands (ShardedAverager::exportFull, the CLI's
+  /// An EMA exported as it stands (ShardedAverager::exportWeights, the CLI's
   /// export): the schedule it ran and the world size it was trained on.
   struct Exported {
     /// DecaySchedule::toJson().

@@ -1,7 +1,7 @@
 #pragma once
 // Post-hoc EMA snapshot files (DESIGN section 5): one power-function profile
 // at one step, `{folder}/{i}.{step}.safetensors`, or per rank
-// `{folder}/rank_{r:05d}/{i}.{step}.safetensors` in sharded placement.
+// `{folder}/rank_{r:05d}/{i}.{step}.safetensors` in sharded layout.
 // Core only: no threads, no communication.
 #include <ATen/core/Tensor.h>
 
@@ -23,10 +23,10 @@ struct SnapshotInfo {
   double sigmaRel = 0;
   /// The profile's power-function exponent, > 0 and finite.
   double gamma = 0;
-  /// -1: full-copy placement (one file holds every tensor). >= 0: this
+  /// -1: full-copy layout (one file holds every tensor). >= 0: this
   /// rank's shard of a sharded snapshot.
   int64_t rank = -1;
-  /// Sharded only: number of ranks (>= 1, > rank); 0 for full placement.
+  /// Sharded only: number of ranks (>= 1, > rank); 0 for full-copy layout.
   int64_t worldSize = 0;
   /// Sharded only: JSON text describing the shard layout (non-empty);
   /// stored and compared verbatim, not interpreted here.
@@ -38,7 +38,7 @@ struct SnapshotInfo {
 /// "{i}.{step}.safetensors", step not zero-padded (ema-pytorch's naming).
 std::string snapshotFileName(int64_t profileIndex, int64_t step);
 
-/// "rank_00003": the sharded placement's per-rank subfolder.
+/// "rank_00003": the sharded layout's per-rank subfolder.
 std::string rankFolderName(int64_t rank);
 
 /// Parses "{i}.{step}.safetensors" strictly: both parts plain decimal digits
@@ -78,11 +78,11 @@ struct SnapshotEntry {
 
 /// The snapshots of one folder.
 struct SnapshotFolder {
-  /// Whether the folder uses sharded (rank_NNNNN) placement.
+  /// Whether the folder uses sharded (rank_NNNNN) layout.
   bool sharded = false;
-  /// Sharded: the world size every file agrees on; 0 for full placement.
+  /// Sharded: the world size every file agrees on; 0 for full-copy layout.
   int64_t worldSize = 0;
-  /// Full placement: every snapshot, sorted by (step, profileIndex).
+  /// Full-copy layout: every snapshot, sorted by (step, profileIndex).
   std::vector<SnapshotEntry> snapshots;
   /// Sharded: index = rank; each sorted by (step, profileIndex), and all
   /// ranks hold the same (profileIndex, step) set.
@@ -90,12 +90,12 @@ struct SnapshotFolder {
 };
 
 /// Finds and validates the snapshots of `dir` (reading headers only).
-/// Full placement: every top-level "*.safetensors" must be a snapshot name;
+/// Full-copy layout: every top-level "*.safetensors" must be a snapshot name;
 /// other files and "*.tmp" leftovers of interrupted writes are ignored.
-/// Sharded placement: rank_NNNNN subfolders for every rank 0..W-1, each file
+/// Sharded layout: rank_NNNNN subfolders for every rank 0..W-1, each file
 /// naming its folder's rank and one world size, one layout per rank, and the
 /// same (profileIndex, step) set on every rank. Also refused: a missing
-/// folder, both placements at once, two profiles with the same gamma at one
+/// folder, both layouts at once, two profiles with the same gamma at one
 /// step, no snapshots. c10::ValueError naming the folder or file. Blocks.
 SnapshotFolder scanSnapshotFolder(const std::string& dir);
 

@@ -16,11 +16,22 @@ enum class SourceType { kFloat32, kBFloat16, kFloat16 };
 /// Bytes per element of a source type (4 or 2).
 int sourceTypeSize(SourceType type);
 
+/// What one update does to one tracked tensor's EMA: the Averager decides
+/// it (lib/src/averager.cpp), the pipeline carries it with the tensor's job
+/// (offload), and the kernels here run kLerp and kCopy.
 enum class UpdateOp {
+  /// Nothing this update (kCopyOnce tensors after construction); never
+  /// reaches the pipeline or a kernel.
+  kSkip,
   /// ema[i] = ema[i] + weight * (src[i] - ema[i]), in float32.
   kLerp,
-  /// ema[i] = float(src[i]).
+  /// ema[i] = float(src[i]): a float32 EMA set to its source (the first
+  /// update, a weight of 1, a frozen tensor).
   kCopy,
+  /// ema = src byte for byte: the EMA keeps the source's dtype (tensors
+  /// that are copied, not averaged, such as integer buffers). The pipeline
+  /// runs it as a memcpy; the kernels do not take it.
+  kCopyRaw,
 };
 
 /// ema[i] += weight * (src[i] - ema[i]) for i in [0, count). src holds
@@ -35,6 +46,7 @@ struct UpdateSpan {
   const void* src = nullptr;
   SourceType type = SourceType::kFloat32;
   int64_t count = 0;
+  /// kLerp or kCopy (callers validate: tensor_update.h, the pipeline).
   UpdateOp op = UpdateOp::kLerp;
 };
 

@@ -3,7 +3,7 @@
 // section 2). The sources' bytes are cut into chunks of at most chunkBytes,
 // and each chunk takes one of two paths:
 //   - Direct (sources in host memory: CPU training, or the host side of a
-//     device placement): a worker folds the chunk into the EMA reading the
+//     job with device sources): a worker folds the chunk into the EMA reading the
 //     source in place. No staging, no copy engine: 12 bytes move per fp32
 //     element (read source and EMA, write EMA), 10 per bf16/fp16 element.
 //   - Staged (sources on a device, or every source with stageHostSources):
@@ -18,7 +18,7 @@
 // staged chunks' math competes for the workers, so their reads (which
 // fence() waits for) finish early.
 //
-// Threads: submit/fence/wait/copyToDestinations are for one user thread
+// Threads: submit/fence/wait/copyTo are for one user thread
 // (the training loop); the math runs on the WorkerPool, copy completions on
 // the engine's thread. A thread blocked in fence() or wait() runs the direct
 // chunks no worker has claimed yet instead of sleeping (counted in
@@ -129,17 +129,16 @@ struct UpdatePipelineOptions {
 /// One tensor of an update.
 struct PipelineJob {
   /// Host storage updated in place: CPU, contiguous, same number of
-  /// elements as source; float32 unless rawCopy.
+  /// elements as source; float32 unless op is kCopyRaw.
   at::Tensor ema;
   /// Read by the engine; any device, contiguous. Kept alive by the pipeline
   /// until the update's math is done; must not be written before fence()
   /// (an in-place write fails the update, see the file comment).
   at::Tensor source;
-  /// kLerp: ema += weight * (source - ema); kCopy: ema = float(source).
+  /// kLerp: ema += weight * (source - ema); kCopy: ema = float(source);
+  /// kCopyRaw: ema has the source's dtype and receives its bytes unchanged
+  /// (copied buffers such as integer counters). kSkip is refused.
   UpdateOp op = UpdateOp::kLerp;
-  /// true: ema has the source's dtype and receives its bytes unchanged
-  /// (copied buffers such as integer counters); op is ignored.
-  bool rawCopy = false;
   /// Named in errors.
   std::string name;
   /// Further float32 EMAs of the same source (post-hoc profiles: one per
@@ -203,7 +202,7 @@ class UpdatePipeline {
   /// Writes every job's host tensor into its destination through the engine
   /// (chunked through the staging slots when the dtype differs). Waits for
   /// an update in flight first. Blocks until the copies are done.
-  void copyToDestinations(const std::vector<SwapJob>& jobs);
+  void copyTo(const std::vector<SwapJob>& jobs);
 
   /// Counters so far; any thread.
   PipelineStats stats() const;
