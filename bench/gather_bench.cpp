@@ -120,6 +120,11 @@ double median(std::vector<double> values) {
   return values.size() % 2 ? values[m] : (values[m - 1] + values[m]) / 2;
 }
 
+// Ranks as threads of one process: turn off c10d's flight recorder, whose
+// first record of each group races across threads (tests/support/
+// thread_ranks.h says where); read once, when the first group is made.
+const bool kFlightRecorderOff = setenv("TORCH_FR_BUFFER_SIZE", "0", 1) == 0;
+
 void BM_Gather(benchmark::State& state) {
   const Op op = static_cast<Op>(state.range(0));
   const int64_t n = state.range(1);

@@ -46,7 +46,7 @@ if not _same_torch(_C.built_with_torch, torch.__version__):
 
 from ._shards import FlatParamLayout, LocalShard, ShardSpec, layout_spec  # noqa: E402
 from ._ema import EMA  # noqa: E402
-from ._posthoc import PostHocEMA, synthesize, read_tensor_file  # noqa: E402
+from ._posthoc import PostHocEMA, read_tensor_file, synthesize_snapshot_folder  # noqa: E402
 
 DecaySchedule = _C.DecaySchedule
 LoadReport = _C.LoadReport
@@ -54,7 +54,7 @@ LoadReport = _C.LoadReport
 __all__ = [
     "EMA",
     "PostHocEMA",
-    "synthesize",
+    "synthesize_snapshot_folder",
     "read_tensor_file",
     "DecaySchedule",
     "LoadReport",

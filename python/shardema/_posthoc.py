@@ -18,9 +18,10 @@ def read_tensor_file(path: str) -> Dict[str, Any]:
     return _C.read_tensor_file(str(path))
 
 
-def synthesize(folder: str, sigma_rel: float, step: Optional[int] = None,
-               path: Optional[str] = None, dtype: torch.dtype = torch.float32,
-               normalize: bool = False, buffer_mib: int = 64) -> Union[str, Dict[str, torch.Tensor]]:
+def synthesize_snapshot_folder(folder: str, sigma_rel: float, step: Optional[int] = None,
+                               path: Optional[str] = None, dtype: torch.dtype = torch.float32,
+                               normalize: bool = False,
+                               buffer_mib: int = 64) -> Union[str, Dict[str, torch.Tensor]]:
     """Offline: the EMA of profile `sigma_rel` at `step` (default: the newest
     snapshot) from a snapshot folder (rank-0 or sharded). Writes deployable
     safetensors to `path` and returns it; without a path returns the tensors."""
@@ -103,7 +104,8 @@ class PostHocEMA:
     def synthesize(self, sigma_rel: float, step: Optional[int] = None, path: Optional[str] = None,
                    dtype: torch.dtype = torch.float32) -> Union[str, Dict[str, torch.Tensor]]:
         """The EMA of profile `sigma_rel` at `step` (default: the newest
-        snapshot) from this run's snapshots; see shardema.synthesize. Reads
+        snapshot) from this run's snapshots; see shardema.synthesize_snapshot_folder. Reads
         the snapshot folder (every rank's, for the sharded layout)."""
         self._engine.wait()
-        return synthesize(self.checkpoint_folder, sigma_rel, step=step, path=path, dtype=dtype)
+        return synthesize_snapshot_folder(self.checkpoint_folder, sigma_rel, step=step,
+                                          path=path, dtype=dtype)

@@ -81,19 +81,8 @@ void bindShards(py::module_& m) {
       "layout_spec",
       [](const std::string& name, const std::vector<int64_t>& shape, py::handle dtype,
          const std::string& kind, int64_t worldSize) {
-        const c10::ScalarType type = scalarTypeOf(dtype, "dtype");
-        switch (shard::parseLayoutKind(kind)) {
-          case shard::LayoutKind::kFsdp2:
-            return shard::fsdp2Spec(name, shape, type, worldSize);
-          case shard::LayoutKind::kReplicated:
-            return shard::replicatedSpec(name, shape, type, worldSize);
-          case shard::LayoutKind::kRankZero:
-            return shard::rankZeroSpec(name, shape, type, worldSize);
-          case shard::LayoutKind::kFsdp1:
-            break;
-        }
-        TORCH_CHECK_VALUE(false, "layout_spec: '", name,
-                          "': fsdp1 specs come from FlatParamLayout.specs()");
+        return shard::layoutSpec(name, shape, scalarTypeOf(dtype, "dtype"),
+                                 shard::parseLayoutKind(kind), worldSize);
       },
       py::arg("name"), py::arg("global_shape"), py::arg("dtype"), py::arg("kind"),
       py::arg("world_size"), "The spec of a per-tensor layout: fsdp2, replicated or rank0");
@@ -147,7 +136,7 @@ void bindShards(py::module_& m) {
       .def_property_readonly("unpadded_numel", &shard::FlatParamLayout::unpaddedNumel)
       .def("specs", &shard::FlatParamLayout::specs)
       .def(
-          "local_shards",
+          "shards_from_flat_param",
           [](const shard::FlatParamLayout& layout, const at::Tensor& flatShard, int64_t rank,
              const std::string& role) {
             return shardsFromFlatParam(layout, flatShard, rank, parseTrackRole(role));

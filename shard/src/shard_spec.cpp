@@ -153,5 +153,21 @@ ShardSpec rankZeroSpec(const std::string& name, const std::vector<int64_t>& glob
   return spec;
 }
 
+ShardSpec layoutSpec(const std::string& name, const std::vector<int64_t>& globalShape,
+                     c10::ScalarType dtype, LayoutKind kind, int64_t worldSize) {
+  switch (kind) {
+    case LayoutKind::kFsdp2:
+      return fsdp2Spec(name, globalShape, dtype, worldSize);
+    case LayoutKind::kReplicated:
+      return replicatedSpec(name, globalShape, dtype, worldSize);
+    case LayoutKind::kRankZero:
+      return rankZeroSpec(name, globalShape, dtype, worldSize);
+    case LayoutKind::kFsdp1:
+      break;
+  }
+  TORCH_CHECK_VALUE(false, "layoutSpec: '", name,
+                    "': fsdp1 specs come from a FlatParamLayout (its specs())");
+}
+
 }  // namespace shard
 }  // namespace shardema

@@ -219,7 +219,7 @@ def test_ddp_posthoc_callback_lifecycle(tmp_path):
     assert callback.output_path and os.path.exists(callback.output_path)
     import shardema
     written = shardema.read_tensor_file(callback.output_path)["tensors"]
-    offline = shardema.synthesize(folder, 0.05, step=6)
+    offline = shardema.synthesize_snapshot_folder(folder, 0.05, step=6)
     assert list(written) == list(offline)
     assert all(torch.equal(written[k], offline[k]) for k in offline)
 

@@ -1,4 +1,4 @@
-"""shardema.PostHocEMA and shardema.synthesize against ema-pytorch's and
+"""shardema.PostHocEMA and shardema.synthesize_snapshot_folder against ema-pytorch's and
 nitrous-ema's post-hoc runs (tests/data/posthoc_ema_run.json): the same
 100 updates of a 4-element parameter, snapshots every 10, synthesis of
 each listed sigma_rel."""
@@ -69,11 +69,11 @@ def test_sharded_layout_and_offline_synthesis_agree(tmp_path):
     b = sharded.synthesize(0.07)["theta"]
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     path = str(tmp_path / "out.safetensors")
-    assert shardema.synthesize(str(tmp_path / "rank0"), 0.07, path=path) == path
+    assert shardema.synthesize_snapshot_folder(str(tmp_path / "rank0"), 0.07, path=path) == path
     written = shardema.read_tensor_file(path)
     assert torch.equal(written["tensors"]["theta"], a)
     assert float(written["metadata"]["shardema.sigma_rel"]) == 0.07
-    at_50 = shardema.synthesize(str(tmp_path / "rank0"), 0.07, step=50)["theta"]
+    at_50 = shardema.synthesize_snapshot_folder(str(tmp_path / "rank0"), 0.07, step=50)["theta"]
     assert not torch.equal(at_50, a)  # an earlier target step uses fewer snapshots
     assert all(math.isfinite(v) for v in at_50.tolist())
 
@@ -84,4 +84,4 @@ def test_posthoc_bad_input_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="layout"):
         shardema.PostHocEMA(Vec(), layout="everywhere", checkpoint_folder=str(tmp_path))
     with pytest.raises(ValueError):
-        shardema.synthesize(str(tmp_path / "nothing"), 0.05)
+        shardema.synthesize_snapshot_folder(str(tmp_path / "nothing"), 0.05)

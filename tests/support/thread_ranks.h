@@ -21,6 +21,17 @@
 
 namespace shardema::testing {
 
+// torch 2.11's c10d flight recorder adds each process group to a std::map
+// before it takes its mutex (FlightRecorder::recordWithResetEnabled in
+// torch/csrc/distributed/c10d/FlightRecorderDetail.hpp), so the first
+// collectives of two ranks on two threads of one process race there: seen
+// as a crash in std::_Rb_tree_insert_and_rebalance about once in 20 runs of
+// CommunicatorTest. A real job has one rank per process and never does.
+// Thread ranks turn the recorder off (TORCH_FR_BUFFER_SIZE=0), which torch
+// reads once, when the first group of the process is made: hence at
+// program start, in every test binary that includes this header.
+inline const bool kFlightRecorderOffForThreadRanks = setenv("TORCH_FR_BUFFER_SIZE", "0", 1) == 0;
+
 struct ThreadRanksOptions {
   /// Communicator timeout of every rank. Default 20 s: a broken test fails
   /// well inside ctest's limit.

@@ -94,6 +94,11 @@ ShardSpec replicatedSpec(const std::string& name, const std::vector<int64_t>& gl
                          c10::ScalarType dtype, int64_t worldSize);
 ShardSpec rankZeroSpec(const std::string& name, const std::vector<int64_t>& globalShape,
                        c10::ScalarType dtype, int64_t worldSize);
+/// The spec of `kind` (kFsdp2, kReplicated or kRankZero: one of the three
+/// above). kFsdp1 is a c10::ValueError naming the tensor: its specs come
+/// from a FlatParamLayout.
+ShardSpec layoutSpec(const std::string& name, const std::vector<int64_t>& globalShape,
+                     c10::ScalarType dtype, LayoutKind kind, int64_t worldSize);
 
 }  // namespace shard
 }  // namespace shardema
