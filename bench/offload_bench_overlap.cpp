@@ -6,8 +6,8 @@
 // max(step alone, EMA alone), per round (alone-times re-measured in every
 // round); median and best reported. 1.0 is perfect overlap, 2.0 none.
 // Target <= 1.1. Rounds: 10, or --offload_overlap_rounds=N.
-// Pinning, so the ratio compares like with like: DESIGN has the training
-// step on one core and the EMA on the other. Unpinned, the EMA alone would
+// Pinning, so the ratio compares like with like: the training step on one
+// core and the EMA on the other. Unpinned, the EMA alone would
 // run its copy thread and its math worker on two cores in parallel but get
 // only one while the step computes, which puts the ratio near 1.5 by
 // construction. So for the whole overlap row (sizing, alone runs and

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds Release with the benchmarks, runs every
 # benchmark program and writes one report of every figure beside its limit:
-# <out>/report.md (README's Performance section) and <out>/report.json,
+# <out>/report.md (docs/performance.md) and <out>/report.json,
 # plus each program's Google Benchmark JSON and console log.
 #
 #   scripts/bench.sh [--quick] [--out DIR]

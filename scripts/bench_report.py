@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """Turns the Google Benchmark JSON files that scripts/bench.sh writes into one
-Markdown report (README's Performance section) and the same rows as JSON.
+Markdown report (docs/performance.md) and the same rows as JSON.
 
     bench_report.py OUTDIR [--command CMD] [--build DIR] [--quick]
 

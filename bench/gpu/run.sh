@@ -8,7 +8,7 @@
 #      (cudaMemGetInfo before/after), pinned D2H/H2D GB/s through the engine
 #      beside plain cudaMemcpy;
 #   4. pip installs the Python package into that torch's environment and
-#      runs its pytest suites (README's FSDP2 and Lightning blocks included:
+#      runs its pytest suites (the FSDP2 and Lightning blocks of docs/python.md included:
 #      a real fully_shard model on CPU over Gloo, 2 processes, and
 #      EMACallback in a Lightning Trainer), then bench/gpu/python_check.py
 #      (the CUDA copy engine under shardema.EMA, fully_shard on the GPU).

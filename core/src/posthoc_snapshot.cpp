@@ -259,7 +259,7 @@ void writeSnapshot(const std::string& path,
   for (const auto& [name, tensor] : tensors) {
     TORCH_CHECK_VALUE(tensor.defined(), "writeSnapshot(", path, "): tensor '", name,
                       "' is undefined");
-    // Snapshots are float32 by contract (DESIGN section 5) whatever the
+    // Snapshots are float32 by contract (DESIGN.md section 5) whatever the
     // training dtype; integer buffers such as counters are not averaged and
     // keep their dtype.
     file.tensors.emplace_back(name, at::isFloatingType(tensor.scalar_type())

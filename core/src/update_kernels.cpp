@@ -84,8 +84,8 @@ void copyLoop(float* __restrict ema, const Source* __restrict src, int64_t count
 
 #if defined(__x86_64__)
 // fp16 is the one source whose conversion, done in software at the SSE2
-// baseline, costs more than the memory traffic (about 1.5 G elements/s per
-// core, well under bandwidth). CPUs with F16C (every x86-64 since about
+// baseline, costs more than the memory traffic (update_bench's fp16 rows
+// in docs/performance.md). CPUs with F16C (every x86-64 since about
 // 2012) convert 8 halves in one instruction; we pick that clone at run time
 // because CI may build for plain x86-64. The float math is the same sub,
 // mul, add (no FMA: "fma" is not in the target), and vcvtph2ps converts

@@ -1,9 +1,7 @@
 #pragma once
-// Internal to lib/src: the kDevice storage. The EMA lives on each
-// source's device and update() runs there synchronously with ATen ops, one
-// tensor at a time (the fused _foreach_lerp_ does not exist in LibTorch
-// 1.13): the comparison mode. Everything runs on the caller's thread;
-// fence() and wait() return at once.
+// Internal to lib/src: the EmaStore of EmaStorage::kDevice (what it
+// promises: averager.h), ATen ops on each source's device, on the caller's
+// thread.
 #include <vector>
 
 #include "ema_store.h"

@@ -1,11 +1,7 @@
 #pragma once
-// Internal to lib/src: the kPinnedHost storage (DESIGN section 2).
-// The EMA lives in host memory from a PinnedArena; update() hands the
-// sources to the UpdatePipeline and returns once the first copies are
-// queued: the copies run on the engine's thread, the math on the pool's
-// workers. Tensors marked changesInForward (buffers) are read synchronously
-// inside update() into a host snapshot, so forward() may change them at
-// once.
+// Internal to lib/src: the EmaStore of EmaStorage::kPinnedHost (what it
+// promises: averager.h; the data path: DESIGN.md section 2), over one
+// UpdatePipeline, PinnedArena and copy engine.
 #include <memory>
 #include <vector>
 

@@ -46,8 +46,8 @@ void checkExportDtype(c10::ScalarType dtype, const char* api);
 /// floating tensors convert, integer/bool copies keep theirs.
 c10::ScalarType exportedDtype(c10::ScalarType stored, c10::ScalarType dtype);
 
-/// Metadata of an exported EMA's deployable weights file (DESIGN section
-/// 5): detail::deployableMetadata with the schedule and world size it ran.
+/// Metadata of an exported EMA's deployable weights file (DESIGN.md
+/// section 5): detail::deployableMetadata with the schedule and world size it ran.
 std::map<std::string, std::string> exportedMetadata(int64_t step, const DecaySchedule& schedule,
                                                     int64_t sourceWorldSize);
 

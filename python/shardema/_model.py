@@ -77,8 +77,9 @@ def named_tensors(items: Iterable[Tuple[str, Any]], policy: str) -> List[Tracked
 
 
 def is_dtensor(t: Any) -> bool:
-    """A DTensor, by the public attributes we read (torch 1.13 has no DTensor
-    class to test against)."""
+    """A DTensor, by the public attributes we read (to_local, placements,
+    device_mesh): torch's DTensor and any tensor subclass that behaves
+    like one."""
     return all(hasattr(t, a) for a in ("to_local", "placements", "device_mesh"))
 
 

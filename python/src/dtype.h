@@ -1,6 +1,6 @@
 #pragma once
-// torch.dtype <-> c10::ScalarType at the boundary (LibTorch 1.13 has no
-// pybind11 caster for it).
+// torch.dtype <-> c10::ScalarType at the boundary, with a message naming
+// the argument when the object is not a torch.dtype.
 #include <c10/core/ScalarType.h>
 #include <pybind11/pybind11.h>
 

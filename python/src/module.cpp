@@ -1,5 +1,5 @@
 // shardema._C: pybind11 over the facade. The package shardema (python/
-// shardema) is its only user; see DESIGN.md, "Python".
+// shardema) is its only user; see DESIGN.md section 8.
 #include <torch/csrc/utils/pybind.h>
 
 #include "bindings.h"

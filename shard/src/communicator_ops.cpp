@@ -12,8 +12,8 @@ namespace shardema {
 namespace shard {
 namespace {
 
-// Every dtype moves as uint8: Gloo refuses bf16 broadcast in 1.13, and
-// bytes make sender and receiver agree by size alone.
+// Every dtype moves as uint8: Gloo refused bf16 broadcasts (torch 1.13),
+// and bytes make sender and receiver agree by size alone.
 at::Tensor bytesOf(const at::Tensor& tensor, const char* op, const char* what,
                    const std::string& tag) {
   TORCH_CHECK_VALUE(tensor.defined(), "Communicator::", op, " of '", tag, "': ", what,
@@ -165,7 +165,7 @@ void Communicator::allReduceSum(const at::Tensor& tensor, const std::string& tag
   at::Tensor dev = staged(*impl_, tensor);
   impl_->run("allReduceSum", tag, tensor.nbytes(), [&] {
     std::vector<at::Tensor> tensors{dev};
-    c10d::AllreduceOptions opts;  // the default op is SUM in 1.13 and 2.x
+    c10d::AllreduceOptions opts;  // the default op is SUM
     opts.timeout = impl_->options.timeout;
     return impl_->group->allreduce(tensors, opts);
   });

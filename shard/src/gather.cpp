@@ -142,8 +142,8 @@ using Destination = std::function<at::Tensor(int64_t tensor, int64_t globalBegin
 
 // A block whose pieces average at least this many bytes moves piece by
 // piece (one broadcast each, straight from the owner's local), smaller ones
-// packed as one broadcast: a Gloo broadcast costs about 0.3 ms of latency
-// here, which a 1 MiB piece amortizes and saves its packing and unpacking.
+// packed as one broadcast: a Gloo broadcast has a fixed latency that a
+// 1 MiB piece amortizes, and piecewise saves its packing and unpacking.
 constexpr int64_t kPiecewiseBytes = int64_t{1} << 20;
 
 bool piecewise(const detail::Round& round, int64_t rank) {
@@ -191,9 +191,8 @@ void unpackInto(const detail::Round& round, int64_t r, const std::vector<at::Ten
 
 // To every rank: each owner broadcasts its block, packed or piecewise
 // (every rank decides from the plan alone, so all agree on each size).
-// Measured with Gloo (LibTorch 1.13, loopback, W = 2..4, 1-64 MiB): W
-// broadcasts take 1/2 to 1/4 of the time of one all-gather of the same
-// bytes, and they move no padding.
+// With Gloo, W broadcasts take less time than one all-gather of the same
+// bytes (gather_bench, docs/performance.md), and they move no padding.
 Blocks moveToAll(Communicator& comm, const detail::Round& round, const ShardLayout& layout,
                  const std::vector<at::Tensor>& locals, const std::string& tag, at::Tensor& scratch,
                  const Destination& direct) {

@@ -1,5 +1,5 @@
 // scanSnapshotFolder: the folders of both post-hoc layouts and every way
-// a folder can be inconsistent (DESIGN section 5).
+// a folder can be inconsistent (DESIGN.md section 5).
 #include "shardema/core/posthoc_snapshot.h"
 
 #include <ATen/ATen.h>

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Fails when README.md or DESIGN.md names a repository path that does not exist.
+"""Fails when a document (README.md, DESIGN.md, docs/) names a repository
+path that does not exist.
 
 Checked: every `backticked` token and every markdown link target that looks
 like a path of this repository (starts with one of its top-level folders or

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Fails when an include crosses the floors the wrong way (DESIGN.md 1).
+"""Fails when an include crosses the floors the wrong way (DESIGN.md section 1).
 
 The floors, bottom up: core; shard and offload (siblings, each on core);
 lib, the public API (on all three). Each publishes shardema/<floor>/*.h

@@ -20,7 +20,7 @@
 namespace shardema {
 namespace {
 
-// Independent of DecaySchedule: the warmup formula of spec section 7.
+// Independent of DecaySchedule: the warmup formula of docs/spec/reference_semantics.md section 7.
 double warmupDecay(int64_t n, double power, double maxValue) {
   const double e = std::max<double>(0.0, static_cast<double>(n) - 1.0);
   if (e <= 0) return 0.0;

@@ -4,8 +4,8 @@
 // replicas), a training loop that drives the callback's hooks in a
 // trainer's order and records what every counted step left in the module,
 // and the float64 references the callback's files are checked against:
-// the nitrous power-function EMA (spec section 2) and the raw post-hoc
-// synthesis (spec section 3), written out here independently of the
+// the nitrous power-function EMA (docs/spec/reference_semantics.md section 2) and the raw post-hoc
+// synthesis (docs/spec/reference_semantics.md section 3), written out here independently of the
 // library's Averager and file synthesis.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -224,7 +224,7 @@ inline std::set<std::string> snapshotNames(const std::vector<int64_t>& steps) {
   return names;
 }
 
-/// The raw post-hoc synthesis (spec section 3) of `sigmaRel` at `step` from
+/// The raw post-hoc synthesis (docs/spec/reference_semantics.md section 3) of `sigmaRel` at `step` from
 /// the full-copy snapshots of `folder` for the given profiles and
 /// steps: weights from solveSynthesisWeights over (step, gamma of
 /// sigmaRels[i]), tensors read with readTensorFile and summed in float64.

@@ -25,7 +25,7 @@ struct ModelTensor {
   TrackRole role = TrackRole::kAverage;
 };
 
-/// Uneven sizes of spec/shard_layouts.md: numel 0, 1, primes, d0 < W,
+/// Uneven sizes of docs/spec/shard_layouts.md: numel 0, 1, primes, d0 < W,
 /// d0 = W*k +- 1, 0-dim, and an integer buffer that is copied.
 inline std::vector<ModelTensor> unevenModel(at::ScalarType floating, bool withIntegerBuffer) {
   std::vector<ModelTensor> model = {

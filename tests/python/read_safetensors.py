@@ -63,7 +63,7 @@ def check(path):
 
 
 def check_tensor_checksums(header, metadata, data):
-    """shardema.xxh64 recomputed with the xxhash package (README, Files): per
+    """shardema.xxh64 recomputed with the xxhash package (docs/files.md): per
     tensor, XXH64 of "<DTYPE>[<shape>]" followed by the tensor's bytes."""
     import xxhash  # xxhash from requirements.lock
     text = metadata.get("shardema.xxh64")

@@ -1,4 +1,4 @@
-"""Every ```python block of README.md's "From Python" section runs as a test,
+"""Every ```python block of README.md and docs/python.md runs as a test,
 each in a fresh folder, as a user would paste it: the FSDP2 block on two
 processes with a real fully_shard model, the Lightning block in a real
 Trainer. A leading "# ranks: N" comment starts a block on N processes with
@@ -13,14 +13,16 @@ import pytest
 
 from conftest import python_for_workers
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", ROOT / "docs" / "python.md"]
 
 
-def section_blocks():
-    text = README.read_text(encoding="utf-8")
-    start = text.index("\n## From Python\n")
-    end = text.index("\n## ", start + 1)
-    return re.findall(r"^```python\n(.*?)^```", text[start:end], flags=re.S | re.M)
+def doc_blocks():
+    found = []
+    for doc in DOCS:
+        text = doc.read_text(encoding="utf-8")
+        found += re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+    return found
 
 
 def free_port():
@@ -29,12 +31,13 @@ def free_port():
         return s.getsockname()[1]
 
 
-BLOCKS = section_blocks()
+BLOCKS = doc_blocks()
 
 
-def test_the_section_has_its_blocks():
-    # one process, DDP, FSDP2, FSDP1, post-hoc, Lightning
-    assert len(BLOCKS) == 6
+def test_the_documents_have_their_blocks():
+    # README: the tour; docs/python.md: one process, DDP, FSDP2, FSDP1,
+    # post-hoc, Lightning
+    assert len(BLOCKS) == 7
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))

@@ -1,5 +1,5 @@
-"""Writes post-hoc EMA snapshots in shardema's documented format (README,
-"Files") from Python, with numpy, struct and json only, so that a training
+"""Writes post-hoc EMA snapshots in shardema's documented format (docs/files.md)
+from Python, with numpy, struct and json only, so that a training
 job that never links shardema can still hand its snapshots to
 `shardema synthesize`.
 

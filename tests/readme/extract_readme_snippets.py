@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Turns every ```cpp block of README.md into a GoogleTest case.
+"""Turns every ```cpp block of the given Markdown files into a GoogleTest
+case (README.md and docs/cpp.md).
 
 The README's API tour is a set of fragments that use a model, an optimizer,
 a communicator and a few loop counters without declaring them. Each block
@@ -7,7 +8,7 @@ becomes the body of one TEST, inside a scope where readme_snippet_context.h
 provides those names, so the test fails to build when the README drifts
 from the API, and runs each block once in a fresh folder.
 
-usage: extract_readme_snippets.py README.md OUTPUT.cpp
+usage: extract_readme_snippets.py OUTPUT.cpp DOC.md [DOC.md ...]
 """
 import re
 import sys
@@ -18,18 +19,21 @@ def blocks(text):
 
 
 def main():
-    readme, output = sys.argv[1], sys.argv[2]
-    with open(readme, encoding="utf-8") as f:
-        found = blocks(f.read())
-    if not found:
-        sys.exit(f"{readme}: no ```cpp blocks")
+    output, docs = sys.argv[1], sys.argv[2:]
+    found = []
+    for doc in docs:
+        with open(doc, encoding="utf-8") as f:
+            these = blocks(f.read())
+        if not these:
+            sys.exit(f"{doc}: no ```cpp blocks")
+        found += these
     includes, bodies = [], []
     for block in found:
         lines = block.splitlines()
         includes += [l for l in lines if l.startswith("#include")]
         bodies.append("\n".join(l for l in lines if not l.startswith("#include")))
-    out = ["// Generated from README.md by tests/readme/extract_readme_snippets.py.",
-           "// Edit the README, not this file."]
+    out = ["// Generated from " + ", ".join(docs) + " by tests/readme/extract_readme_snippets.py.",
+           "// Edit those documents, not this file."]
     out += sorted(set(includes))
     out.append('#include "readme/readme_snippet_context.h"')
     out.append("")

@@ -1,6 +1,6 @@
 // ShardSpec arithmetic against independent references: a row-by-row
 // re-statement of torch.chunk, Python's torch.chunk itself, and the
-// hand-worked examples of spec/shard_layouts.md.
+// hand-worked examples of docs/spec/shard_layouts.md.
 #include "shardema/shard/shard_spec.h"
 
 #include <gtest/gtest.h>

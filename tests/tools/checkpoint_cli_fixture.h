@@ -1,7 +1,7 @@
 #pragma once
 // For the export/inspect CLI tests: runs the real `shardema` binary, and
 // writes a per-rank checkpoint folder by hand from the documented format
-// (DESIGN section 5, rank_manifest.h, ShardLayout::toJson's canonical form)
+// (DESIGN.md section 5, rank_manifest.h, ShardLayout::toJson's canonical form)
 // with core pieces only, so the CLI is checked against the contract rather
 // than against the code that writes it.
 #include <ATen/ATen.h>

@@ -1,6 +1,6 @@
 // `shardema synthesize` against the reference post-hoc run: the lucid_fp32
 // snapshots of tests/data/posthoc_ema_run.json are written by hand in the
-// documented snapshot format (DESIGN section 5), once as a rank-0 full-copy
+// documented snapshot format (DESIGN.md section 5), once as a rank-0 full-copy
 // folder and once split over two ranks; the CLI's output must match the
 // references' synthesized weights and be the same for both post-hoc layouts.
 #include <ATen/ATen.h>

@@ -2,7 +2,7 @@
 // Averager: the EMA of a set of named tensors (one model, one profile).
 //
 // Two storages (AveragerOptions::storage):
-//   - kPinnedHost (default, DESIGN section 2): the EMA lives in host memory
+//   - kPinnedHost (default, DESIGN.md section 2): the EMA lives in host memory
 //     from a PinnedArena; update() queues the work, the copy engine moves
 //     the sources into bounded staging slots and the worker pool folds them
 //     in. update() returns at once; fence() returns once the sources have
@@ -16,9 +16,8 @@
 //     makes update() call fence() itself (safe, but nothing overlaps the
 //     next forward and backward). No device memory is used.
 //   - kDevice: the EMA lives on the sources' device and update() runs there
-//     synchronously with ATen ops, one tensor at a time (the fused
-//     _foreach_lerp_ does not exist in LibTorch 1.13): the comparison mode.
-//     fence() and wait() return at once.
+//     synchronously with ATen ops, one tensor at a time: the comparison
+//     mode. fence() and wait() return at once.
 // Every call that reads or writes the EMA (ema, emaTensors, state, save,
 // copyTo, loadEmaValues, loadState, load, the destructor) first
 // waits for an update in flight.
@@ -86,7 +85,7 @@ struct AveragerOffloadOptions {
   /// their rates vary, each for chunkBytes more staging (numSlots x
   /// chunkBytes, held for the Averager's life; 32 MiB by default).
   int numSlots = 4;
-  /// false (default, DESIGN section 2): update() returns at once and the
+  /// false (default, DESIGN.md section 2): update() returns at once and the
   /// caller calls fence() before the sources change (update after the
   /// optimizer step, fence before the next one), so the copies overlap the
   /// next forward and backward passes. A source written in place before

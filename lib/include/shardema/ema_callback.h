@@ -1,5 +1,5 @@
 #pragma once
-// EmaCallback: the warmup-EMA lifecycle of a trainer callback (DESIGN
+// EmaCallback: the warmup-EMA lifecycle of a trainer callback (DESIGN.md
 // section 4, the VersatIL EMACallback), for a C++ training loop. Call the
 // hooks where a Lightning trainer would; all of them run on the caller's
 // thread. With the default storage (pinned host) the EMA math runs in the

@@ -1,5 +1,5 @@
 #pragma once
-// PostHocCallback: the post-hoc EMA lifecycle (DESIGN section 4) of
+// PostHocCallback: the post-hoc EMA lifecycle (DESIGN.md section 4) of
 // FastVideo's DDPPostHocEMACallback (nitrous PostHocEMA on rank 0) and of
 // its sharded sibling, for a C++ training loop. Several power-function
 // profiles (one per sigma_rel) are updated in one pass on optimizer steps;

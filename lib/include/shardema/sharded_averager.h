@@ -1,6 +1,6 @@
 #pragma once
 // ShardedAverager: the EMA of this rank's shards of a sharded (FSDP1, FSDP2)
-// or replicated model (DESIGN section 3). Each rank tracks exactly the
+// or replicated model (DESIGN.md section 3). Each rank tracks exactly the
 // elements it owns, described by a shard::ShardSpec per tensor; the EMA is
 // elementwise, so update() never communicates and the union of every rank's
 // EMA equals the EMA a single process would keep of the full tensors.

@@ -1,6 +1,6 @@
 #pragma once
 // Sharded checkpoints: the per-rank EMA state of a ShardedAverager as a
-// folder (DESIGN section 5), and the offline tools over such folders.
+// folder (DESIGN.md section 5), and the offline tools over such folders.
 //
 //   save      saveCheckpoint(comm, dir, averager)   every rank, collectively
 //   load      loadCheckpoint(dir, averager)         each rank its own file

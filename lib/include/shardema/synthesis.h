@@ -1,5 +1,5 @@
 #pragma once
-// Post-hoc EMA synthesis (Karras et al., Algorithm 3; DESIGN section 5): the
+// Post-hoc EMA synthesis (Karras et al., Algorithm 3; DESIGN.md section 5): the
 // EMA of another sigma_rel, made after training from saved power-function
 // snapshots as sum_i w_i snapshot_i.
 //

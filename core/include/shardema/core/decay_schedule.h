@@ -1,7 +1,7 @@
 #pragma once
 // DecaySchedule: the EMA decay beta as a pure function of the optimizer step.
 //
-// Step convention (spec section 7): n is the 1-based number of optimizer
+// Step convention (docs/spec/reference_semantics.md section 7): n is the 1-based number of optimizer
 // steps taken, i.e. Lightning's global_step after the step, or the number of
 // Averager::update() calls so far including this one. Every formula is
 // evaluated in float64.
@@ -16,7 +16,7 @@ enum class ScheduleKind { kConstant, kWarmup, kPower };
 /// "constant", "warmup" or "power": the names toJson() writes.
 const char* scheduleKindName(ScheduleKind kind);
 
-/// Which off-by-one of the power-function beta to use (spec section 2).
+/// Which off-by-one of the power-function beta to use (docs/spec/reference_semantics.md section 2).
 enum class BetaConvention {
   /// ema-pytorch / nitrous (the default): beta(n) = (1 - 1/(n+1))^(gamma+1);
   /// the first update of an Averager is a copy.
@@ -32,7 +32,7 @@ struct ConstantScheduleOptions {
   int64_t updateEvery = 1;
 };
 
-/// Warmup ("inverse decay") schedule, spec section 7:
+/// Warmup ("inverse decay") schedule, docs/spec/reference_semantics.md section 7:
 /// e = max(0, n - updateAfterStep - 1); decay = 0 when e <= 0, otherwise
 /// clamp(1 - (1 + e / invGamma)^(-power), minValue, maxValue).
 /// Defaults follow the VersatIL callback.

@@ -1,5 +1,5 @@
 #pragma once
-// The metadata of shardema's files (DESIGN section 5) in one place: every
+// The metadata of shardema's files (DESIGN.md section 5) in one place: every
 // key we write, the values of shardema.kind, how numbers are spelled
 // (integers as plain decimal digits, doubles with 17 significant digits so
 // they read back bit-exactly) and the one builder of deployable-weights

@@ -1,5 +1,5 @@
 #pragma once
-// Post-hoc EMA snapshot files (DESIGN section 5): one power-function profile
+// Post-hoc EMA snapshot files (DESIGN.md section 5): one power-function profile
 // at one step, `{folder}/{i}.{step}.safetensors`, or per rank
 // `{folder}/rank_{r:05d}/{i}.{step}.safetensors` in sharded layout.
 // Core only: no threads, no communication.

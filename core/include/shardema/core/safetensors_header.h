@@ -1,6 +1,6 @@
 #pragma once
 // The safetensors container, without tensors: building and validating the
-// header. Layout (DESIGN section 5): 8-byte little-endian header length N,
+// header. Layout (DESIGN.md section 5): 8-byte little-endian header length N,
 // N bytes of JSON {name: {dtype, shape, data_offsets: [begin, end]}, ...,
 // "__metadata__": {string: string}}, then the data area; offsets are
 // relative to the data area. No torch dependency.

@@ -1,5 +1,5 @@
 #pragma once
-// Reading and writing safetensors files of at::Tensors (DESIGN section 5).
+// Reading and writing safetensors files of at::Tensors (DESIGN.md section 5).
 // Python users read these with `safetensors` or numpy; nothing is pickled.
 #include <ATen/core/Tensor.h>
 

@@ -1,5 +1,5 @@
 #pragma once
-// The files of a sharded checkpoint (DESIGN section 5), for the library and
+// The files of a sharded checkpoint (DESIGN.md section 5), for the library and
 // tools: rank file names, one rank's file, manifest.json. Users call the
 // save / load / inspect / export / reshard functions of
 // sharded_checkpoint.h instead.

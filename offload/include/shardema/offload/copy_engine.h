@@ -1,5 +1,5 @@
 #pragma once
-// CopyEngine: the seam between the pipeline and the hardware (STYLE rule 3).
+// CopyEngine: the seam between the pipeline and the hardware.
 // It moves bytes between the training side (device memory, or host memory
 // for CPU training) and host staging memory, asynchronously and in order:
 //   - copies are ordered after the producer's point recorded by

@@ -1,5 +1,5 @@
 #pragma once
-// UpdatePipeline: one asynchronous, chunked EMA update at a time (DESIGN
+// UpdatePipeline: one asynchronous, chunked EMA update at a time (DESIGN.md
 // section 2). The sources' bytes are cut into chunks of at most chunkBytes,
 // and each chunk takes one of two paths:
 //   - Direct (sources in host memory: CPU training, or the host side of a
@@ -78,21 +78,13 @@ class WorkerPool;
 class PinnedArena;
 
 /// Default UpdatePipelineOptions::chunkBytes and numSlots (and the
-/// Averager's): 4 slots of 8 MiB, 32 MiB of staging. Chosen from
-/// offload_bench's staging sweep on a quiet run (2026-12-03 22:30 UTC, host
-/// engine, f32, 64 Mi elements; fraction of the traffic limit):
-///   slots \ chunk   1 MiB  4 MiB  8 MiB  32 MiB
-///   2               0.47   0.56   0.63   0.78
-///   4               0.54   0.79   1.03   1.12
+/// Averager's): 4 slots of 8 MiB, 32 MiB of staging, chosen from
+/// offload_bench's staging sweep (docs/performance.md, "Staging defaults").
 /// More slots let the copies run ahead of the math when their rates vary;
-/// larger chunks cost fewer copy calls and hand-offs (a CUDA copy about
-/// 10 us: at 1 MiB a quarter of the copy's time on PCIe 4, at 8 MiB under a
-/// twentieth) and, on the direct path, fewer per-chunk source checks. 32 MiB
-/// chunks gained 9% more for 4x the staging and a longer pipeline fill (the
-/// first math waits for a whole chunk), so 8 MiB it is. The cache argument
-/// for small slots (a chunk read back while still in the last-level cache)
-/// did not show on this VM, whose cache is shared with other guests; redo
-/// the sweep with the CUDA engine, where the copy is a DMA.
+/// larger chunks cost fewer copy calls and hand-offs (a CUDA copy has a
+/// fixed cost of some microseconds) and, on the direct path, fewer
+/// per-chunk source checks, but more staging memory and a longer pipeline
+/// fill (the first math waits for a whole chunk).
 constexpr int64_t kDefaultChunkBytes = int64_t{8} << 20;
 constexpr int kDefaultNumSlots = 4;
 

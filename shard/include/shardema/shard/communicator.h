@@ -1,9 +1,9 @@
 #pragma once
-// Communicator: shardema's one thin adapter over c10d (STYLE rule 3). It
-// hides the LibTorch 1.13 / 2.x differences (1.13: ProcessGroupGloo is a
-// c10d::ProcessGroup; 2.x: Gloo and NCCL are c10d::Backends wrapped by a
-// ProcessGroup) and turns every failure into one c10::Error that names the
-// operation, what it moved, this rank and the world size. c10d's own
+// Communicator: shardema's one thin adapter over c10d. It runs the
+// collectives on the group's c10d::Backend (Gloo or NCCL), makes the Gloo
+// backend without Gloo's headers (shard/src/gloo_backend.h), and turns every
+// failure into one c10::Error that names the operation, what it moved, this
+// rank and the world size. c10d's own
 // headers stay out of this one: it only forward-declares their types.
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
@@ -34,7 +34,7 @@ enum class CommBackend {
 struct CommunicatorOptions {
   /// Bound on every blocking call (rendezvous included); a peer that is
   /// gone or out of step makes the call fail after at most this long.
-  /// Default 5 minutes (DESIGN 7): long enough for a slow rank to reach a
+  /// Default 5 minutes (DESIGN.md section 7): long enough for a slow rank to reach a
   /// checkpoint, short enough that a dead job does not hold its nodes.
   std::chrono::milliseconds timeout = std::chrono::minutes(5);
   /// Which c10d backend to create. Default kGloo. Ignored when the group is

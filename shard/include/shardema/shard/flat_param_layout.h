@@ -1,5 +1,5 @@
 #pragma once
-// FSDP1 FlatParameter layout of one FSDP unit (spec/shard_layouts.md,
+// FSDP1 FlatParameter layout of one FSDP unit (docs/spec/shard_layouts.md,
 // pytorch torch/distributed/fsdp/_flat_param.py): the members are laid end
 // to end in one 1-D flat parameter (16-byte aligned with use_orig_params),
 // right-padded to a multiple of W; rank r owns [r*S, (r+1)*S).

@@ -75,7 +75,7 @@ using PieceSink =
 /// broadcast per owning rank, or one per piece where a rank's pieces
 /// average >= 1 MiB (they then skip packing, and in gatherFull land
 /// straight in the result). With Gloo these broadcasts beat one all-gather
-/// of the same bytes (measured, LibTorch 1.13: 2-4x at 1-64 MiB).
+/// of the same bytes (gather_bench, docs/performance.md).
 void gatherStreaming(Communicator& comm, const ShardLayout& layout,
                      const std::vector<at::Tensor>& locals, const PieceSink& sink,
                      GatherOptions options = {});

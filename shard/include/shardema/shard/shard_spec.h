@@ -1,6 +1,6 @@
 #pragma once
 // ShardSpec: which elements of one global tensor each rank of a job owns,
-// as element ranges of the row-major flattened tensor (spec/shard_layouts.md).
+// as element ranges of the row-major flattened tensor (docs/spec/shard_layouts.md).
 // One representation serves replicated, FSDP2 and FSDP1 layouts. Pure
 // arithmetic: nothing here communicates.
 #include <c10/core/ScalarType.h>

@@ -1,5 +1,5 @@
 #pragma once
-// CudaCopyEngine: the CopyEngine protocol on CUDA streams (DESIGN section 2).
+// CudaCopyEngine: the CopyEngine protocol on CUDA streams (DESIGN.md section 2).
 //
 // Streams: one non-blocking stream for device-to-host copies (copyToHost)
 // and one for host-to-device copies (copyFromHost), created on the device
