@@ -277,8 +277,8 @@ void BM_Direct(benchmark::State& state, at::ScalarType dtype) {
   state.counters["update_GBps"] = pairedUpdate;
   state.counters["frac_of_update"] = gbps / pairedUpdate;
   const offload::PipelineStats stats = m.direct->stats();
-  state.counters["waiter_share"] =
-      static_cast<double>(stats.waiterChunks) / static_cast<double>(std::max<int64_t>(stats.chunks, 1));
+  state.counters["waiter_share"] = static_cast<double>(stats.waiterChunks) /
+                                   static_cast<double>(std::max<int64_t>(stats.chunks, 1));
 }
 
 // The staged path with chunk_MiB x slots staging, over the model of the
@@ -303,9 +303,12 @@ bool takeOwnFlags(int& argc, char** argv) {
     const auto valueOf = [&](const std::string& prefix) {
       return arg.rfind(prefix, 0) == 0 ? std::atoll(arg.c_str() + prefix.size()) : -1;
     };
-    if (const int64_t n = valueOf("--offload_elements="); n != -1) gMaxElements = n;
-    else if (const int64_t r = valueOf("--offload_overlap_rounds="); r != -1) gOverlapRounds = r;
-    else argv[out++] = argv[i];
+    if (const int64_t n = valueOf("--offload_elements="); n != -1)
+      gMaxElements = n;
+    else if (const int64_t r = valueOf("--offload_overlap_rounds="); r != -1)
+      gOverlapRounds = r;
+    else
+      argv[out++] = argv[i];
   }
   argc = out;
   // The smallest size (max/256) must still give every tensor an element.

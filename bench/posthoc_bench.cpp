@@ -34,9 +34,9 @@
 #include <string>
 #include <vector>
 
+#include "build_type_warning.h"
 #include "shardema/core/update_kernels.h"
 #include "shardema/offload/worker_pool.h"
-#include "build_type_warning.h"
 
 namespace {
 
@@ -170,10 +170,10 @@ void registerAll() {
   for (SourceType type : {SourceType::kFloat32, SourceType::kBFloat16}) {
     for (int k : {1, 2, 4, 8}) {
       const std::string suffix = std::string("/") + typeName(type) + "/k:" + std::to_string(k);
-      common(benchmark::RegisterBenchmark(("one_pass" + suffix).c_str(), bench, type, k,
-                                          gElements, true));
-      common(benchmark::RegisterBenchmark(("k_passes" + suffix).c_str(), bench, type, k,
-                                          gElements, false));
+      common(benchmark::RegisterBenchmark(("one_pass" + suffix).c_str(), bench, type, k, gElements,
+                                          true));
+      common(benchmark::RegisterBenchmark(("k_passes" + suffix).c_str(), bench, type, k, gElements,
+                                          false));
     }
   }
   // 256 Ki .. 25.6 Mi by default: from cache-resident-ish to well past the
@@ -181,7 +181,8 @@ void registerAll() {
   for (int k : {2, 8}) {
     for (double scale : {1.0 / 32, 1.0 / 4, 1.0, 3.2}) {
       const auto n = std::max<int64_t>(1, static_cast<int64_t>(scale * gElements));
-      const std::string name = "one_pass_size/f32/k:" + std::to_string(k) + "/n:" + std::to_string(n);
+      const std::string name =
+          "one_pass_size/f32/k:" + std::to_string(k) + "/n:" + std::to_string(n);
       common(benchmark::RegisterBenchmark(name.c_str(), bench, SourceType::kFloat32, k, n, true));
     }
   }

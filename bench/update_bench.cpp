@@ -44,9 +44,9 @@
 #include <string>
 #include <vector>
 
+#include "build_type_warning.h"
 #include "shardema/core/tensor_update.h"
 #include "shardema/offload/worker_pool.h"
-#include "build_type_warning.h"
 
 namespace {
 
@@ -282,9 +282,9 @@ void benchOursSize(benchmark::State& state, at::ScalarType dtype) {
   const int threads = static_cast<int>(state.range(0));
   const int64_t elements = state.range(1);
   shardema::offload::WorkerPool& pool = poolFor(threads);
-  const std::vector<shardema::TensorUpdate> updates = {
-      {arena().ema.narrow(0, 0, elements), sourceOf(dtype).narrow(0, 0, elements),
-       shardema::UpdateOp::kLerp, "prefix"}};
+  const std::vector<shardema::TensorUpdate> updates = {{arena().ema.narrow(0, 0, elements),
+                                                        sourceOf(dtype).narrow(0, 0, elements),
+                                                        shardema::UpdateOp::kLerp, "prefix"}};
   double ours = 0.0, limit = 0.0;
   for (auto _ : state) {
     limit += secondsOf([&] { limitPass(pool, threads, elements); });

@@ -10,8 +10,8 @@
 #include <system_error>
 #include <utility>
 
-#include "shardema/core/regular_file.h"
 #include "os_error.h"
+#include "shardema/core/regular_file.h"
 
 namespace shardema {
 namespace {

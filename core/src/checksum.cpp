@@ -11,8 +11,8 @@
 #include <system_error>
 #include <vector>
 
-#include "shardema/core/regular_file.h"
 #include "os_error.h"
+#include "shardema/core/regular_file.h"
 
 namespace shardema {
 namespace {

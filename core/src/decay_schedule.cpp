@@ -210,7 +210,9 @@ double DecaySchedule::decayAt(int64_t n) const {
     case ScheduleKind::kWarmup: {
       // n - updateAfterStep - 1 cannot overflow: n >= 1 and updateAfterStep >= 0.
       const int64_t e = n - warmup_.updateAfterStep - 1;
-      if (e <= 0) return 0.0;  // min_value deliberately not applied here (docs/spec/reference_semantics.md section 1)
+      if (e <= 0)
+        return 0.0;  // min_value deliberately not applied here (docs/spec/reference_semantics.md
+                     // section 1)
       const double value =
           1.0 - std::pow(1.0 + static_cast<double>(e) / warmup_.invGamma, -warmup_.power);
       return std::clamp(value, warmup_.minValue, warmup_.maxValue);

@@ -54,16 +54,15 @@ bool detail::firesArmed(const char* name, int64_t a, int64_t b) {
 }
 
 Armed::Armed(std::string name, Predicate when, bool once) : name_(std::move(name)) {
-  TORCH_CHECK_VALUE(std::find_if(std::begin(kNames), std::end(kNames), [&](const char* known) {
-                      return name_ == known;
-                    }) != std::end(kNames),
-                    "failpoint::Armed: no failpoint is named '", name_,
-                    "' (core/include/shardema/core/failpoint.h lists them)");
+  TORCH_CHECK_VALUE(
+      std::find_if(std::begin(kNames), std::end(kNames),
+                   [&](const char* known) { return name_ == known; }) != std::end(kNames),
+      "failpoint::Armed: no failpoint is named '", name_,
+      "' (core/include/shardema/core/failpoint.h lists them)");
   TORCH_CHECK_VALUE(when != nullptr, "failpoint::Armed('", name_, "'): the predicate is empty");
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  TORCH_CHECK_VALUE(r.arms.count(name_) == 0, "failpoint::Armed: '", name_,
-                    "' is armed already");
+  TORCH_CHECK_VALUE(r.arms.count(name_) == 0, "failpoint::Armed: '", name_, "' is armed already");
   r.arms[name_] = Arm{std::move(when), once, false, 0};
   detail::armedCount.fetch_add(1, std::memory_order_relaxed);
 }

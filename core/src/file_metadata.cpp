@@ -53,8 +53,7 @@ std::map<std::string, std::string> deployableMetadata(const DeployableInfo& info
   } else {
     metadata[kSigmaRelKey] = formatDecimal17(info.synthesized->sigmaRel);
     metadata[kGammaKey] = formatDecimal17(info.synthesized->gamma);
-    metadata[kSynthesisKey] =
-        info.synthesized->normalized ? kNormalizedSynthesis : kRawSynthesis;
+    metadata[kSynthesisKey] = info.synthesized->normalized ? kNormalizedSynthesis : kRawSynthesis;
   }
   return metadata;
 }

@@ -80,8 +80,8 @@ void validateInfo(const SnapshotInfo& info, const std::string& path) {
   const double expected = gammaToSigmaRel(info.gamma);
   TORCH_CHECK_VALUE(std::abs(expected - info.sigmaRel) <= 1e-9 * expected, "writeSnapshot(", path,
                     "): sigmaRel ", formatDecimal17(info.sigmaRel), " disagrees with gamma ",
-                    formatDecimal17(info.gamma), " (gammaToSigmaRel gives ", formatDecimal17(expected),
-                    "); pass both from one profile");
+                    formatDecimal17(info.gamma), " (gammaToSigmaRel gives ",
+                    formatDecimal17(expected), "); pass both from one profile");
   if (info.rank < 0) {
     TORCH_CHECK_VALUE(info.rank == -1, "writeSnapshot(", path,
                       "): rank must be -1 (full-copy layout) or >= 0, got ", info.rank);

@@ -1,12 +1,12 @@
 #include "shardema/core/posthoc_synthesis.h"
 
 #include <c10/util/Exception.h>
-#include <sstream>
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <limits>
+#include <sstream>
 #include <utility>
 
 #include "shardema/core/power_function.h"
@@ -22,7 +22,8 @@ namespace {
 // references to about cond(A) * eps.
 class LuFactors {
  public:
-  explicit LuFactors(std::vector<double> matrix, size_t n) : lu_(std::move(matrix)), n_(n), pivot_(n) {
+  explicit LuFactors(std::vector<double> matrix, size_t n)
+      : lu_(std::move(matrix)), n_(n), pivot_(n) {
     for (size_t k = 0; k < n_; ++k) {
       size_t best = k;
       for (size_t i = k + 1; i < n_; ++i) {
@@ -96,8 +97,8 @@ double conditionNumber(const std::vector<double>& matrix, const LuFactors& lu, s
 void checkProfile(const char* what, int64_t step, double gamma) {
   TORCH_CHECK_VALUE(step >= 1, "profileInnerProduct: ", what, " step (", step,
                     ") must be >= 1 (snapshots are taken after optimizer steps)");
-  TORCH_CHECK_VALUE(std::isfinite(gamma) && gamma > 0.0, "profileInnerProduct: ", what,
-                    " gamma (", gamma, ") must be finite and > 0");
+  TORCH_CHECK_VALUE(std::isfinite(gamma) && gamma > 0.0, "profileInnerProduct: ", what, " gamma (",
+                    gamma, ") must be finite and > 0");
 }
 
 bool sameGamma(double a, double b) { return std::fabs(a - b) <= 1e-12 * std::max(a, b); }

@@ -11,8 +11,8 @@
 #include <system_error>
 #include <vector>
 
-#include "shardema/core/tensor_file.h"
 #include "os_error.h"
+#include "shardema/core/tensor_file.h"
 
 namespace shardema {
 namespace detail {

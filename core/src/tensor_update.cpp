@@ -122,11 +122,13 @@ void checkTensorUpdate(const TensorUpdate& update) {
   checkPair(update, "shardema::checkTensorUpdate");
 }
 
-void applyTensorUpdates(const std::vector<TensorUpdate>& updates, double weight, ParallelRunner* pool) {
+void applyTensorUpdates(const std::vector<TensorUpdate>& updates, double weight,
+                        ParallelRunner* pool) {
   applyChecked(updates, weight, pool, "shardema::applyTensorUpdates");
 }
 
-void lerpInto(const at::Tensor& ema, const at::Tensor& source, double weight, ParallelRunner* pool) {
+void lerpInto(const at::Tensor& ema, const at::Tensor& source, double weight,
+              ParallelRunner* pool) {
   applyChecked({TensorUpdate{ema, source, UpdateOp::kLerp, ""}}, weight, pool,
                "shardema::lerpInto");
 }

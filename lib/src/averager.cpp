@@ -11,9 +11,9 @@
 #include "device_ema_store.h"
 #include "ema_store.h"
 #include "pinned_host_ema_store.h"
+#include "shardema/core/tensor_file.h"
 #include "shardema/core/tensor_update.h"
 #include "shardema/core/update_kernels.h"
-#include "shardema/core/tensor_file.h"
 
 namespace shardema {
 namespace {
@@ -167,8 +167,7 @@ bool Averager::update(int64_t step) {
   plan.step = step;
   plan.weights.assign(weights.begin(), weights.end());
   plan.ops.reserve(tracked_.size());
-  for (const TrackedTensor& t : tracked_)
-    plan.ops.push_back(opFor(t, firstCopy, weightIsOne));
+  for (const TrackedTensor& t : tracked_) plan.ops.push_back(opFor(t, firstCopy, weightIsOne));
   emaStore.update(tracked_, plan);
   // Progress is recorded only once the update was accepted, so an update
   // refused on the caller can be retried at the same step.

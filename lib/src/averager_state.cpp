@@ -144,9 +144,9 @@ LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness
   // outside [0, 1], would resume an EMA that no save could have written.
   int64_t step = 0;
   const std::string& stepText = requireKey(file, detail::kStepKey);
-  TORCH_CHECK_VALUE(detail::parseDecimalDigits(stepText, &step), "Averager::loadState: ",
-                    detail::kStepKey, " (metadata key '", detail::kStepKey, "' is '", stepText,
-                    "') must be a non-negative integer");
+  TORCH_CHECK_VALUE(detail::parseDecimalDigits(stepText, &step),
+                    "Averager::loadState: ", detail::kStepKey, " (metadata key '", detail::kStepKey,
+                    "' is '", stepText, "') must be a non-negative integer");
   double lastDecay = 0.0;
   const std::string& decayText = requireKey(file, detail::kLastDecayKey);
   TORCH_CHECK_VALUE(

@@ -6,9 +6,9 @@
 #include <unordered_map>
 
 #include "shardema/core/file_metadata.h"
-#include "shardema/module_tracking.h"
 #include "shardema/core/tensor_file.h"
 #include "shardema/core/warning.h"
+#include "shardema/module_tracking.h"
 
 namespace shardema {
 namespace {

@@ -15,9 +15,10 @@ void EmaStore::initStorage(const std::vector<TrackedTensor>& tracked, int numPro
                            const Allocate& allocate) {
   storage_.reserve(tracked.size());
   for (const TrackedTensor& t : tracked) {
-    TORCH_CHECK(!failpoint::fires("lib.ema_storage.allocate", static_cast<int64_t>(storage_.size())),
-                "the EMA storage of tracked tensor ", storage_.size(),
-                " failed to allocate (failpoint lib.ema_storage.allocate)");
+    TORCH_CHECK(
+        !failpoint::fires("lib.ema_storage.allocate", static_cast<int64_t>(storage_.size())),
+        "the EMA storage of tracked tensor ", storage_.size(),
+        " failed to allocate (failpoint lib.ema_storage.allocate)");
     const bool averaged = isAveragingRole(t.role);
     const at::ScalarType dtype = averaged ? at::kFloat : t.source.scalar_type();
     std::vector<at::Tensor> profiles;

@@ -31,7 +31,6 @@ class PinnedHostEmaStore final : public EmaStore {
   void copyTo(const std::vector<TrackedTensor>& tracked) override;
   offload::PipelineStats stats() const override { return pipeline_.stats(); }
 
-
  private:
   // What the pipeline reads for tracked tensor `index`, in `dtype`.
   at::Tensor pipelineSource(size_t index, const TrackedTensor& t, at::ScalarType dtype);

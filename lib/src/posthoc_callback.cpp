@@ -14,13 +14,13 @@
 #include <unordered_map>
 
 #include "sharded_internal.h"
+#include "shardema/core/file_metadata.h"
 #include "shardema/core/posthoc_snapshot.h"
 #include "shardema/core/power_function.h"
-#include "shardema/shard/communicator.h"
-#include "shardema/core/file_metadata.h"
 #include "shardema/core/tensor_file.h"
 #include "shardema/core/update_kernels.h"
 #include "shardema/core/warning.h"
+#include "shardema/shard/communicator.h"
 
 namespace shardema {
 namespace {
@@ -69,10 +69,9 @@ void checkRanks(const PostHocRanks& r, PostHocLayout layout) {
                       ": the communicator is rank ", r.comm->rank(), " of ", r.comm->worldSize(),
                       " but ranks says ", r.rank, " of ", r.worldSize);
   }
-  TORCH_CHECK_VALUE(
-      layout != PostHocLayout::kSharded || r.worldSize == 1 || r.comm != nullptr, kApi,
-      ": the sharded layout with worldSize ", r.worldSize,
-      " needs ranks.comm (onTrainEnd gathers the synthesized shards)");
+  TORCH_CHECK_VALUE(layout != PostHocLayout::kSharded || r.worldSize == 1 || r.comm != nullptr,
+                    kApi, ": the sharded layout with worldSize ", r.worldSize,
+                    " needs ranks.comm (onTrainEnd gathers the synthesized shards)");
 }
 
 AveragerOptions averagerOptions(const PostHocCallbackOptions& o) {

@@ -14,13 +14,13 @@
 #include <unordered_map>
 
 #include "sharded_internal.h"
+#include "shardema/core/tensor_file.h"
 #include "shardema/core/warning.h"
 #include "shardema/posthoc_callback.h"
 #include "shardema/shard/agreement.h"
 #include "shardema/shard/communicator.h"
 #include "shardema/shard/gather.h"
 #include "shardema/synthesis.h"
-#include "shardema/core/tensor_file.h"
 #include "weighted_snapshots.h"
 
 namespace shardema {
@@ -133,9 +133,9 @@ void PostHocCallback::swapInValues(const std::unordered_map<std::string, at::Ten
   for (const TrackedTensor& target : swapTargets_) {
     if (!at::isFloatingType(target.source.scalar_type())) continue;
     const auto found = values.find(target.name);
-    TORCH_CHECK_VALUE(found != values.end() && found->second.numel() == target.source.numel(), kFinishApi,
-                      "::onValidationStart: the synthesized EMA holds no '", target.name, "' of ",
-                      target.source.numel(), " elements");
+    TORCH_CHECK_VALUE(found != values.end() && found->second.numel() == target.source.numel(),
+                      kFinishApi, "::onValidationStart: the synthesized EMA holds no '",
+                      target.name, "' of ", target.source.numel(), " elements");
   }
   // Raw copies first: whatever fails below, onValidationEnd restores them.
   keepRawForValidation();

@@ -39,8 +39,8 @@ std::vector<LocalShard> checkedShards(int64_t rank, std::vector<LocalShard> shar
   std::unordered_set<std::string> names;
   for (const LocalShard& shard : shards) {
     checkShard(shard, rank, worldSize);
-    TORCH_CHECK_VALUE(names.insert(shard.spec.name).second, kShardedApi, ": tensor '", shard.spec.name,
-                      "' is given twice; names must be unique");
+    TORCH_CHECK_VALUE(names.insert(shard.spec.name).second, kShardedApi, ": tensor '",
+                      shard.spec.name, "' is given twice; names must be unique");
   }
   return shards;
 }

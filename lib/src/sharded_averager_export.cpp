@@ -8,9 +8,9 @@
 #include <memory>
 
 #include "sharded_internal.h"
+#include "shardema/core/tensor_file_writer.h"
 #include "shardema/shard/communicator.h"
 #include "shardema/sharded_averager.h"
-#include "shardema/core/tensor_file_writer.h"
 
 namespace shardema {
 
@@ -107,7 +107,8 @@ void detail::exportPieces(shard::Communicator& comm, const std::string& path,
 }
 
 void ShardedAverager::exportWeights(shard::Communicator& comm, const std::string& path,
-                                 c10::ScalarType outputDtype, shard::GatherOptions options) const {
+                                    c10::ScalarType outputDtype,
+                                    shard::GatherOptions options) const {
   constexpr const char* kExportApi = "ShardedAverager::exportWeights";
   detail::checkExportDtype(outputDtype, kExportApi);
   TORCH_CHECK_VALUE(options.root >= 0 && options.root < comm.worldSize(), kExportApi,
@@ -123,10 +124,9 @@ void ShardedAverager::exportWeights(shard::Communicator& comm, const std::string
     // A background failure: join the gather's checks with it (see gather.h).
     options.localError = detail::currentErrorMessage();
   }
-  detail::exportPieces(
-      comm, path, layout_, pieces, outputDtype,
-      detail::exportedMetadata(averager_.step(), averager_.schedule(), worldSize_), options,
-      kExportApi);
+  detail::exportPieces(comm, path, layout_, pieces, outputDtype,
+                       detail::exportedMetadata(averager_.step(), averager_.schedule(), worldSize_),
+                       options, kExportApi);
 }
 
 }  // namespace shardema

@@ -2,7 +2,6 @@
 // saving all ranks of an in-process job (saveCheckpoint), and loading one
 // rank's state (loadCheckpoint).
 #include "shardema/sharded_checkpoint.h"
-#include "shardema/sharded_averager.h"
 
 #include <c10/util/Exception.h>
 
@@ -10,9 +9,10 @@
 #include <system_error>
 
 #include "sharded_internal.h"
-#include "shardema/detail/rank_manifest.h"
 #include "shardema/core/tensor_file_reader.h"
 #include "shardema/core/tensor_file_writer.h"
+#include "shardema/detail/rank_manifest.h"
+#include "shardema/sharded_averager.h"
 
 namespace shardema {
 

@@ -11,8 +11,8 @@
 #include "shardema/detail/rank_manifest.h"
 #include "shardema/shard/agreement.h"
 #include "shardema/shard/communicator.h"
-#include "shardema/sharded_checkpoint.h"
 #include "shardema/sharded_averager.h"
+#include "shardema/sharded_checkpoint.h"
 
 namespace shardema {
 namespace {

@@ -13,9 +13,9 @@
 
 #include "sharded_internal.h"
 #include "shardema/core/output_path.h"
-#include "shardema/detail/rank_manifest.h"
 #include "shardema/core/tensor_file_reader.h"
 #include "shardema/core/tensor_file_writer.h"
+#include "shardema/detail/rank_manifest.h"
 #include "shardema/sharded_checkpoint.h"
 
 namespace shardema {

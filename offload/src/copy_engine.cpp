@@ -4,10 +4,10 @@
 
 #include <string>
 
+#include "shardema/core/warning.h"
 #include "shardema/offload/detail/cuda_copy_engine.h"
 #include "shardema/offload/detail/device_probe.h"
 #include "shardema/offload/detail/host_copy_engine.h"
-#include "shardema/core/warning.h"
 
 namespace shardema::offload {
 namespace {

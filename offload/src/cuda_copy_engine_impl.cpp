@@ -1,12 +1,13 @@
 // The CUDA side of CudaCopyEngine; see cuda_copy_engine.h for the protocol.
 #ifdef SHARDEMA_HAVE_CUDA
 #include "cuda_copy_engine_impl.h"
-#include "shardema/core/warning.h"
 
 #include <c10/util/Exception.h>
 
 #include <chrono>
 #include <vector>
+
+#include "shardema/core/warning.h"
 
 #ifdef SHARDEMA_TORCH_CUDA
 #include <c10/cuda/CUDAStream.h>

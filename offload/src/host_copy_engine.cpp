@@ -1,10 +1,11 @@
 #include "shardema/offload/detail/host_copy_engine.h"
-#include "shardema/core/warning.h"
 
 #include <c10/util/Exception.h>
 
 #include <cstring>
 #include <utility>
+
+#include "shardema/core/warning.h"
 
 namespace shardema::offload {
 namespace {
@@ -96,7 +97,8 @@ void HostCopyEngine::run() {
       try {
         copy.onDone(error);
       } catch (const std::exception& e) {
-        detail::warn(std::string("HostCopyEngine: a copy's onDone threw (it must not): ") + e.what());
+        detail::warn(std::string("HostCopyEngine: a copy's onDone threw (it must not): ") +
+                     e.what());
       } catch (...) {
         detail::warn("HostCopyEngine: a copy's onDone threw (it must not)");
       }

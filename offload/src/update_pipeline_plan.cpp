@@ -45,10 +45,10 @@ void UpdatePipeline::plan(const std::vector<PipelineJob>& jobs,
     if (readsInPlace(jobs[j], j)) directBytes += static_cast<int64_t>(jobs[j].source.nbytes());
   }
   const int64_t threads = pool_->size() + 1;
-  int64_t capacity = std::min(
-      options_.chunkBytes,
-      std::max(kMinDirectChunkBytes,
-               alignUp(directBytes / (kDirectChunksPerThread * threads), kPieceAlign)));
+  int64_t capacity =
+      std::min(options_.chunkBytes,
+               std::max(kMinDirectChunkBytes,
+                        alignUp(directBytes / (kDirectChunksPerThread * threads), kPieceAlign)));
   int64_t used = capacity;  // the first piece opens a chunk
   const auto cut = [&](size_t j) {
     const int64_t srcSize = jobs[j].source.element_size();
@@ -75,7 +75,7 @@ void UpdatePipeline::plan(const std::vector<PipelineJob>& jobs,
   }
   directChunks_ = static_cast<int64_t>(chunks_.size());
   capacity = options_.chunkBytes;  // a staged chunk fills a slot
-  used = capacity;  // staged chunks never share one with direct pieces
+  used = capacity;                 // staged chunks never share one with direct pieces
   for (size_t j = 0; j < jobs.size(); ++j) {
     if (!readsInPlace(jobs[j], j)) cut(j);
   }

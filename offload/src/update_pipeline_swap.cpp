@@ -67,8 +67,8 @@ void UpdatePipeline::copyTo(const std::vector<SwapJob>& jobs) {
     throw;
   }
   engine.synchronize();
-  TORCH_CHECK(state.error.empty(), "UpdatePipeline::copyTo: copying tensor '",
-              *state.errorName, "' to its destination failed: ", state.error);
+  TORCH_CHECK(state.error.empty(), "UpdatePipeline::copyTo: copying tensor '", *state.errorName,
+              "' to its destination failed: ", state.error);
 }
 
 void UpdatePipeline::queueSwapCopies(const std::vector<SwapJob>& jobs, SwapState& state) {

@@ -60,9 +60,9 @@ void bindEma(py::module_& m) {
                        std::vector<LocalShard> shards,
                        const std::vector<std::pair<std::string, at::Tensor>>& wholeTensors,
                        const DecaySchedule& schedule, std::vector<DecaySchedule> moreSchedules,
-                       bool copyOnFirstUpdate, const std::string& storage,
-                       int64_t chunkBytes, int numSlots, bool fenceInUpdate,
-                       const std::string& engine, std::string layoutName) {
+                       bool copyOnFirstUpdate, const std::string& storage, int64_t chunkBytes,
+                       int numSlots, bool fenceInUpdate, const std::string& engine,
+                       std::string layoutName) {
              AveragerOptions options;
              options.schedule = schedule;
              options.moreSchedules = std::move(moreSchedules);
@@ -83,8 +83,7 @@ void bindEma(py::module_& m) {
            py::arg("process_group"), py::arg("timeout_seconds"), py::arg("shards"),
            py::arg("whole_tensors"), py::arg("schedule"), py::arg("more_schedules"),
            py::arg("copy_on_first_update"), py::arg("storage"), py::arg("chunk_bytes"),
-           py::arg("num_slots"), py::arg("fence_in_update"), py::arg("engine"),
-           py::arg("layout"))
+           py::arg("num_slots"), py::arg("fence_in_update"), py::arg("engine"), py::arg("layout"))
       .def("update", &PythonEma::update, py::arg("step") = py::none(), Release())
       .def("fence", &PythonEma::fence, Release())
       .def("wait", &PythonEma::wait, Release())

@@ -16,9 +16,9 @@
 #include "conversions.h"
 #include "dtype.h"
 #include "process_group.h"
+#include "shardema/core/tensor_file.h"
 #include "shardema/posthoc_callback.h"
 #include "shardema/synthesis.h"
-#include "shardema/core/tensor_file.h"
 
 namespace py = pybind11;
 
@@ -33,50 +33,47 @@ struct PythonPostHoc {
   std::unique_ptr<PostHocCallback> callback;
 };
 
-
-
 }  // namespace
 
 void bindPostHoc(py::module_& m) {
   py::class_<PythonPostHoc>(m, "PostHoc", "The engine under shardema.PostHocEMA")
-      .def(py::init([](const std::vector<double>& sigmaRels, int64_t updateEvery,
-                       int64_t checkpointEvery, std::string checkpointFolder, int64_t startIter,
-                       double defaultOutputSigma, bool stepSizeCorrection,
-                       const std::string& layout, const std::string& policy,
-                       std::string outputFolder, std::string outputPrefix, py::handle outputDtype,
-                       const py::object& group, double timeoutSeconds) {
-             PostHocCallbackOptions o;
-             o.sigmaRels = sigmaRels;
-             o.updateEvery = updateEvery;
-             o.checkpointEvery = checkpointEvery;
-             o.checkpointFolder = std::move(checkpointFolder);
-             o.startIter = startIter;
-             o.defaultOutputSigma = defaultOutputSigma;
-             o.stepSizeCorrection = stepSizeCorrection;
-             o.layout = parsePostHocLayout(layout);
-             o.policy = parsePolicy(policy);
-             o.outputFolder = std::move(outputFolder);
-             o.outputPrefix = std::move(outputPrefix);
-             o.outputDtype = scalarTypeOf(outputDtype, "output_dtype");
-             auto holder = std::make_unique<PythonPostHoc>();
-             holder->comm = communicatorFor(group, timeoutSeconds);
-             PostHocRanks ranks{holder->comm->rank(), holder->comm->worldSize(),
-                                holder->comm.get()};
-             holder->callback = std::make_unique<PostHocCallback>(std::move(o), ranks);
-             return holder;
-           }),
-           py::arg("sigma_rels"), py::arg("update_every"), py::arg("checkpoint_every"),
-           py::arg("checkpoint_folder"), py::arg("start_iter"), py::arg("default_output_sigma"),
-           py::arg("step_size_correction"), py::arg("layout"), py::arg("policy"),
-           py::arg("output_folder"), py::arg("output_prefix"), py::arg("output_dtype"),
-           py::arg("process_group"), py::arg("timeout_seconds"))
+      .def(
+          py::init([](const std::vector<double>& sigmaRels, int64_t updateEvery,
+                      int64_t checkpointEvery, std::string checkpointFolder, int64_t startIter,
+                      double defaultOutputSigma, bool stepSizeCorrection, const std::string& layout,
+                      const std::string& policy, std::string outputFolder, std::string outputPrefix,
+                      py::handle outputDtype, const py::object& group, double timeoutSeconds) {
+            PostHocCallbackOptions o;
+            o.sigmaRels = sigmaRels;
+            o.updateEvery = updateEvery;
+            o.checkpointEvery = checkpointEvery;
+            o.checkpointFolder = std::move(checkpointFolder);
+            o.startIter = startIter;
+            o.defaultOutputSigma = defaultOutputSigma;
+            o.stepSizeCorrection = stepSizeCorrection;
+            o.layout = parsePostHocLayout(layout);
+            o.policy = parsePolicy(policy);
+            o.outputFolder = std::move(outputFolder);
+            o.outputPrefix = std::move(outputPrefix);
+            o.outputDtype = scalarTypeOf(outputDtype, "output_dtype");
+            auto holder = std::make_unique<PythonPostHoc>();
+            holder->comm = communicatorFor(group, timeoutSeconds);
+            PostHocRanks ranks{holder->comm->rank(), holder->comm->worldSize(), holder->comm.get()};
+            holder->callback = std::make_unique<PostHocCallback>(std::move(o), ranks);
+            return holder;
+          }),
+          py::arg("sigma_rels"), py::arg("update_every"), py::arg("checkpoint_every"),
+          py::arg("checkpoint_folder"), py::arg("start_iter"), py::arg("default_output_sigma"),
+          py::arg("step_size_correction"), py::arg("layout"), py::arg("policy"),
+          py::arg("output_folder"), py::arg("output_prefix"), py::arg("output_dtype"),
+          py::arg("process_group"), py::arg("timeout_seconds"))
       .def(
           "on_fit_start",
           [](PythonPostHoc& p, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
              const std::vector<std::string>& roles, const std::vector<bool>& changesInForward) {
-            TORCH_CHECK_VALUE(roles.size() == tensors.size() &&
-                                  changesInForward.size() == tensors.size(),
-                              "on_fit_start: one role and one changes_in_forward per tensor");
+            TORCH_CHECK_VALUE(
+                roles.size() == tensors.size() && changesInForward.size() == tensors.size(),
+                "on_fit_start: one role and one changes_in_forward per tensor");
             std::vector<TrackedTensor> tracked;
             for (size_t i = 0; i < tensors.size(); ++i) {
               tracked.push_back({tensors[i].first, tensors[i].second, parseTrackRole(roles[i]),
@@ -102,8 +99,8 @@ void bindPostHoc(py::module_& m) {
           py::arg("global_step"), py::arg("batch_idx"), py::arg("accumulate_grad_batches"),
           py::arg("is_last_batch"), Release())
       .def(
-          "on_before_optimizer_step",
-          [](PythonPostHoc& p) { p.callback->onBeforeOptimizerStep(); }, Release())
+          "on_before_optimizer_step", [](PythonPostHoc& p) { p.callback->onBeforeOptimizerStep(); },
+          Release())
       .def(
           "wait", [](PythonPostHoc& p) { p.callback->wait(); }, Release())
       .def("on_save_checkpoint",
@@ -122,12 +119,10 @@ void bindPostHoc(py::module_& m) {
           },
           py::arg("metadata"))
       .def(
-          "on_validation_start",
-          [](PythonPostHoc& p) { return p.callback->onValidationStart(); },
+          "on_validation_start", [](PythonPostHoc& p) { return p.callback->onValidationStart(); },
           Release())
       .def(
-          "on_validation_end", [](PythonPostHoc& p) { p.callback->onValidationEnd(); },
-          Release())
+          "on_validation_end", [](PythonPostHoc& p) { p.callback->onValidationEnd(); }, Release())
       .def(
           "on_train_end", [](PythonPostHoc& p) { return p.callback->onTrainEnd(); }, Release())
       .def_property_readonly("calls", [](const PythonPostHoc& p) { return p.callback->calls(); })

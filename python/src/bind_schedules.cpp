@@ -72,8 +72,10 @@ void bindSchedules(py::module_& m) {
             TORCH_CHECK_VALUE(sigmaRel.has_value() != gamma.has_value(),
                               "DecaySchedule.power_function: give exactly one of sigma_rel and "
                               "gamma");
-            TORCH_CHECK_VALUE(!gamma || *gamma > 0, "DecaySchedule.power_function: gamma must "
-                              "be > 0, got ", *gamma);
+            TORCH_CHECK_VALUE(!gamma || *gamma > 0,
+                              "DecaySchedule.power_function: gamma must "
+                              "be > 0, got ",
+                              *gamma);
             PowerScheduleOptions o;
             if (sigmaRel) o.sigmaRel = *sigmaRel;
             if (gamma) o.gamma = *gamma;
@@ -89,7 +91,6 @@ void bindSchedules(py::module_& m) {
           "Karras et al.'s power-function EMA, given by exactly one of sigma_rel or gamma. "
           "convention: \"nitrous\" (ema-pytorch; the first update copies) or \"edm2\" (the "
           "paper's beta(n) = (1 - 1/n) ** (gamma + 1))");
-
 }
 
 }  // namespace shardema::python

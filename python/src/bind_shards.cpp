@@ -62,8 +62,8 @@ void bindShards(py::module_& m) {
       .def_readonly("global_shape", &shard::ShardSpec::globalShape)
       .def_property_readonly("dtype",
                              [](const shard::ShardSpec& s) { return dtypeObject(s.dtype); })
-      .def_property_readonly("kind",
-                             [](const shard::ShardSpec& s) { return shard::layoutKindName(s.kind); })
+      .def_property_readonly(
+          "kind", [](const shard::ShardSpec& s) { return shard::layoutKindName(s.kind); })
       .def_property_readonly("ranges",
                              [](const shard::ShardSpec& s) {
                                std::vector<std::pair<int64_t, int64_t>> out;
@@ -105,12 +105,13 @@ void bindShards(py::module_& m) {
       [](const std::vector<std::pair<std::string, at::Tensor>>& tensors,
          const std::vector<std::string>& roles, const std::vector<bool>& changesInForward,
          const std::string& kind, int64_t rank, int64_t worldSize) {
-        TORCH_CHECK_VALUE(roles.size() == tensors.size() && changesInForward.size() == tensors.size(),
-                          "shards_from_full_tensors: one role and one changes_in_forward per tensor");
+        TORCH_CHECK_VALUE(
+            roles.size() == tensors.size() && changesInForward.size() == tensors.size(),
+            "shards_from_full_tensors: one role and one changes_in_forward per tensor");
         std::vector<TrackedTensor> full;
         for (size_t i = 0; i < tensors.size(); ++i) {
-          full.push_back({tensors[i].first, tensors[i].second, parseTrackRole(roles[i]),
-                          changesInForward[i]});
+          full.push_back(
+              {tensors[i].first, tensors[i].second, parseTrackRole(roles[i]), changesInForward[i]});
         }
         return shardsFromFullTensors(full, shard::parseLayoutKind(kind), rank, worldSize);
       },

@@ -27,32 +27,32 @@ Enum parseChoice(const char* parameter, const std::string& word,
 }  // namespace
 
 EmaStorage parseEmaStorage(const std::string& word) {
-  return parseChoice<EmaStorage>("storage", word,
-                     {{"pinned_host", EmaStorage::kPinnedHost}, {"device", EmaStorage::kDevice}});
+  return parseChoice<EmaStorage>(
+      "storage", word, {{"pinned_host", EmaStorage::kPinnedHost}, {"device", EmaStorage::kDevice}});
 }
 
 offload::EngineChoice parseEngine(const std::string& word) {
   return parseChoice<offload::EngineChoice>("engine", word,
-                     {{"auto", offload::EngineChoice::kAuto},
-                      {"host", offload::EngineChoice::kHost},
-                      {"cuda", offload::EngineChoice::kCuda}});
+                                            {{"auto", offload::EngineChoice::kAuto},
+                                             {"host", offload::EngineChoice::kHost},
+                                             {"cuda", offload::EngineChoice::kCuda}});
 }
 
 PostHocLayout parsePostHocLayout(const std::string& word) {
-  return parseChoice<PostHocLayout>("layout", word,
-                     {{"rank0", PostHocLayout::kRankZero},
-                      {"sharded", PostHocLayout::kSharded}});
+  return parseChoice<PostHocLayout>(
+      "layout", word, {{"rank0", PostHocLayout::kRankZero}, {"sharded", PostHocLayout::kSharded}});
 }
 
 TrackingPolicy parsePolicy(const std::string& word) {
-  return parseChoice<TrackingPolicy>("policy", word,
-                     {{"versatil", TrackingPolicy::kVersatil},
-                      {"ema_pytorch", TrackingPolicy::kEmaPytorch}});
+  return parseChoice<TrackingPolicy>(
+      "policy", word,
+      {{"versatil", TrackingPolicy::kVersatil}, {"ema_pytorch", TrackingPolicy::kEmaPytorch}});
 }
 
 BetaConvention parseConvention(const std::string& word) {
-  return parseChoice<BetaConvention>("DecaySchedule.power_function: convention", word,
-                     {{"nitrous", BetaConvention::kNitrous}, {"edm2", BetaConvention::kEdm2}});
+  return parseChoice<BetaConvention>(
+      "DecaySchedule.power_function: convention", word,
+      {{"nitrous", BetaConvention::kNitrous}, {"edm2", BetaConvention::kEdm2}});
 }
 
 }  // namespace shardema::python

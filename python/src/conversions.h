@@ -16,10 +16,10 @@
 namespace shardema::python {
 
 EmaStorage parseEmaStorage(const std::string& word);         // pinned_host | device
-offload::EngineChoice parseEngine(const std::string& word);      // auto | host | cuda
-PostHocLayout parsePostHocLayout(const std::string& word);  // rank0 | sharded
-TrackingPolicy parsePolicy(const std::string& word);             // versatil | ema_pytorch
-BetaConvention parseConvention(const std::string& word);         // nitrous | edm2
+offload::EngineChoice parseEngine(const std::string& word);  // auto | host | cuda
+PostHocLayout parsePostHocLayout(const std::string& word);   // rank0 | sharded
+TrackingPolicy parsePolicy(const std::string& word);         // versatil | ema_pytorch
+BetaConvention parseConvention(const std::string& word);     // nitrous | edm2
 
 /// {"tensors": {name: tensor}, "metadata": {key: value}}, in file order.
 template <class NamedTensors, class Metadata>

@@ -9,8 +9,8 @@
 
 #include "shardema/core/file_metadata.h"
 #include "shardema/shard/agreement.h"
-#include "shardema/sharded_checkpoint.h"
 #include "shardema/sharded_averager.h"
+#include "shardema/sharded_checkpoint.h"
 
 namespace shardema::python {
 namespace {
@@ -116,8 +116,7 @@ LoadReport loadPieces(ShardedAverager& averager,
 
 }  // namespace
 
-LoadReport PythonEma::loadFullValues(
-    const std::vector<std::pair<std::string, at::Tensor>>& full) {
+LoadReport PythonEma::loadFullValues(const std::vector<std::pair<std::string, at::Tensor>>& full) {
   return loadPieces(*averager_, full, [this](const LocalShard& s, const at::Tensor& tensor) {
     TORCH_CHECK_VALUE(tensor.numel() == s.spec.numel(), kApi, ": '", s.spec.name, "' has ",
                       tensor.numel(), " elements, the tracked tensor ", s.spec.numel());

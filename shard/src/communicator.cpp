@@ -92,8 +92,8 @@ Communicator::Communicator(const c10::intrusive_ptr<c10d::Store>& store, int64_t
       impl->group = detail::makeNccl(store, rank, worldSize, options);
       impl->stageOnCuda = true;
     } else {
-      impl->group = detail::makeGlooBackend(store, rank, worldSize, options.glooHostname,
-                                            options.timeout);
+      impl->group =
+          detail::makeGlooBackend(store, rank, worldSize, options.glooHostname, options.timeout);
     }
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "Communicator rendezvous on ", impl->who(), " failed (timeout ",

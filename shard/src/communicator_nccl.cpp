@@ -9,6 +9,7 @@
 
 #if defined(SHARDEMA_TORCH_HAS_CUDA)
 #include <c10/cuda/CUDAFunctions.h>
+
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 

@@ -25,16 +25,17 @@ std::string checkLocals(const ShardLayout& layout, const std::vector<at::Tensor>
                         int64_t rank) {
   try {
     layout.check();
-    TORCH_CHECK_VALUE(locals.size() == layout.specs.size(), kStreamingApi, ": rank ", rank, " passed ",
-                      locals.size(), " local tensors for a layout of ", layout.specs.size());
+    TORCH_CHECK_VALUE(locals.size() == layout.specs.size(), kStreamingApi, ": rank ", rank,
+                      " passed ", locals.size(), " local tensors for a layout of ",
+                      layout.specs.size());
     for (size_t i = 0; i < locals.size(); ++i) {
       const ShardSpec& spec = layout.specs[i];
       const at::Tensor& local = locals[i];
-      TORCH_CHECK_VALUE(local.defined() && local.device().is_cpu() && local.is_contiguous(), kStreamingApi,
-                        ": local '", spec.name, "' on rank ", rank,
+      TORCH_CHECK_VALUE(local.defined() && local.device().is_cpu() && local.is_contiguous(),
+                        kStreamingApi, ": local '", spec.name, "' on rank ", rank,
                         " must be a defined, contiguous CPU tensor");
-      TORCH_CHECK_VALUE(local.numel() == spec.rangeOf(rank).size(), kStreamingApi, ": local '", spec.name,
-                        "' on rank ", rank, " has ", local.numel(),
+      TORCH_CHECK_VALUE(local.numel() == spec.rangeOf(rank).size(), kStreamingApi, ": local '",
+                        spec.name, "' on rank ", rank, " has ", local.numel(),
                         " elements but the layout gives "
                         "this rank ",
                         spec.rangeOf(rank).size());
@@ -309,7 +310,8 @@ void gatherInto(Communicator& comm, const ShardLayout& layout,
   // the dtypes themselves move only when the hashes differ.
   std::string localError = options.localError;
   if (localError.empty()) {
-    localError = detail::checkCall(kStreamingApi, comm, layout, options.root, true, options.bufferBytes);
+    localError =
+        detail::checkCall(kStreamingApi, comm, layout, options.root, true, options.bufferBytes);
   }
   if (localError.empty()) {
     localError = checkLocals(layout, locals, comm.rank());

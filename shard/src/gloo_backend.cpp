@@ -6,12 +6,12 @@
 #include <c10/util/Exception.h>
 #include <link.h>
 #include <pybind11/pybind11.h>
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/utils/pybind.h>  // intrusive_ptr as a pybind11 holder
 
 #include <cstdlib>
 #include <mutex>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #ifndef SHARDEMA_TORCH_PYTHON
 #error "shard/CMakeLists.txt defines SHARDEMA_TORCH_PYTHON (the Python whose torch this is)"
@@ -48,8 +48,8 @@ std::string loadedTorchLibraryDir() {
       [](dl_phdr_info* info, size_t, void* out) {
         const std::string path = info->dlpi_name ? info->dlpi_name : "";
         const auto slash = path.rfind('/');
-        if (slash != std::string::npos && path.compare(slash + 1, std::string::npos,
-                                                       "libtorch_cpu.so") == 0) {
+        if (slash != std::string::npos &&
+            path.compare(slash + 1, std::string::npos, "libtorch_cpu.so") == 0) {
           *static_cast<std::string*>(out) = path.substr(0, slash);
           return 1;
         }
@@ -92,12 +92,11 @@ void checkSameTorch() {
               "whose torch you link (-DPython3_EXECUTABLE)");
   const std::string origin = py::str(spec.attr("origin"));
   const std::string pythonLib =
-      py::str(py::module_::import("os.path")
-                  .attr("realpath")(py::module_::import("os.path").attr("join")(
-                      py::module_::import("os.path").attr("dirname")(origin), "lib")));
-  TORCH_CHECK(loaded.empty() || loaded == pythonLib, kApi, ": the torch of ",
-              SHARDEMA_TORCH_PYTHON, " (", pythonLib, ") is not the LibTorch this program runs (",
-              loaded, "); rebuild against one torch (scripts/install_deps.sh, then a fresh build)");
+      py::str(py::module_::import("os.path").attr("realpath")(py::module_::import("os.path").attr(
+          "join")(py::module_::import("os.path").attr("dirname")(origin), "lib")));
+  TORCH_CHECK(loaded.empty() || loaded == pythonLib, kApi, ": the torch of ", SHARDEMA_TORCH_PYTHON,
+              " (", pythonLib, ") is not the LibTorch this program runs (", loaded,
+              "); rebuild against one torch (scripts/install_deps.sh, then a fresh build)");
 }
 
 void prepareInterpreter() {
@@ -138,8 +137,8 @@ c10::intrusive_ptr<c10d::Backend> makeGlooBackend(const c10::intrusive_ptr<c10d:
       devices.append(hostname.empty() ? gloo.attr("create_default_device")()
                                       : gloo.attr("create_device")(py::arg("hostname") = hostname));
       options.attr("_devices") = devices;
-      options.attr("_timeout") = py::module_::import("datetime").attr("timedelta")(
-          py::arg("milliseconds") = timeout.count());
+      options.attr("_timeout") = py::module_::import("datetime")
+                                     .attr("timedelta")(py::arg("milliseconds") = timeout.count());
       // The binding releases the GIL while Gloo's rendezvous waits, so the
       // other ranks of a thread-rank test reach theirs.
       py::object group = gloo(py::cast(store), rank, worldSize, options);

@@ -22,9 +22,8 @@ TEST(FailpointTest, UnarmedNeverFires) {
 
 TEST(FailpointTest, ArmedFiresWhereItsPredicateHoldsUntilDisarmed) {
   {
-    failpoint::Armed armed(kChunk, [](int64_t step, int64_t chunk) {
-      return step == 3 && chunk == 2;
-    });
+    failpoint::Armed armed(kChunk,
+                           [](int64_t step, int64_t chunk) { return step == 3 && chunk == 2; });
     EXPECT_FALSE(failpoint::fires(kChunk, 3, 1));
     EXPECT_TRUE(failpoint::fires(kChunk, 3, 2));
     EXPECT_TRUE(failpoint::fires(kChunk, 3, 2));
@@ -35,8 +34,9 @@ TEST(FailpointTest, ArmedFiresWhereItsPredicateHoldsUntilDisarmed) {
 }
 
 TEST(FailpointTest, OnceFiresOnce) {
-  failpoint::Armed armed("lib.ema_storage.allocate", [](int64_t, int64_t) { return true; },
-                         /*once=*/true);
+  failpoint::Armed armed(
+      "lib.ema_storage.allocate", [](int64_t, int64_t) { return true; },
+      /*once=*/true);
   EXPECT_TRUE(failpoint::fires("lib.ema_storage.allocate", 0));
   EXPECT_FALSE(failpoint::fires("lib.ema_storage.allocate", 0));
   EXPECT_EQ(armed.fired(), 1);

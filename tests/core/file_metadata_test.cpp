@@ -19,8 +19,8 @@ uint64_t bitsOf(double value) {
 }
 
 TEST(FileMetadataTest, Decimal17RoundTripsBitExactly) {
-  const double values[] = {0.0, 1.0, 0.1, 1.0 / 3.0, 6.94, 1e-300, 1e300,
-                           std::nextafter(1.0, 2.0), -2.5, 5e-324};
+  const double values[] = {
+      0.0, 1.0, 0.1, 1.0 / 3.0, 6.94, 1e-300, 1e300, std::nextafter(1.0, 2.0), -2.5, 5e-324};
   for (double value : values) {
     const std::string text = detail::formatDecimal17(value);
     double parsed = 0;
@@ -69,11 +69,12 @@ TEST(FileMetadataTest, SynthesizedDeployableMetadataMatchesDesignSection5) {
   DeployableInfo info;
   info.step = 300;
   info.synthesized = DeployableInfo::Synthesized{0.1, 6.94, true};
-  const std::map<std::string, std::string> expected = {{"shardema.kind", "deployable_weights"},
-                                                       {"shardema.step", "300"},
-                                                       {"shardema.sigma_rel", "0.10000000000000001"},
-                                                       {"shardema.gamma", "6.9400000000000004"},
-                                                       {"shardema.synthesis", "normalized"}};
+  const std::map<std::string, std::string> expected = {
+      {"shardema.kind", "deployable_weights"},
+      {"shardema.step", "300"},
+      {"shardema.sigma_rel", "0.10000000000000001"},
+      {"shardema.gamma", "6.9400000000000004"},
+      {"shardema.synthesis", "normalized"}};
   EXPECT_EQ(detail::deployableMetadata(info), expected);
   info.synthesized->normalized = false;
   EXPECT_EQ(detail::deployableMetadata(info).at("shardema.synthesis"), "raw");

@@ -32,7 +32,8 @@ inline SnapshotInfo fullInfo(int64_t profileIndex, int64_t step, double sigmaRel
 }
 
 inline SnapshotInfo shardInfo(int64_t profileIndex, int64_t step, double sigmaRel, int64_t rank,
-                       int64_t worldSize, const std::string& layout = "{\"kind\":\"flat\"}") {
+                              int64_t worldSize,
+                              const std::string& layout = "{\"kind\":\"flat\"}") {
   SnapshotInfo info = fullInfo(profileIndex, step, sigmaRel);
   info.rank = rank;
   info.worldSize = worldSize;
@@ -55,7 +56,7 @@ inline void writeIn(const std::string& folder, const SnapshotInfo& info) {
 
 // Writes a file named like a snapshot with hand-made (possibly broken) metadata.
 inline std::string writeRawSnapshot(const testing::TempDir& dir, const std::string& name,
-                             std::map<std::string, std::string> metadata) {
+                                    std::map<std::string, std::string> metadata) {
   TensorFile file;
   file.tensors.emplace_back("w", at::zeros({2}, at::kFloat));
   file.metadata = std::move(metadata);

@@ -1,7 +1,5 @@
 // scanSnapshotFolder: the folders of both post-hoc layouts and every way
 // a folder can be inconsistent (DESIGN.md section 5).
-#include "shardema/core/posthoc_snapshot.h"
-
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
@@ -13,10 +11,11 @@
 #include <fstream>
 #include <string>
 
+#include "core/posthoc_snapshot_fixture.h"
+#include "shardema/core/posthoc_snapshot.h"
 #include "shardema/core/power_function.h"
 #include "shardema/core/tensor_file.h"
 #include "support/temp_dir.h"
-#include "core/posthoc_snapshot_fixture.h"
 #include "support/value_error.h"
 
 namespace shardema {

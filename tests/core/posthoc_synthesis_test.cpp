@@ -60,9 +60,9 @@ TEST(PostHocSynthesisTest, InnerProductIsSymmetricAndMatchesTheClosedForm) {
   for (int64_t ta : {1, 7, 100, 5000}) {
     for (int64_t tb : {1, 9, 100, 12345}) {
       const double m = static_cast<double>(std::min(ta, tb));
-      const double expected = (ga + 1) * (gb + 1) * std::pow(m, ga + gb + 1) /
-                              ((ga + gb + 1) * std::pow(double(ta), ga + 1) *
-                               std::pow(double(tb), gb + 1));
+      const double expected =
+          (ga + 1) * (gb + 1) * std::pow(m, ga + gb + 1) /
+          ((ga + gb + 1) * std::pow(double(ta), ga + 1) * std::pow(double(tb), gb + 1));
       const double got = profileInnerProduct(ta, ga, tb, gb);
       EXPECT_NEAR(got, expected, 1e-12 * expected) << ta << " " << tb;
       EXPECT_NEAR(got, profileInnerProduct(tb, gb, ta, ga), 1e-14 * expected);
@@ -127,7 +127,8 @@ TEST(PostHocSynthesisTest, SynthesizedThetaMatchesGolden) {
     const auto& snapshot = run.at("snapshots").at(i);
     ASSERT_EQ(snapshot.at("file"), files[i].name);
     profiles.push_back(files[i].profile);
-    values.push_back(snapshot.at("contents").at("ema_model.theta").at("values").get<std::vector<double>>());
+    values.push_back(
+        snapshot.at("contents").at("ema_model.theta").at("values").get<std::vector<double>>());
   }
   for (const auto& item : run.at("synthesized").items()) {
     double sigma = 0;
@@ -161,7 +162,8 @@ TEST(PostHocSynthesisTest, NormalizeMakesTheWeightsSumToOne) {
 // Two snapshots: A = [[a, c], [c, d]] has the inverse [[d, -c], [-c, a]] / det,
 // so the 1-norm condition number is known in closed form.
 TEST(PostHocSynthesisTest, ConditionNumberAndWarning) {
-  const std::vector<SnapshotProfile> two = {{10, sigmaRelToGamma(0.05)}, {10, sigmaRelToGamma(0.1)}};
+  const std::vector<SnapshotProfile> two = {{10, sigmaRelToGamma(0.05)},
+                                            {10, sigmaRelToGamma(0.1)}};
   const double a = profileInnerProduct(10, two[0].gamma, 10, two[0].gamma);
   const double c = profileInnerProduct(10, two[0].gamma, 10, two[1].gamma);
   const double d = profileInnerProduct(10, two[1].gamma, 10, two[1].gamma);

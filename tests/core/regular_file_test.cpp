@@ -16,8 +16,8 @@
 #include <string>
 
 #include "shardema/core/checksum.h"
-#include "shardema/core/tensor_file_reader.h"
 #include "shardema/core/tensor_file.h"
+#include "shardema/core/tensor_file_reader.h"
 #include "support/temp_dir.h"
 
 namespace shardema {

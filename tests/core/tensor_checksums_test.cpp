@@ -9,9 +9,9 @@
 
 #include <string>
 
+#include "shardema/core/tensor_file.h"
 #include "shardema/core/tensor_file_reader.h"
 #include "shardema/core/tensor_file_writer.h"
-#include "shardema/core/tensor_file.h"
 #include "support/file_bytes.h"
 #include "support/foreign_tensor_file.h"
 #include "support/temp_dir.h"

@@ -25,10 +25,10 @@
 #include <vector>
 
 #include "shardema/core/posthoc_synthesis.h"
-#include "shardema/module_tracking.h"
-#include "shardema/posthoc_callback.h"
 #include "shardema/core/power_function.h"
 #include "shardema/core/tensor_file.h"
+#include "shardema/module_tracking.h"
+#include "shardema/posthoc_callback.h"
 #include "support/temp_dir.h"
 #include "support/test_net.h"
 #include "support/training_loop.h"
@@ -224,11 +224,10 @@ inline std::set<std::string> snapshotNames(const std::vector<int64_t>& steps) {
   return names;
 }
 
-/// The raw post-hoc synthesis (docs/spec/reference_semantics.md section 3) of `sigmaRel` at `step` from
-/// the full-copy snapshots of `folder` for the given profiles and
-/// steps: weights from solveSynthesisWeights over (step, gamma of
-/// sigmaRels[i]), tensors read with readTensorFile and summed in float64.
-/// Integer tensors come from the newest snapshot.
+/// The raw post-hoc synthesis (docs/spec/reference_semantics.md section 3) of `sigmaRel` at `step`
+/// from the full-copy snapshots of `folder` for the given profiles and steps: weights from
+/// solveSynthesisWeights over (step, gamma of sigmaRels[i]), tensors read with readTensorFile and
+/// summed in float64. Integer tensors come from the newest snapshot.
 inline Values referenceSynthesis(const std::string& folder, const std::vector<double>& sigmaRels,
                                  const std::vector<int64_t>& steps, double sigmaRel, int64_t step) {
   std::vector<SnapshotProfile> profiles;

@@ -36,9 +36,9 @@ struct RunSettings {
 // What each golden run was configured with (its description in the file).
 const std::map<std::string, RunSettings>& runSettings() {
   static const std::map<std::string, RunSettings> settings = {
-      {"lucid_fp32", {1, false}},         {"lucid_default_fp16", {1, false}},
-      {"nitrous_u1_nocorr", {1, false}},  {"nitrous_u1_corr_mmaudio", {1, true}},
-      {"nitrous_u5_corr", {5, true}},     {"lucid_u5_fp32", {5, false}},
+      {"lucid_fp32", {1, false}},        {"lucid_default_fp16", {1, false}},
+      {"nitrous_u1_nocorr", {1, false}}, {"nitrous_u1_corr_mmaudio", {1, true}},
+      {"nitrous_u5_corr", {5, true}},    {"lucid_u5_fp32", {5, false}},
   };
   return settings;
 }
@@ -99,7 +99,8 @@ TEST(PostHocProfileGoldenTest, ProfilesMatchTheReferenceRuns) {
           const float ours = ema.data_ptr<float>()[e];
           // fp16 snapshots: the reference rounded its fp32 EMA to half;
           // ours may land one half-ulp step away on a rounding boundary.
-          const double tolerance = half ? std::ldexp(std::fabs(expected[e]), -10) : kGoldenTolerance;
+          const double tolerance =
+              half ? std::ldexp(std::fabs(expected[e]), -10) : kGoldenTolerance;
           EXPECT_NEAR(half ? toHalf(ours) : ours, expected[e], tolerance)
               << name << " " << file << " element " << e;
         }

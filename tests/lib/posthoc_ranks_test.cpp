@@ -89,8 +89,7 @@ void expectCommonLifecycle(const std::vector<RankResult>& results, const std::st
 TEST(PostHocRanksTest, RankZeroFullCopyKeepsTopLevelSnapshotsOfRankZero) {
   TempDir folder;
   TempDir output;
-  const auto results =
-      runTwoRanks(PostHocLayout::kRankZero, folder.path(), output.path());
+  const auto results = runTwoRanks(PostHocLayout::kRankZero, folder.path(), output.path());
   expectCommonLifecycle(results, output.path());
   EXPECT_TRUE(results[0].holdsEma);
   EXPECT_FALSE(results[1].holdsEma);

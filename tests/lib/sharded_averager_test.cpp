@@ -66,9 +66,8 @@ void runFsdp1(const std::vector<ModelTensor>& model, int64_t worldSize,
   for (int64_t r = 0; r < worldSize; ++r) {
     shards.push_back(at::full({flat.shardNumel()}, NAN, at::TensorOptions().dtype(flat.dtype())));
     fillShard(shards.back(), r);
-    ranks.push_back(
-        std::make_unique<ShardedAverager>(r, worldSize, shardsFromFlatParam(flat, shards.back(), r),
-                                          options));
+    ranks.push_back(std::make_unique<ShardedAverager>(
+        r, worldSize, shardsFromFlatParam(flat, shards.back(), r), options));
   }
   for (int64_t step = 1; step <= kSteps; ++step) {
     testing::setModel(averaged, full, step);

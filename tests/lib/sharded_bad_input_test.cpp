@@ -11,10 +11,10 @@
 
 #include "lib/sharded_fixture.h"
 #include "shardema/core/checksum.h"
-#include "shardema/detail/rank_manifest.h"
-#include "shardema/sharded_checkpoint.h"
-#include "shardema/sharded_averager.h"
 #include "shardema/core/tensor_file.h"
+#include "shardema/detail/rank_manifest.h"
+#include "shardema/sharded_averager.h"
+#include "shardema/sharded_checkpoint.h"
 #include "support/file_bytes.h"
 #include "support/temp_dir.h"
 #include "support/value_error.h"

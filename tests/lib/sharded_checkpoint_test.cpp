@@ -2,7 +2,6 @@
 // independent readers (nlohmann, std::filesystem, xxhsum), resharding to
 // other world sizes and export, each against the single-process EMA.
 #include "shardema/sharded_checkpoint.h"
-#include "shardema/sharded_averager.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -15,8 +14,9 @@
 #include <sstream>
 
 #include "lib/sharded_fixture.h"
-#include "shardema/core/tensor_file_reader.h"
 #include "shardema/core/tensor_file.h"
+#include "shardema/core/tensor_file_reader.h"
+#include "shardema/sharded_averager.h"
 #include "support/command_output.h"
 #include "support/file_bytes.h"
 #include "support/temp_dir.h"

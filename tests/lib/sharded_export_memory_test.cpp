@@ -11,8 +11,8 @@
 #include <string>
 
 #include "shardema/detail/rank_manifest.h"
-#include "shardema/sharded_checkpoint.h"
 #include "shardema/sharded_averager.h"
+#include "shardema/sharded_checkpoint.h"
 #include "support/temp_dir.h"
 
 namespace shardema {

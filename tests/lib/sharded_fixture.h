@@ -103,7 +103,8 @@ inline std::vector<RankModel> makeRanks(const std::vector<ModelTensor>& model,
     RankModel& rank = ranks[static_cast<size_t>(r)];
     rank.tensors = makeModel(model, 0);
     rank.averager = std::make_unique<ShardedAverager>(
-        r, worldSize, shardsFromFullTensors(trackedModel(model, rank.tensors), kind, r, worldSize), options);
+        r, worldSize, shardsFromFullTensors(trackedModel(model, rank.tensors), kind, r, worldSize),
+        options);
   }
   return ranks;
 }

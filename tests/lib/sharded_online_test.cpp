@@ -9,8 +9,8 @@
 #include <mutex>
 
 #include "lib/sharded_fixture.h"
-#include "shardema/sharded_checkpoint.h"
 #include "shardema/sharded_averager.h"
+#include "shardema/sharded_checkpoint.h"
 #include "support/file_bytes.h"
 #include "support/temp_dir.h"
 #include "support/thread_ranks.h"

@@ -2,8 +2,6 @@
 // pass, staged or direct, updates every profile, bit-identical to updating
 // each profile alone with the plain kernels, under random chunk sizes,
 // slots and workers. Runs under ThreadSanitizer too.
-#include "shardema/offload/update_pipeline.h"
-
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -13,8 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "shardema/offload/detail/host_copy_engine.h"
 #include "shardema/core/update_kernels.h"
+#include "shardema/offload/detail/host_copy_engine.h"
+#include "shardema/offload/update_pipeline.h"
 #include "shardema/offload/worker_pool.h"
 #include "support/same_bytes.h"
 

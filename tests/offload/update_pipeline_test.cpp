@@ -379,12 +379,10 @@ TEST(UpdatePipelineTest, RejectsBadOptionsAndJobs) {
   EXPECT_THROW(pipeline.submit({{ema, at::zeros({5}), UpdateOp::kLerp, "n", {}}}, {0.5f}, 1),
                c10::ValueError);
   EXPECT_THROW(
-      pipeline.submit({{ema, at::zeros({4}, at::kDouble), UpdateOp::kLerp, "d", {}}}, {0.5f},
-                      1),
+      pipeline.submit({{ema, at::zeros({4}, at::kDouble), UpdateOp::kLerp, "d", {}}}, {0.5f}, 1),
       c10::TypeError);
-  EXPECT_THROW(
-      pipeline.submit({{ema, at::zeros({2, 2}).t(), UpdateOp::kLerp, "s", {}}}, {0.5f}, 1),
-      c10::ValueError);
+  EXPECT_THROW(pipeline.submit({{ema, at::zeros({2, 2}).t(), UpdateOp::kLerp, "s", {}}}, {0.5f}, 1),
+               c10::ValueError);
   EXPECT_THROW(pipeline.submit({{ema, at::zeros({4}), UpdateOp::kLerp, "w", {}}}, {1.5f}, 1),
                c10::ValueError);
   EXPECT_FALSE(pipeline.busy());

@@ -58,7 +58,8 @@ struct Fixture {
     pipeline.submit(jobs(), {weight}, step);
     std::thread releaser([this, &held, target] {
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-      while (pipeline.stats().waiterChunks < target && std::chrono::steady_clock::now() < deadline) {
+      while (pipeline.stats().waiterChunks < target &&
+             std::chrono::steady_clock::now() < deadline) {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
       held.release();

@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "shardema/core/decay_schedule.h"
 #include "shardema/core/checksum.h"
+#include "shardema/core/decay_schedule.h"
 #include "shardema/core/tensor_file.h"
 #include "support/file_bytes.h"
 #include "tools/cli_run.h"

@@ -45,7 +45,6 @@ std::string decimal17(double value) {
   return text;
 }
 
-
 // write_posthoc_snapshots.py GOLDEN_JSON DIR [extra]; stdout and stderr.
 testing::CommandResult writeSnapshots(const std::string& dir, const std::string& extra = "") {
   return testing::runCommand(std::string("'") + SHARDEMA_TEST_PYTHON + "' '" +

@@ -1,6 +1,6 @@
 // Runs the real `shardema` binary and checks its output against values the
-// test recomputes itself in float64 (formulas of docs/spec/reference_semantics.md section 7) or reads
-// from the golden files.
+// test recomputes itself in float64 (formulas of docs/spec/reference_semantics.md section 7) or
+// reads from the golden files.
 #include <gtest/gtest.h>
 #include <unistd.h>
 

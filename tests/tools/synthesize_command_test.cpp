@@ -79,8 +79,7 @@ void writeFullFolder(const std::string& dir) {
   std::filesystem::create_directories(dir);
   for (const Snapshot& s : goldenSnapshots()) {
     TensorFile file;
-    file.tensors = {{"theta", at::tensor(s.theta)},
-                    {"count", at::full({2}, s.step, at::kLong)}};
+    file.tensors = {{"theta", at::tensor(s.theta)}, {"count", at::full({2}, s.step, at::kLong)}};
     file.metadata = metadataOf(s);
     writeTensorFile(dir + "/" + fileName(s), file);
   }
@@ -147,8 +146,8 @@ TEST_F(SynthesizeCommandTest, FullFolderMatchesTheReferenceSynthesis) {
 TEST_F(SynthesizeCommandTest, ShardedFolderMergesToTheSameWeights) {
   writeFullFolder(path("full"));
   writeShardedFolder(path("sharded"));
-  for (const char* flags : {"--sigma-rel 0.08", "--sigma-rel 0.15 --normalize",
-                            "--sigma-rel 0.08 --step 50"}) {
+  for (const char* flags :
+       {"--sigma-rel 0.08", "--sigma-rel 0.15 --normalize", "--sigma-rel 0.08 --step 50"}) {
     const testing::CliResult full = runCli("synthesize --snapshots " + path("full") + " " + flags +
                                            " --out " + path("a.safetensors"));
     const testing::CliResult sharded = runCli("synthesize --snapshots " + path("sharded") + " " +
@@ -170,8 +169,8 @@ TEST_F(SynthesizeCommandTest, NormalizeAndDtypeFlags) {
   const testing::CliResult raw = runCli("synthesize --snapshots " + path("full") +
                                         " --sigma-rel 0.15 --out " + path("raw.safetensors"));
   const testing::CliResult norm =
-      runCli("synthesize --snapshots " + path("full") + " --sigma-rel 0.15 --normalize --dtype bf16 --out " +
-             path("norm.safetensors"));
+      runCli("synthesize --snapshots " + path("full") +
+             " --sigma-rel 0.15 --normalize --dtype bf16 --out " + path("norm.safetensors"));
   ASSERT_EQ(raw.status, 0) << raw.err;
   ASSERT_EQ(norm.status, 0) << norm.err;
   // The golden raw sum of weights for sigma_rel 0.15 at step 100.

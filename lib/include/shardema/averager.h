@@ -48,9 +48,9 @@
 #include <vector>
 
 #include "shardema/core/decay_schedule.h"
+#include "shardema/core/tensor_file.h"
 #include "shardema/offload/engine_choice.h"
 #include "shardema/offload/pipeline_stats.h"
-#include "shardema/core/tensor_file.h"
 #include "shardema/tracking_policy.h"
 
 namespace shardema {

@@ -109,8 +109,8 @@ class ShardedAverager {
   /// the root's append/commit fails, every rank fails after the gather.
   /// Blocks.
   void exportWeights(shard::Communicator& comm, const std::string& path,
-                  c10::ScalarType outputDtype = c10::ScalarType::Float,
-                  shard::GatherOptions options = {}) const;
+                     c10::ScalarType outputDtype = c10::ScalarType::Float,
+                     shard::GatherOptions options = {}) const;
 
  private:
   int64_t rank_ = 0;

@@ -1,8 +1,8 @@
 #pragma once
 // DecaySchedule: the EMA decay beta as a pure function of the optimizer step.
 //
-// Step convention (docs/spec/reference_semantics.md section 7): n is the 1-based number of optimizer
-// steps taken, i.e. Lightning's global_step after the step, or the number of
+// Step convention (docs/spec/reference_semantics.md section 7): n is the 1-based number of
+// optimizer steps taken, i.e. Lightning's global_step after the step, or the number of
 // Averager::update() calls so far including this one. Every formula is
 // evaluated in float64.
 #include <cstdint>

@@ -1,9 +1,8 @@
 #pragma once
-// Post-hoc EMA synthesis weights (Karras et al., Algorithm 3; docs/spec/reference_semantics.md sections
-// 3 and 7): which linear combination of saved power-function snapshots best
-// approximates the EMA profile of another sigma_rel at a target step.
-// Pure float64 math, no tensors: the file-level synthesis multiplies the
-// snapshots' tensors by these weights.
+// Post-hoc EMA synthesis weights (Karras et al., Algorithm 3; docs/spec/reference_semantics.md
+// sections 3 and 7): which linear combination of saved power-function snapshots best approximates
+// the EMA profile of another sigma_rel at a target step. Pure float64 math, no tensors: the
+// file-level synthesis multiplies the snapshots' tensors by these weights.
 #include <cstdint>
 #include <vector>
 

@@ -129,8 +129,7 @@ class Communicator {
   // store's waits during it), so fromEnvironment's store connect and the
   // backend's rendezvous share one deadline.
   Communicator(const c10::intrusive_ptr<c10d::Store>& store, int64_t rank, int64_t worldSize,
-               const CommunicatorOptions& options,
-               std::chrono::steady_clock::time_point deadline);
+               const CommunicatorOptions& options, std::chrono::steady_clock::time_point deadline);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -52,7 +52,7 @@ class HostCopyEngine : public CopyEngine {
   std::mutex mutex_;
   std::condition_variable queued_;    // a copy was queued or stop_ set
   std::condition_variable progress_;  // copied_ or completed_ advanced
-  std::deque<QueuedCopy> queue_;            // guarded by mutex_
+  std::deque<QueuedCopy> queue_;      // guarded by mutex_
   uint64_t submitted_ = 0;            // copies ever queued, guarded by mutex_
   uint64_t copied_ = 0;               // copies whose bytes landed, guarded by mutex_
   uint64_t completed_ = 0;            // copies whose onDone returned, guarded by mutex_
