@@ -27,6 +27,11 @@ find_package(Python3 COMPONENTS Interpreter Development.Module OPTIONAL_COMPONEN
 if(NOT Python3_Development.Module_FOUND)
   message(FATAL_ERROR "shardema: no Python headers for ${Python3_EXECUTABLE} (apt-get install python3-dev)")
 endif()
+if(NOT "${Python3_VERSION_MAJOR}.${Python3_VERSION_MINOR}" STREQUAL SHARDEMA_TORCH_INFO_python)
+  message(FATAL_ERROR "shardema: CMake found Python ${Python3_VERSION} (${Python3_EXECUTABLE}) "
+                      "but torch is in a Python ${SHARDEMA_TORCH_INFO_python} "
+                      "(${SHARDEMA_TORCH_PYTHON}): pass -DPython3_EXECUTABLE=${SHARDEMA_TORCH_PYTHON}")
+endif()
 set(SHARDEMA_LIBPYTHON "")
 if(Python3_Development.Embed_FOUND)
   set(SHARDEMA_LIBPYTHON ${Python3_LIBRARIES})
@@ -39,10 +44,11 @@ endif()
 # toolkit's headers and cudart are what it needs. PyPI's torch is a CUDA
 # build carrying its own runtime (nvidia-cuda-runtime): one process must not
 # load two major versions of libcudart, and the engine hands c10's streams to
-# the runtime it links. So the toolkit's major version must be the wheel's
-# (13 and 13.0 here): with another one, AUTO builds the host engine only and
-# says why, ON stops. The same major version is one libcudart.so.N (SONAME),
-# loaded once, whichever copy the loader finds first.
+# the runtime it links. With a CUDA torch, cmake/ShardemaTorch.cmake has
+# already required a toolkit of the wheel's major version (13 here); the
+# same major version is one libcudart.so.N (SONAME), loaded once, whichever
+# copy the loader finds first. With a CPU torch and no toolkit, AUTO builds
+# the host engine only; ON stops.
 set(SHARDEMA_CUDA_ENABLED OFF)
 if(NOT SHARDEMA_WITH_CUDA STREQUAL "OFF")
   if(NOT CUDAToolkit_ROOT AND NOT DEFINED ENV{CUDA_PATH} AND EXISTS /usr/local/cuda)
@@ -52,14 +58,6 @@ if(NOT SHARDEMA_WITH_CUDA STREQUAL "OFF")
   set(_shardema_cuda_refusal "")
   if(NOT CUDAToolkit_FOUND)
     set(_shardema_cuda_refusal "no CUDA toolkit was found (set CUDAToolkit_ROOT)")
-  elseif(SHARDEMA_TORCH_CUDA_VERSION)
-    string(REGEX MATCH "^[0-9]+" _shardema_wheel_major "${SHARDEMA_TORCH_CUDA_VERSION}")
-    if(NOT CUDAToolkit_VERSION_MAJOR STREQUAL _shardema_wheel_major)
-      set(_shardema_cuda_refusal
-          "the CUDA toolkit is ${CUDAToolkit_VERSION} but torch was built with CUDA "
-          "${SHARDEMA_TORCH_CUDA_VERSION}: install a ${_shardema_wheel_major}.x toolkit (or a torch "
-          "for CUDA ${CUDAToolkit_VERSION_MAJOR})")
-    endif()
   endif()
   if(NOT _shardema_cuda_refusal)
     set(SHARDEMA_CUDA_ENABLED ON)

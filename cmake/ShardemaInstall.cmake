@@ -7,7 +7,8 @@ install(TARGETS shardema_core shardema_shard shardema_offload shardema
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-# detail/ headers are installed too: public headers include some of them.
+# Every floor's headers are installed, detail/ included: lib's public
+# headers include the floors' public ones, and those their floor's.
 foreach(part core shard offload lib)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${part}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 endforeach()

@@ -12,7 +12,9 @@
 # Sets SHARDEMA_TORCH_PYTHON (that Python), SHARDEMA_TORCH_VERSION,
 # SHARDEMA_TORCH_CUDA_VERSION ("" for a CPU build),
 # SHARDEMA_PYBIND11_ABI_DEFINITIONS and SHARDEMA_TORCH_LIBRARY_DIR.
-set(SHARDEMA_MIN_TORCH_VERSION 2.6)
+# 2.7 is the first PyPI torch built with the C++11 ABI, which Debian's
+# GoogleTest and Google Benchmark use; only 2.11.0 is tested.
+set(SHARDEMA_MIN_TORCH_VERSION 2.7)
 
 # _shardema_torch_info(<python>): SHARDEMA_TORCH_INFO_<key> for each line of
 # cmake/torch_info.py, in the caller's scope.
@@ -70,6 +72,30 @@ foreach(part compiler_type stdlib build_abi)
          "PYBIND11_${upper}=\"${SHARDEMA_TORCH_INFO_pybind11_${part}}\"")
   endif()
 endforeach()
+
+# A CUDA build of torch (PyPI's is one) makes its CMake package look for a
+# CUDA toolkit of its own major version and link that toolkit's cudart: with
+# none, or another major version, torch's own config fails or links a second
+# libcudart beside the wheel's. Said here in one line, before torch's config.
+if(SHARDEMA_TORCH_INFO_cuda)
+  if(NOT CUDAToolkit_ROOT AND NOT DEFINED ENV{CUDA_PATH} AND EXISTS /usr/local/cuda)
+    set(CUDAToolkit_ROOT /usr/local/cuda)
+  endif()
+  find_package(CUDAToolkit QUIET)
+  string(REGEX MATCH "^[0-9]+" _shardema_wheel_cuda_major "${SHARDEMA_TORCH_INFO_cuda}")
+  if(NOT CUDAToolkit_FOUND OR NOT CUDAToolkit_VERSION_MAJOR STREQUAL _shardema_wheel_cuda_major)
+    set(_shardema_found_toolkit "none")
+    if(CUDAToolkit_FOUND)
+      set(_shardema_found_toolkit "${CUDAToolkit_VERSION} at ${CUDAToolkit_BIN_DIR}")
+    endif()
+    message(FATAL_ERROR
+      "shardema: torch ${SHARDEMA_TORCH_INFO_version} is a CUDA ${SHARDEMA_TORCH_INFO_cuda} build, "
+      "whose CMake package needs a CUDA ${_shardema_wheel_cuda_major}.x toolkit (nvcc, cudart; "
+      "found: ${_shardema_found_toolkit}). Install one (CUDAToolkit_ROOT names "
+      "it), or build against a CPU build of torch (pip install torch --index-url "
+      "https://download.pytorch.org/whl/cpu)")
+  endif()
+endif()
 
 # torch's CUDA build asks for the GPU architectures of .cu files; we have
 # none (the CUDA engine calls the runtime from .cpp files), so the list only

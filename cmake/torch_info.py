@@ -20,6 +20,7 @@ except ImportError:
 import torch.utils
 
 print("version=" + torch.__version__)
+print("python=%d.%d" % sys.version_info[:2])
 print("cmake_prefix_path=" + torch.utils.cmake_prefix_path)
 print("cuda=" + (torch.version.cuda or ""))
 # pybind11's ABI key, as torch up to 2.8 published it (cmake/ShardemaPython.cmake).

@@ -25,7 +25,8 @@ cxx="${CXX_FUZZ:-$(command -v clang++-14 || command -v clang++)}"
 
 bash "${root}/scripts/install_deps.sh"
 venv=${SHARDEMA_VENV:-$root/.venv}
-torch_dir=$("${venv}/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2>/dev/null)
+torch_dir=$("${venv}/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2>/dev/null) ||
+  { echo "fuzz.sh: ${venv}/bin/python cannot import torch (run scripts/install_deps.sh)" >&2; exit 1; }
 cmake -S "${root}/tests/fuzz" -B "${build}" -DCMAKE_CXX_COMPILER="${cxx}" \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSHARDEMA_TORCH_PACKAGE_DIR="${torch_dir}" >/dev/null
 cmake --build "${build}" -j2

@@ -165,7 +165,9 @@ void applyGlobalRange(const std::vector<Span>& spans, const std::vector<int64_t>
 // work to the others; more would only add scheduling overhead.
 constexpr int64_t kPiecesPerThread = 4;
 
-// The body of updateSpans and updateSpansMulti: checks the counts, cuts the
+// The body of updateSpans and updateSpansMulti: checks the counts and ops
+// (kSkip and kCopyRaw are run above the kernels: the Averager drops skipped
+// tensors, the pipeline memcpys raw copies), cuts the
 // spans laid end to end into pieces of at least minGrain elements spread
 // over the pool's threads and the caller, and runs part on each. One
 // splitter for both so the single- and multi-profile paths balance alike.
@@ -179,6 +181,8 @@ void splitOverPool(const char* who, const std::vector<Span>& spans, ParallelRunn
   for (const Span& span : spans) {
     TORCH_CHECK_VALUE(span.count >= 0, "shardema::", who, ": span count must be >= 0, got ",
                       span.count);
+    TORCH_CHECK_VALUE(span.op == UpdateOp::kLerp || span.op == UpdateOp::kCopy, "shardema::", who,
+                      ": the kernels run kLerp and kCopy only");
     starts.push_back(total);
     total += span.count;
   }
@@ -278,6 +282,7 @@ void copyRange(float* ema, const void* src, SourceType type, int64_t count) {
       break;
   }
 }
+
 
 void updateSpans(const std::vector<UpdateSpan>& spans, float weight, ParallelRunner* pool,
                  int64_t minGrain) {

@@ -40,9 +40,12 @@ void UpdatePipeline::plan(const std::vector<PipelineJob>& jobs,
   // nothing here.
   pieces_.clear();
   chunks_.clear();
+  // Each job's path is decided once (a failpoint may choose it).
+  inPlace_.assign(jobs.size(), 0);
   int64_t directBytes = 0;
   for (size_t j = 0; j < jobs.size(); ++j) {
-    if (readsInPlace(jobs[j], j)) directBytes += static_cast<int64_t>(jobs[j].source.nbytes());
+    inPlace_[j] = readsInPlace(jobs[j], j);
+    if (inPlace_[j]) directBytes += static_cast<int64_t>(jobs[j].source.nbytes());
   }
   const int64_t threads = pool_->size() + 1;
   int64_t capacity =
@@ -71,13 +74,13 @@ void UpdatePipeline::plan(const std::vector<PipelineJob>& jobs,
     }
   };
   for (size_t j = 0; j < jobs.size(); ++j) {
-    if (readsInPlace(jobs[j], j)) cut(j);
+    if (inPlace_[j]) cut(j);
   }
   directChunks_ = static_cast<int64_t>(chunks_.size());
   capacity = options_.chunkBytes;  // a staged chunk fills a slot
   used = capacity;                 // staged chunks never share one with direct pieces
   for (size_t j = 0; j < jobs.size(); ++j) {
-    if (!readsInPlace(jobs[j], j)) cut(j);
+    if (!inPlace_[j]) cut(j);
   }
 }
 

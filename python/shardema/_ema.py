@@ -71,7 +71,7 @@ class EMA:
         """The EMA of this rank's local shards, each a shardema.LocalShard, a
         dict {local, spec[, role]} or a tuple (local, spec[, role]) with spec
         a shardema.ShardSpec, a dict or a (name, global_shape, dtype, kind,
-        ranges) tuple: FSDP1 (FlatParamLayout.local_shards) or any split.
+        ranges) tuple: FSDP1 (FlatParamLayout.shards_from_flat_param) or any split.
         Every rank of process_group (default: the default group, or one
         process) calls it with specs for the group's world size."""
         self = cls.__new__(cls)

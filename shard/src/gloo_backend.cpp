@@ -115,6 +115,8 @@ void prepareInterpreter() {
       }
     } catch (const c10::Error& e) {
       failure = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      failure = std::string(kApi) + ": starting the interpreter failed: " + e.what();
     }
   });
   TORCH_CHECK(failure.empty(), failure);

@@ -97,7 +97,7 @@ TEST(PosthocSnapshotTest, ScanRefusesForeignSafetensorsNames) {
   EXPECT_VALUE_ERROR(scanSnapshotFolder(dir.path()), dir.file("model.safetensors"));
 }
 
-TEST(PosthocSnapshotTest, ScanRefusesMixedPlacements) {
+TEST(PosthocSnapshotTest, ScanRefusesMixedLayouts) {
   testing::TempDir dir;
   writeIn(dir.path(), fullInfo(0, 10, 0.05));
   writeIn(dir.file(rankFolderName(0)), shardInfo(0, 10, 0.05, 0, 1));

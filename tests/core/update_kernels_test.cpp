@@ -80,6 +80,25 @@ TEST(UpdateKernelsTest, LerpIsTheDocumentedFloat32Formula) {
   }
 }
 
+// kSkip and kCopyRaw are run above the kernels; a span carrying one is
+// refused, not taken for a copy, and the EMA is left as it was.
+TEST(UpdateKernelsTest, SkipAndRawCopySpansAreRefused) {
+  float ema[4] = {1, 2, 3, 4};
+  const float src[4] = {9, 9, 9, 9};
+  for (UpdateOp op : {UpdateOp::kSkip, UpdateOp::kCopyRaw}) {
+    const std::vector<UpdateSpan> spans = {{ema, src, SourceType::kFloat32, 4, op}};
+    EXPECT_THROW(updateSpans(spans, 0.5f, nullptr), c10::ValueError);
+    MultiUpdateSpan multi;
+    multi.emas = {ema};
+    multi.src = src;
+    multi.count = 4;
+    multi.op = op;
+    EXPECT_THROW(updateSpansMulti({multi}, {0.5f}, nullptr), c10::ValueError);
+  }
+  EXPECT_EQ(ema[0], 1.0f);
+  EXPECT_EQ(ema[3], 4.0f);
+}
+
 TEST(UpdateKernelsTest, CopyConvertsExactly) {
   for (SourceType type : kSourceTypes) {
     for (int64_t n : kSizes) {

@@ -141,7 +141,7 @@ TEST_P(AveragerConstructionTest, AllocationLargerThanMemoryIsAnError) {
 }
 #endif
 
-INSTANTIATE_TEST_SUITE_P(Placements, AveragerConstructionTest,
+INSTANTIATE_TEST_SUITE_P(Storages, AveragerConstructionTest,
                          ::testing::Values(EmaStorage::kPinnedHost, EmaStorage::kDevice));
 
 TEST(ShardedAveragerConstructionTest, FailurePartWayUnwindsCleanly) {

@@ -310,7 +310,7 @@ TEST(AveragerTest, UnknownNameIsAnIndexError) {
 
 // Both storages follow the float64 reference; kDevice keeps the EMA on
 // the source's device (the CPU here) and needs no fence.
-TEST(AveragerTest, BothPlacementsFollowTheFloat64Reference) {
+TEST(AveragerTest, BothStoragesFollowTheFloat64Reference) {
   for (EmaStorage storage : {EmaStorage::kPinnedHost, EmaStorage::kDevice}) {
     at::Tensor source = at::zeros({70}, at::kBFloat16);
     AveragerOptions options;

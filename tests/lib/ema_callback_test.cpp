@@ -234,7 +234,7 @@ TEST(EmaCallbackTest, HooksBeforeFitStartAndBadArguments) {
 // The asynchronous default with the fence deferred to onBeforeOptimizerStep
 // (called before the forward: BatchNorm's running statistics change there)
 // gives the same EMA, bit for bit, as the synchronous on-device storage.
-TEST(EmaCallbackTest, DeferredFencePinnedHostEqualsDevicePlacement) {
+TEST(EmaCallbackTest, DeferredFencePinnedHostEqualsDeviceStorage) {
   auto train = [](EmaCallbackOptions options) {
     torch::manual_seed(11);
     TestNet net;

@@ -111,7 +111,7 @@ TEST(PostHocRanksTest, RankZeroFullCopyKeepsTopLevelSnapshotsOfRankZero) {
       "deployable");
 }
 
-TEST(PostHocRanksTest, ShardedPlacementWritesOneFolderPerRank) {
+TEST(PostHocRanksTest, ShardedLayoutWritesOneFolderPerRank) {
   TempDir folder;
   TempDir output;
   const auto results = runTwoRanks(PostHocLayout::kSharded, folder.path(), output.path());
@@ -140,8 +140,8 @@ TEST(PostHocRanksTest, ShardedPlacementWritesOneFolderPerRank) {
 
 // The two-rank run of each post-hoc layout on the given EMA storage,
 // each with its own snapshot and output folders.
-struct BothPlacements {
-  explicit BothPlacements(EmaStorage ema)
+struct BothLayouts {
+  explicit BothLayouts(EmaStorage ema)
       : full(runTwoRanks(PostHocLayout::kRankZero, folderA.path(), outputA.path(), ema)),
         sharded(runTwoRanks(PostHocLayout::kSharded, folderB.path(), outputB.path(), ema)) {}
   TempDir folderA;
@@ -155,7 +155,7 @@ struct BothPlacements {
 // Both post-hoc layouts on the given EMA storage, then the offline merge of the
 // sharded folder.
 void expectTheSameDeployableWeights(EmaStorage ema) {
-  const BothPlacements runs(ema);
+  const BothLayouts runs(ema);
   const auto& full = runs.full;
   const auto& sharded = runs.sharded;
   ASSERT_FALSE(full[0].deployable.empty());
@@ -176,18 +176,18 @@ void expectTheSameDeployableWeights(EmaStorage ema) {
                                   1e-6, "offline merge vs callback");
 }
 
-TEST(PostHocRanksTest, BothPlacementsAndTheOfflineMergeGiveTheSameWeights) {
+TEST(PostHocRanksTest, BothLayoutsAndTheOfflineMergeGiveTheSameWeights) {
   expectTheSameDeployableWeights(EmaStorage::kPinnedHost);
 }
 
-TEST(PostHocRanksTest, BothPlacementsGiveTheSameWeightsOnTheDevicePlacement) {
+TEST(PostHocRanksTest, BothLayoutsGiveTheSameWeightsOnTheDeviceStorage) {
   expectTheSameDeployableWeights(EmaStorage::kDevice);
 }
 
 // Both post-hoc layouts on the given EMA storage: the values each rank's module
 // held during the validation swap.
 void expectTheSameSwapInEveryRank(EmaStorage ema) {
-  const BothPlacements runs(ema);
+  const BothLayouts runs(ema);
   const auto& full = runs.full;
   const auto& sharded = runs.sharded;
   for (int64_t r = 0; r < kWorld; ++r) {
@@ -232,7 +232,7 @@ TEST(PostHocRanksTest, ValidationSwapPutsTheSameEmaIntoEveryRank) {
   expectTheSameSwapInEveryRank(EmaStorage::kPinnedHost);
 }
 
-TEST(PostHocRanksTest, ValidationSwapPutsTheSameEmaIntoEveryRankOnTheDevicePlacement) {
+TEST(PostHocRanksTest, ValidationSwapPutsTheSameEmaIntoEveryRankOnTheDeviceStorage) {
   expectTheSameSwapInEveryRank(EmaStorage::kDevice);
 }
 

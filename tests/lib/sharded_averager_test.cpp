@@ -102,7 +102,7 @@ TEST(ShardedAveragerTest, UnionOfRankEmasEqualsFullEmaBitForBit) {
   sweep(testing::smallChunkOptions(EmaStorage::kPinnedHost));
 }
 
-TEST(ShardedAveragerTest, UnionOfRankEmasEqualsFullEmaBitForBitOnTheDevicePlacement) {
+TEST(ShardedAveragerTest, UnionOfRankEmasEqualsFullEmaBitForBitOnTheDeviceStorage) {
   sweep(testing::smallChunkOptions(EmaStorage::kDevice));
 }
 

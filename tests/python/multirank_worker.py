@@ -191,8 +191,8 @@ def run(scenario, rank, world, out):
             ema.save_checkpoint(os.path.join(out, "ckpt"))
     elif scenario == "dtensor":
         # FSDP2 as EMA's auto layout sees it: Shard(0) DTensor parameters on
-        # a 1-D mesh whose group is the job's (stand-ins: torch 1.13 has no
-        # DTensor), and plain buffers.
+        # a 1-D mesh whose group is the job's (stand-ins still: not yet moved
+        # to fully_shard), and plain buffers.
         from dtensor_standin import Mesh, StandInDTensor
         mesh = Mesh(group=dist.distributed_c10d._get_default_group())
         _, locals_ = fsdp2_rows(model, rank, world)

@@ -140,6 +140,7 @@ def test_a_swap_whose_gather_fails_leaves_the_model_as_it_was(tmp_path):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_emacallback_checkpoint_of_an_fsdp2_model_keeps_the_ema_sharded(world, tmp_path):
-    # Stand-in DTensors (torch 1.13 has none); the checks are in the worker.
+    # Stand-in DTensors still (not yet moved to fully_shard, as
+    # test_dtensor_detection.py is); the checks are in the worker.
     codes, errors = launch("dtensor_checkpoint", world, tmp_path)
     assert codes == [0] * world, errors

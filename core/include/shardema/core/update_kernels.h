@@ -55,7 +55,8 @@ struct UpdateSpan {
 /// over the pool's threads and the caller, so one huge tensor and a thousand
 /// small ones both use every core. pool == nullptr runs on the caller.
 /// Blocks until done. Results do not depend on the split (no FMA contraction).
-/// c10::ValueError for minGrain < 1 or a negative count. Spans must not
+/// c10::ValueError for minGrain < 1, a negative count or an op other than
+/// kLerp or kCopy. Spans must not
 /// overlap each other's ema.
 void updateSpans(const std::vector<UpdateSpan>& spans, float weight, ParallelRunner* pool,
                  int64_t minGrain = 1 << 15);
@@ -92,8 +93,9 @@ struct MultiUpdateSpan {
 /// weights[p] (kCopy ignores the weights). Split over the pool exactly like
 /// updateSpans, by source elements (minGrain counts source elements, each
 /// updating every profile); the result does not depend on the split.
-/// c10::ValueError for minGrain < 1, a negative count, weights.size() not in
-/// [1, kMaxProfiles], or a span whose emas.size() != weights.size().
+/// c10::ValueError for minGrain < 1, a negative count, an op other than
+/// kLerp or kCopy, weights.size() not in [1, kMaxProfiles], or a span whose
+/// emas.size() != weights.size().
 void updateSpansMulti(const std::vector<MultiUpdateSpan>& spans, const std::vector<float>& weights,
                       ParallelRunner* pool, int64_t minGrain = 1 << 15);
 

@@ -265,6 +265,7 @@ class UpdatePipeline {
   std::vector<PipelineJob> jobs_;
   std::vector<Piece> pieces_;
   std::vector<Chunk> chunks_;   // direct chunks first, then staged ones
+  std::vector<char> inPlace_;   // per job: takes the direct path (plan())
   int64_t directChunks_ = 0;    // chunks_[0, directChunks_) are direct
   std::vector<float> weights_;  // one per profile
   int64_t step_ = 0;
