@@ -5,9 +5,12 @@
 
 #include <cerrno>
 #include <cstring>
+#include <map>
 
 #include "flag_parser.h"
+#include "shardema/averager.h"
 #include "shardema/core/checksum.h"
+#include "shardema/core/file_metadata.h"
 #include "shardema/core/tensor_file_reader.h"
 #include "shardema/sharded_checkpoint.h"
 
@@ -20,6 +23,49 @@ std::string shapeText(const std::vector<int64_t>& shape) {
   return text + "]";
 }
 
+// Kinds of file shardema writes (docs/files.md); a rank file of a
+// checkpoint folder is an averager_state too.
+bool isKnownKind(const std::string& kind) {
+  for (const char* known : {detail::kAveragerStateKind, detail::kDeployableKind,
+                            detail::kPostHocSnapshotKind, detail::kTrainingCheckpointKind}) {
+    if (kind == known) return true;
+  }
+  return false;
+}
+
+// Whether a file is checked as an Averager state: its kind says so, or it
+// carries shardema.last_decay / shardema.initialized, which only an Averager
+// state has, under another kind or none (an edited kind). A training
+// checkpoint is left alone: its trainer may add keys of its own.
+bool claimsAveragerState(const std::map<std::string, std::string>& metadata,
+                         const std::string& kind) {
+  if (kind == detail::kAveragerStateKind) return true;
+  return kind != detail::kTrainingCheckpointKind &&
+         (metadata.count(detail::kLastDecayKey) || metadata.count(detail::kInitializedKey));
+}
+
+// An Averager state gets the checks Averager::load makes of its metadata
+// (checkAveragerStateMetadata), so inspect passes no state that loading
+// refuses; an unknown kind is an edited or foreign file. Other files
+// without shardema.kind come from other tools and have nothing to check.
+void checkKindMetadata(const TensorFileReader& reader) {
+  const auto& metadata = reader.header().metadata;
+  const auto found = metadata.find(detail::kKindKey);
+  const std::string kind = found == metadata.end() ? "" : found->second;
+  if (claimsAveragerState(metadata, kind)) {
+    try {
+      checkAveragerStateMetadata(metadata, "Averager state");
+    } catch (const c10::Error& error) {
+      throw UsageError(reader.path() + ": " + error.what_without_backtrace());
+    }
+    return;
+  }
+  if (found != metadata.end() && !isKnownKind(kind)) {
+    throw UsageError(reader.path() + ": " + detail::kKindKey + " is '" + kind +
+                     "', not a kind shardema writes");
+  }
+}
+
 void printFile(const std::string& path, std::ostream& out) {
   const TensorFileReader reader(path);
   struct stat info {};
@@ -27,6 +73,7 @@ void printFile(const std::string& path, std::ostream& out) {
     throw UsageError(path + ": cannot stat (" + std::strerror(errno) + ")");
   }
   reader.verifyChecksums();
+  checkKindMetadata(reader);
   out << "file " << path << ": " << reader.header().tensors.size() << " tensors, " << info.st_size
       << " bytes, xxh64 " << checksumHex(fileChecksum(path)) << ", tensor checksums "
       << (reader.hasChecksums() ? "ok" : "absent (not written by shardema)") << '\n';
@@ -83,9 +130,11 @@ int inspect(const std::string& path, std::ostream& out) {
 
 void printInspectUsage(std::ostream& out) {
   out << "usage: shardema inspect FILE|DIR\n\n"
-         "Validates a safetensors file (header, sizes) and lists its metadata and tensors\n"
-         "with its XXH64; or validates a per-rank checkpoint folder: the manifest, every rank\n"
-         "file's size, XXH64 and tensors against it, and lists the layout.\n";
+         "Validates a safetensors file (header, sizes, every tensor's checksum, and for an\n"
+         "Averager state the metadata Averager::load checks) and lists its metadata and\n"
+         "tensors with its XXH64; or validates a per-rank checkpoint folder: the manifest,\n"
+         "every rank file's size, XXH64, metadata and tensors against it, every tensor's\n"
+         "checksum, and lists the layout.\n";
 }
 
 int runInspectCommand(const std::vector<std::string>& args, std::ostream& out) {

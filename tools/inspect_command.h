@@ -10,11 +10,13 @@ namespace shardema::cli {
 /// Writes the `shardema inspect --help` text.
 void printInspectUsage(std::ostream& out);
 
-/// Runs `shardema inspect <path>`. A file: its size, XXH64, metadata and
-/// every tensor (name, dtype, shape). A folder: the manifest (step, world
-/// size, schedule, layout), every rank file checked against it (size,
-/// XXH64, tensors), and the tensors with their global shapes and ranges.
-/// Any problem is a UsageError naming the file (exit status 2).
+/// Runs `shardema inspect <path>`. A file: every tensor's checksum and, for
+/// an Averager state, its metadata as Averager::load checks it; then its
+/// size, XXH64, metadata and every tensor (name, dtype, shape). A folder:
+/// inspectCheckpoint (the manifest; every rank file's size, XXH64,
+/// metadata, tensors and tensor checksums), then the manifest (step, world
+/// size, schedule, layout) and the tensors with their global shapes and
+/// ranges. Any problem is a UsageError naming the file (exit status 2).
 int runInspectCommand(const std::vector<std::string>& args, std::ostream& out);
 
 }  // namespace shardema::cli

@@ -35,15 +35,16 @@ def reference_step(ref, full, first):
 
 def train(model, optimizer, ema, ref, full_weights):
     """STEPS optimizer steps with the EMA fenced before and updated after
-    each, and the float64 reference following the full weights."""
-    reference_step(ref, full_weights(), True)
+    each, and the float64 reference following the full weights. The EMA
+    starts as a copy of the weights after the first step
+    (copy_on_first_update, the default), and so does the reference."""
     for step in range(STEPS):
         model(torch.randn(8, 96, device="cuda")).square().mean().backward()
         ema.fence()
         optimizer.step()
         optimizer.zero_grad()
         ema.update()
-        reference_step(ref, full_weights(), False)
+        reference_step(ref, full_weights(), step == 0)
     ema.wait()
 
 
@@ -63,8 +64,9 @@ def cuda_engine_check():
     free_before = torch.cuda.mem_get_info()[0]
     ok = check(ema.full_state_dict(), ref, "CUDA engine, pinned-host EMA")
     with ema.swap(model):
-        ok &= torch.allclose(model[0].weight.double().cpu(), ref["0.weight"], atol=1e-5)
-    print(f"swap on the GPU model: {'ok' if ok else 'FAILED'}; device memory used by the EMA: "
+        swap_ok = torch.allclose(model[0].weight.double().cpu(), ref["0.weight"], atol=1e-5)
+    ok &= swap_ok
+    print(f"swap on the GPU model: {'ok' if swap_ok else 'FAILED'}; device memory used by the EMA: "
           f"{(free_before - torch.cuda.mem_get_info()[0]) / 2**20:.1f} MiB")
     return ok
 

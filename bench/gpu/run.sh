@@ -7,8 +7,9 @@
 #   3. runs gpu_check: the pinned-host EMA allocates no device memory
 #      (cudaMemGetInfo before/after), pinned D2H/H2D GB/s through the engine
 #      beside plain cudaMemcpy;
-#   4. pip installs the Python package into that torch's environment and
-#      runs its pytest suites (the FSDP2 and Lightning blocks of docs/python.md included:
+#   4. builds the Python package in the same tree (shardema._C beside its
+#      .py files; SHARDEMA_GPU_PIP=1 pip installs it instead, a second build)
+#      and runs its pytest suites (the FSDP2 and Lightning blocks of docs/python.md included:
 #      a real fully_shard model on CPU over Gloo, 2 processes, and
 #      EMACallback in a Lightning Trainer), then bench/gpu/python_check.py
 #      (the CUDA copy engine under shardema.EMA, fully_shard on the GPU).
@@ -17,18 +18,23 @@
 # A bare machine without GoogleTest/nlohmann-json/Boost/xxhash: first run
 # bench/gpu/bundle_deps.sh on a Debian machine with scripts/install_deps.sh
 # done, and bring <repo>/.gpu-deps along (or set SHARDEMA_GPU_DEPS to a
-# folder holding deps.tar.gz). Logs go to $OUT when set, else build/gpu/logs.
+# folder holding deps.tar.gz). Logs: build/gpu/logs, and $OUT/gpu_logs.tar.gz when OUT is set.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 build=${SHARDEMA_GPU_BUILD:-$repo/build/gpu}
-logs=${OUT:-$build/logs}
+# $OUT brings back 8 files at most: the logs travel as one archive, renewed
+# at each step so that a run cut short still brings back what it did.
+logs=$build/logs
+archive=${OUT:+$OUT/gpu_logs.tar.gz}
 python=${PYTHON:-python3}
 mkdir -p "$build" "$logs"
 failures=()
-step() { echo; echo "== $*"; }
+save_logs() { [[ -n "$archive" ]] && tar -C "$logs" -czf "$archive" . 2>/dev/null; return 0; }
+step() { save_logs; echo; echo "== $*"; }
 fail() { echo "FAILED: $*"; failures+=("$*"); }
 
 step "environment"
+"$python" -c 'import sys, sysconfig; print(sys.version.split()[0], sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("LDLIBRARY"), sysconfig.get_paths()["include"])' || true
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
 torch_info=$(timeout 120 "$python" -c 'import torch
 print(torch.utils.cmake_prefix_path)
@@ -73,14 +79,13 @@ grep -E "^-- shardema" "$logs/configure.log"
 grep -q "CUDA LibTorch found" "$logs/configure.log" || fail "configure: the CUDA LibTorch was not detected"
 
 step "build"
-timeout 600 cmake --build "$build/tree" -j "$(nproc)" --target offload_tests concurrency_suites gpu_check \
+targets=(offload_tests concurrency_suites gpu_check)
+[[ "${SHARDEMA_GPU_PYTHON:-1}" == 1 && "${SHARDEMA_GPU_PIP:-0}" != 1 ]] && targets+=(shardema_python)
+timeout 600 cmake --build "$build/tree" -j "$(nproc)" --target "${targets[@]}" \
   >"$logs/build.log" 2>&1 || { grep -E "error|Error" "$logs/build.log" | head -30; echo "run.sh: build failed"; exit 1; }
 echo "built"
 tests=$build/tree/shardema/tests
 
-step "offload_tests"
-timeout 300 "$tests/offload_tests" --gtest_brief=1 >"$logs/offload_tests.log" 2>&1 || fail "offload_tests"
-tail -3 "$logs/offload_tests.log"
 step "CUDA engine tests (must run, not skip)"
 timeout 120 "$tests/offload_tests" --gtest_filter='CudaCopyEngineTest.*' >"$logs/cuda_tests.log" 2>&1 ||
   fail "CudaCopyEngineTest"
@@ -90,39 +95,54 @@ ran=$(grep -cE "^\[ +OK \] CudaCopyEngineTest\." "$logs/cuda_tests.log")
 skipped=$(grep -E "^\[  SKIPPED \] CudaCopyEngineTest\.[A-Za-z]+ \(" "$logs/cuda_tests.log" |
   grep -vc ConstructionFailsCleanlyWithoutDevice)
 ((skipped == 0 && ran >= 4)) || fail "CUDA-engine tests: $ran ran, $skipped skipped on a GPU machine"
-for suite in offload_concurrency_tests lib_concurrency_tests; do
-  step "$suite"
-  timeout 300 "$tests/$suite" --gtest_brief=1 >"$logs/$suite.log" 2>&1 || fail "$suite"
-  tail -3 "$logs/$suite.log"
-done
-
 step "gpu_check"
 timeout 180 "$build/tree/gpu_check" 2>&1 | tee "$logs/gpu_check.log"
 [[ ${PIPESTATUS[0]} -eq 0 ]] || fail "gpu_check"
 
 if [[ "${SHARDEMA_GPU_PYTHON:-1}" == 1 ]]; then
-  step "python package (pip install --no-build-isolation)"
-  CMAKE_PREFIX_PATH="$prefix_path" CUDAToolkit_ROOT="$cuda_root" timeout 480 \
-    "$python" -m pip install --no-build-isolation --no-deps --no-index -v "$repo" \
-    >"$logs/pip_install.log" 2>&1 || fail "pip install"
-  tail -2 "$logs/pip_install.log"
-  if "$python" -c "import pytest" 2>/dev/null; then
-    step "python tests"
-    (cd "$repo/tests/python" && timeout 420 "$python" -m pytest -q -rs -p no:cacheprovider . \
-      >"$logs/python_tests.log" 2>&1) || fail "python tests"
-    grep -E "passed|failed|SKIPPED" "$logs/python_tests.log" | tail -8
-  else
-    echo "no pytest in $python: Python tests not run"
+  pythonpath=$build/tree/python
+  if [[ "${SHARDEMA_GPU_PIP:-0}" == 1 ]]; then
+    step "python package (pip install --no-build-isolation)"
+    CMAKE_PREFIX_PATH="$prefix_path" CUDAToolkit_ROOT="$cuda_root" timeout 480 \
+      "$python" -m pip install --no-build-isolation --no-deps --no-index -v "$repo" \
+      >"$logs/pip_install.log" 2>&1 || fail "pip install"
+    tail -2 "$logs/pip_install.log"
+    pythonpath=
   fi
+  export PYTHONPATH=$pythonpath${PYTHONPATH:+:$PYTHONPATH}
   step "python_check (CUDA engine and fully_shard on the GPU)"
   (cd "$logs" && timeout 180 "$python" "$repo/bench/gpu/python_check.py") 2>&1 |
     tee "$logs/python_check.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || fail "python_check"
 fi
 
+step "offload_tests"
+timeout 150 "$tests/offload_tests" --gtest_brief=1 >"$logs/offload_tests.log" 2>&1 || fail "offload_tests"
+tail -3 "$logs/offload_tests.log"
+for suite in offload_concurrency_tests lib_concurrency_tests; do
+  step "$suite"
+  timeout 120 "$tests/$suite" --gtest_brief=1 >"$logs/$suite.log" 2>&1 || fail "$suite"
+  tail -3 "$logs/$suite.log"
+done
+
+
+if [[ "${SHARDEMA_GPU_PYTHON:-1}" == 1 ]]; then
+  if "$python" -c "import pytest" 2>/dev/null; then
+    step "python tests"
+    xdist=(); "$python" -c "import xdist" 2>/dev/null && xdist=(-n 4)
+    (cd "$repo/tests/python" && timeout "${SHARDEMA_GPU_PYTEST_TIMEOUT:-240}" "$python" -m pytest -q -rs \
+      -p no:cacheprovider "${xdist[@]}" . \
+      >"$logs/python_tests.log" 2>&1) || fail "python tests"
+    grep -E "passed|failed|SKIPPED" "$logs/python_tests.log" | tail -8
+  else
+    echo "no pytest in $python: Python tests not run"
+  fi
+fi
+
+save_logs
 echo
 if ((${#failures[@]})); then
-  echo "GPU CHECK FAILED: ${failures[*]} (logs in $logs)"
+  echo "GPU CHECK FAILED: ${failures[*]} (logs in ${archive:-$logs})"
   exit 1
 fi
-echo "GPU CHECK PASSED (logs in $logs)"
+echo "GPU CHECK PASSED (logs in ${archive:-$logs})"

@@ -2,6 +2,7 @@
 // and the update mechanics are its store's (ema_store.h), one per storage.
 #include "shardema/averager.h"
 
+#include <ATen/ops/isfinite.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
@@ -135,7 +136,12 @@ void Averager::settle(const char* api) const {
   }
 }
 
-void Averager::fence() { store("fence").fence(); }
+void Averager::fence() {
+  // Like every other call, a fence on a failed Averager says so: the loop
+  // must not go on training as if its EMA were kept.
+  checkNotFailed("fence");
+  store("fence").fence();
+}
 
 void Averager::wait() { settle("wait"); }
 
@@ -145,6 +151,8 @@ offload::PipelineStats Averager::offloadStats() const {
 
 bool Averager::update(int64_t step) {
   detail::EmaStore& emaStore = store("update");
+  TORCH_CHECK_VALUE(step >= 1, "Averager::update: steps are the 1-based optimizer steps; got step ",
+                    step);
   TORCH_CHECK_VALUE(step > step_, "Averager::update: step must increase; got step ", step,
                     " after step ", step_);
   // Read before the wait below releases the sources.
@@ -168,6 +176,7 @@ bool Averager::update(int64_t step) {
   plan.weights.assign(weights.begin(), weights.end());
   plan.ops.reserve(tracked_.size());
   for (const TrackedTensor& t : tracked_) plan.ops.push_back(opFor(t, firstCopy, weightIsOne));
+  if (options_.refuseNonFinite) checkFinite(plan, step);
   emaStore.update(tracked_, plan);
   // Progress is recorded only once the update was accepted, so an update
   // refused on the caller can be retried at the same step.
@@ -176,6 +185,16 @@ bool Averager::update(int64_t step) {
   lastDecay_ = decays.front();
   moreLastDecays_.assign(decays.begin() + 1, decays.end());
   return true;
+}
+
+void Averager::checkFinite(const detail::EmaUpdate& plan, int64_t step) const {
+  for (size_t i = 0; i < tracked_.size(); ++i) {
+    const at::Tensor& source = tracked_[i].source;
+    if (plan.ops[i] == UpdateOp::kSkip || !at::isFloatingType(source.scalar_type())) continue;
+    TORCH_CHECK_VALUE(at::isfinite(source.detach()).all().item<bool>(),
+                      "Averager::update: tensor '", tracked_[i].name, "' holds NaN or Inf at step ",
+                      step, " (refuseNonFinite); the step was not taken and the EMA is unchanged");
+  }
 }
 
 // The previous update was neither fenced nor waited for, so whatever ran
@@ -231,6 +250,30 @@ std::vector<std::pair<std::string, at::Tensor>> Averager::emaTensors(int profile
     out.emplace_back(tracked_[i].name, store_->storage(i, profile));
   }
   return out;
+}
+
+void Averager::rebindSource(const std::string& name, const at::Tensor& source) {
+  const size_t index = indexOf(name, "rebindSource");
+  TrackedTensor replacement = tracked_[index];
+  replacement.source = source;
+  TORCH_CHECK_VALUE(source.defined(), "Averager::rebindSource: tensor '", name,
+                    "' was replaced by an undefined tensor");
+  checkReadable(replacement);
+  const at::Tensor& old = tracked_[index].source;
+  TORCH_CHECK_VALUE(source.scalar_type() == old.scalar_type() && source.sizes() == old.sizes() &&
+                        source.device() == old.device(),
+                    "Averager::rebindSource: tensor '", name, "' was replaced by a ",
+                    source.scalar_type(), " tensor of shape ", source.sizes(), " on ",
+                    source.device(), " but the EMA follows a ", old.scalar_type(),
+                    " tensor of shape ", old.sizes(), " on ", old.device());
+  tracked_[index] = std::move(replacement);
+}
+
+std::pair<c10::ScalarType, std::vector<int64_t>> Averager::emaDtypeAndShape(
+    const std::string& name) const {
+  const at::Tensor& storage =
+      store("emaDtypeAndShape").storage(indexOf(name, "emaDtypeAndShape"), 0);
+  return {storage.scalar_type(), storage.sizes().vec()};
 }
 
 void Averager::restoreProgress(int64_t step, bool initialized) {

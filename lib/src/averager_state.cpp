@@ -16,11 +16,46 @@ namespace {
 using detail::kKindKey;
 constexpr const char* kAveragerKind = detail::kAveragerStateKind;
 
-const std::string& requireKey(const TensorFile& file, const char* key) {
-  const auto it = file.metadata.find(key);
-  TORCH_CHECK_VALUE(it != file.metadata.end(), "Averager::loadState: metadata key '", key,
+using Metadata = std::map<std::string, std::string>;
+
+const std::string& requireKey(const Metadata& metadata, const char* key, const char* api) {
+  const auto it = metadata.find(key);
+  TORCH_CHECK_VALUE(it != metadata.end(), api, ": metadata key '", key,
                     "' is missing; this is not an Averager state");
   return it->second;
+}
+
+// fromJson's own error names the field inside the schedule; this one adds
+// the key, so the line says which metadata holds it.
+DecaySchedule savedSchedule(const Metadata& metadata, const char* api) {
+  const std::string& text = requireKey(metadata, detail::kScheduleKey, api);
+  try {
+    return DecaySchedule::fromJson(text);
+  } catch (const c10::Error& error) {
+    TORCH_CHECK_VALUE(false, api, ": ", detail::kScheduleKey, ": ", error.what_without_backtrace());
+  }
+}
+
+// Every value must be a role name (parseTrackRole): a garbled role could
+// not be compared with the tracked one, and no save writes one.
+std::map<std::string, TrackRole> savedRoles(const Metadata& metadata, const char* api) {
+  const auto it = metadata.find(detail::kRolesKey);
+  if (it == metadata.end()) return {};
+  const nlohmann::json roles =
+      nlohmann::json::parse(it->second, nullptr, /*allow_exceptions=*/false);
+  TORCH_CHECK_VALUE(roles.is_object(), api, ": ", detail::kRolesKey, " is not a JSON object");
+  std::map<std::string, TrackRole> out;
+  for (const auto& [name, role] : roles.items()) {
+    TORCH_CHECK_VALUE(role.is_string(), api, ": ", detail::kRolesKey, ": tensor '", name,
+                      "' has role ", role.dump(), ", not a role name");
+    try {
+      out.emplace(name, parseTrackRole(role.get<std::string>()));
+    } catch (const c10::Error& error) {
+      TORCH_CHECK_VALUE(false, api, ": ", detail::kRolesKey, ": tensor '", name,
+                        "': ", error.what_without_backtrace());
+    }
+  }
+  return out;
 }
 
 std::string joinNames(const std::vector<std::string>& names) {
@@ -46,21 +81,41 @@ void checkLoadableType(const std::string& name, at::ScalarType given, at::Scalar
 
 }  // namespace
 
+AveragerStateInfo checkAveragerStateMetadata(const Metadata& metadata, const char* api) {
+  const std::string& kind = requireKey(metadata, kKindKey, api);
+  TORCH_CHECK_VALUE(kind == kAveragerKind, api, ": ", kKindKey, " is '", kind, "', expected '",
+                    kAveragerKind, "'");
+  AveragerStateInfo info;
+  info.schedule = savedSchedule(metadata, api);
+  // Strict parses: a negative or garbled step, or a decay that is NaN or
+  // outside [0, 1], would resume an EMA that no save could have written.
+  const std::string& stepText = requireKey(metadata, detail::kStepKey, api);
+  TORCH_CHECK_VALUE(detail::parseDecimalDigits(stepText, &info.step), api, ": ", detail::kStepKey,
+                    " (metadata key '", detail::kStepKey, "' is '", stepText,
+                    "') must be a non-negative integer");
+  const std::string& decayText = requireKey(metadata, detail::kLastDecayKey, api);
+  TORCH_CHECK_VALUE(detail::parseFiniteDecimal(decayText, &info.lastDecay) &&
+                        info.lastDecay >= 0.0 && info.lastDecay <= 1.0,
+                    api, ": ", detail::kLastDecayKey, " (metadata key '", detail::kLastDecayKey,
+                    "' is '", decayText, "') must be a number in [0, 1]");
+  const std::string& initialized = requireKey(metadata, detail::kInitializedKey, api);
+  TORCH_CHECK_VALUE(initialized == "true" || initialized == "false", api, ": ",
+                    detail::kInitializedKey, " must be true or false, got '", initialized, "'");
+  info.initialized = initialized == "true";
+  info.roles = savedRoles(metadata, api);
+  return info;
+}
+
 // A tensor averaged in one run and copied in the other would silently change
 // meaning on resume, so a strict load insists the roles agree.
-void Averager::checkRoles(const TensorFile& file) const {
-  const auto it = file.metadata.find(detail::kRolesKey);
-  if (it == file.metadata.end()) return;
-  const nlohmann::json roles =
-      nlohmann::json::parse(it->second, nullptr, /*allow_exceptions=*/false);
-  TORCH_CHECK_VALUE(roles.is_object(), "Averager::loadState: shardema.roles is not a JSON object");
+void Averager::checkRoles(const std::map<std::string, TrackRole>& saved) const {
   for (const TrackedTensor& t : tracked_) {
-    const auto role = roles.find(t.name);
-    if (role == roles.end() || !role->is_string()) continue;
-    TORCH_CHECK_VALUE(role->get<std::string>() == trackRoleName(t.role),
-                      "Averager::loadState: tensor '", t.name, "' was saved with role ",
-                      role->get<std::string>(), " but is tracked here with role ",
-                      trackRoleName(t.role), "; use the same TrackingPolicy or load non-strictly");
+    const auto role = saved.find(t.name);
+    if (role == saved.end()) continue;
+    TORCH_CHECK_VALUE(role->second == t.role, "Averager::loadState: tensor '", t.name,
+                      "' was saved with role ", trackRoleName(role->second),
+                      " but is tracked here with role ", trackRoleName(t.role),
+                      "; use the same TrackingPolicy or load non-strictly");
   }
 }
 
@@ -133,35 +188,18 @@ LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness
     } catch (const c10::Error&) {
     }
   }
-  TORCH_CHECK_VALUE(requireKey(file, kKindKey) == kAveragerKind, "Averager::loadState: ", kKindKey,
-                    " is '", file.metadata.at(kKindKey), "', expected '", kAveragerKind, "'");
-  const DecaySchedule saved = DecaySchedule::fromJson(requireKey(file, detail::kScheduleKey));
-  TORCH_CHECK_VALUE(strictness == LoadStrictness::kNonStrict || saved == options_.schedule,
-                    "Averager::loadState: the state was saved with schedule ", saved.describe(),
-                    " but this Averager uses ", options_.schedule.describe(),
+  // The checks `shardema inspect` makes too (checkAveragerStateMetadata).
+  const AveragerStateInfo saved = checkAveragerStateMetadata(file.metadata, "Averager::loadState");
+  TORCH_CHECK_VALUE(strictness == LoadStrictness::kNonStrict || saved.schedule == options_.schedule,
+                    "Averager::loadState: the state was saved with schedule ",
+                    saved.schedule.describe(), " but this Averager uses ",
+                    options_.schedule.describe(),
                     "; build it with the saved schedule or load non-strictly");
-  // Strict parses: a negative or garbled step, or a decay that is NaN or
-  // outside [0, 1], would resume an EMA that no save could have written.
-  int64_t step = 0;
-  const std::string& stepText = requireKey(file, detail::kStepKey);
-  TORCH_CHECK_VALUE(detail::parseDecimalDigits(stepText, &step),
-                    "Averager::loadState: ", detail::kStepKey, " (metadata key '", detail::kStepKey,
-                    "' is '", stepText, "') must be a non-negative integer");
-  double lastDecay = 0.0;
-  const std::string& decayText = requireKey(file, detail::kLastDecayKey);
-  TORCH_CHECK_VALUE(
-      detail::parseFiniteDecimal(decayText, &lastDecay) && lastDecay >= 0.0 && lastDecay <= 1.0,
-      "Averager::loadState: ", detail::kLastDecayKey, " (metadata key '", detail::kLastDecayKey,
-      "' is '", decayText, "') must be a number in [0, 1]");
-  const std::string& initialized = requireKey(file, detail::kInitializedKey);
-  TORCH_CHECK_VALUE(initialized == "true" || initialized == "false",
-                    "Averager::loadState: shardema.initialized must be true or false, got '",
-                    initialized, "'");
-  if (strictness == LoadStrictness::kStrict) checkRoles(file);
+  if (strictness == LoadStrictness::kStrict) checkRoles(saved.roles);
   LoadReport report = loadValues(file.tensors, strictness, /*profile=*/0);
-  step_ = step;
-  lastDecay_ = lastDecay;
-  initialized_ = initialized == "true";
+  step_ = saved.step;
+  lastDecay_ = saved.lastDecay;
+  initialized_ = saved.initialized;
   // Only a state that covered every tensor replaces a partly updated EMA.
   if (report.missing.empty()) failure_.clear();
   return report;

@@ -5,6 +5,7 @@
 
 #include <unordered_map>
 
+#include "sharded_internal.h"
 #include "shardema/core/file_metadata.h"
 #include "shardema/core/tensor_file.h"
 #include "shardema/core/warning.h"
@@ -176,8 +177,9 @@ void EmaCallback::onValidationEnd() {
 EmaValidationScope::~EmaValidationScope() {
   try {
     callback_.onValidationEnd();
-  } catch (const std::exception& e) {
-    detail::warn(std::string("EmaValidationScope: restoring the raw weights failed: ") + e.what());
+  } catch (...) {
+    detail::warn("EmaValidationScope: restoring the raw weights failed: " +
+                 detail::currentErrorMessage());
   }
 }
 

@@ -112,6 +112,16 @@ ShardedAverager::ShardedAverager(int64_t rank, int64_t worldSize, std::vector<Lo
                     " is outside the world size ", worldSize);
 }
 
+void ShardedAverager::rebindLocal(const std::string& name, const at::Tensor& local) {
+  for (LocalShard& shard : shards_) {
+    if (shard.spec.name != name) continue;
+    averager_.rebindSource(name, local);
+    shard.local = local;
+    return;
+  }
+  TORCH_CHECK_INDEX(false, kShardedApi, "::rebindLocal: no tensor '", name, "'");
+}
+
 std::vector<at::Tensor> ShardedAverager::localEma() const {
   std::vector<at::Tensor> pieces;
   pieces.reserve(shards_.size());
@@ -152,6 +162,10 @@ std::vector<LocalShard> shardsFromFullTensors(const std::vector<TrackedTensor>& 
   std::vector<LocalShard> shards;
   shards.reserve(full.size());
   for (const TrackedTensor& tensor : full) {
+    TORCH_CHECK_VALUE(!tensor.source.defined() || tensor.source.layout() == at::kStrided,
+                      "shardsFromFullTensors: tensor '", tensor.name, "' has layout ",
+                      tensor.source.layout(),
+                      "; only dense (strided) tensors can be tracked (densify it with to_dense())");
     TORCH_CHECK_VALUE(tensor.source.defined() && tensor.source.is_contiguous(),
                       "shardsFromFullTensors: tensor '", tensor.name,
                       "' must be a defined, contiguous tensor (its rows become views)");

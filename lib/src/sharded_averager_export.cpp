@@ -45,6 +45,7 @@ std::unique_ptr<TensorFileWriter> openOnRoot(shard::Communicator& comm, const st
     ok.fill_(2);
   } else if (comm.rank() == options.root) {
     try {
+      detail::checkExportDestination(path, api);
       writer = std::make_unique<TensorFileWriter>(path, deployableEntries(layout, pieces, dtype),
                                                   metadata);
     } catch (...) {

@@ -20,16 +20,35 @@ namespace {
 
 constexpr const char* kLoadApi = "loadCheckpoint";
 
+// The tensors alone (names, order, shapes, dtypes), not how ranks split
+// them: what resharding keeps.
+shard::ShardLayout tensorsOnly(shard::ShardLayout layout) {
+  for (shard::ShardSpec& spec : layout.specs) {
+    spec.kind = shard::LayoutKind::kFsdp2;
+    spec.ranges.clear();
+  }
+  return layout;
+}
+
+// Another world size can be resharded; another set of tensors (a load into
+// another model) cannot, and the message names the first tensor that
+// differs instead of comparing fingerprints.
 void checkSameJob(const ShardedAverager& averager, const RankManifest& manifest,
                   const std::string& dir) {
   const shard::ShardLayout& here = averager.layout();
   if (manifest.layout.fingerprint() == here.fingerprint()) return;
+  const std::string tensors =
+      shard::layoutDifference(tensorsOnly(manifest.layout), tensorsOnly(here));
   const int64_t w = here.worldSize();
-  TORCH_CHECK_VALUE(false, kLoadApi, ": the checkpoint at ", dir, " was saved with layout ",
-                    manifest.layout.describe(), " but this job has layout ", here.describe(),
-                    manifest.worldSize() != w ? " (another world size)" : "",
+  TORCH_CHECK_VALUE(tensors.empty(), kLoadApi, ": the checkpoint at ", dir,
+                    " is not of this model: ", tensors);
+  TORCH_CHECK_VALUE(manifest.worldSize() == w, kLoadApi, ": the checkpoint at ", dir,
+                    " was saved with layout ", manifest.layout.describe(),
+                    " but this job has layout ", here.describe(),
                     "; reshard it first: shardema export --checkpoint ", dir, " --world-size ", w,
                     " --out NEW_DIR (reshardCheckpoint), then load NEW_DIR");
+  TORCH_CHECK_VALUE(false, kLoadApi, ": the checkpoint at ", dir, " splits the tensors otherwise: ",
+                    shard::layoutDifference(manifest.layout, here));
 }
 
 // The rank file must hold exactly the layout's tensors with this rank's
@@ -42,15 +61,17 @@ TensorFile readRankTensors(const TensorFileReader& reader, const ShardedAverager
   for (const shard::ShardSpec& spec : layout.specs) {
     TORCH_CHECK_VALUE(reader.contains(spec.name), path, ": tensor '", spec.name,
                       "' of the layout is missing");
-    const at::Tensor& ema = averager.averager().ema(spec.name);
+    // The EMA's dtype and shape without waiting: a failed Averager is
+    // loaded into too (that is how it recovers).
+    const auto [emaDtype, emaShape] = averager.averager().emaDtypeAndShape(spec.name);
     const int64_t expected = spec.rangeOf(averager.rank()).size();
     TORCH_CHECK_VALUE(reader.entry(spec.name).numel() == expected, path, ": tensor '", spec.name,
                       "' has ", reader.entry(spec.name).numel(), " elements, rank ",
                       averager.rank(), " owns ", expected);
-    TORCH_CHECK_VALUE(reader.scalarType(spec.name) == ema.scalar_type(), path, ": tensor '",
-                      spec.name, "' is stored as ", reader.scalarType(spec.name),
-                      " but the EMA keeps ", ema.scalar_type());
-    file.tensors.emplace_back(spec.name, reader.read(spec.name).reshape(ema.sizes()));
+    TORCH_CHECK_VALUE(reader.scalarType(spec.name) == emaDtype, path, ": tensor '", spec.name,
+                      "' is stored as ", reader.scalarType(spec.name), " but the EMA keeps ",
+                      emaDtype);
+    file.tensors.emplace_back(spec.name, reader.read(spec.name).reshape(emaShape));
   }
   file.metadata = reader.header().metadata;
   return file;

@@ -2,7 +2,8 @@
 // weights, reshard to another layout. Streaming: every read is a
 // TensorFileReader::readRangeInto of at most bufferBytes into one reused
 // buffer, every write a TensorFileWriter::append, so memory stays at about
-// twice the buffer whatever the model size.
+// twice the buffer whatever the model size. The data is read twice: once to
+// verify every tensor's checksum before anything is written, once to copy.
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
@@ -12,6 +13,7 @@
 #include <unordered_set>
 
 #include "sharded_internal.h"
+#include "shardema/averager.h"
 #include "shardema/core/output_path.h"
 #include "shardema/core/tensor_file_reader.h"
 #include "shardema/core/tensor_file_writer.h"
@@ -49,9 +51,22 @@ void checkRankFile(const TensorFileReader& reader, const RankManifest& manifest,
   }
   detail::checkRankMetadata(reader.path(), reader.header().metadata, rank, manifest.worldSize(),
                             layout.fingerprint(), manifest.step);
+  // What loadCheckpoint's Averager::loadState would refuse; a reshard would
+  // otherwise copy rank 0's metadata into every new file under fresh checksums.
+  try {
+    checkAveragerStateMetadata(reader.header().metadata, "Averager state");
+  } catch (const c10::ValueError& error) {
+    TORCH_CHECK_VALUE(false, reader.path(), ": ", error.what_without_backtrace());
+  }
 }
 
-OpenCheckpoint openCheckpoint(const std::string& dir) {
+// The manifest's XXH64 only says a file is the one it names: a rank file
+// rewritten together with its manifest record passes it. Every tensor's own
+// checksum (the check loadCheckpoint makes through TensorFileReader::read)
+// is verified too, in pieces of bufferBytes, before any tool reports the
+// checkpoint sound or writes a byte from it, so corrupted data is never
+// re-signed into a clean-looking export or reshard.
+OpenCheckpoint openCheckpoint(const std::string& dir, int64_t bufferBytes) {
   OpenCheckpoint checkpoint{verifyRankFiles(dir), {}, {}};
   const RankManifest& manifest = checkpoint.manifest;
   for (const RankFileRecord& record : manifest.files) {
@@ -67,6 +82,7 @@ OpenCheckpoint openCheckpoint(const std::string& dir) {
     }
     checkpoint.dtypes.push_back(dtype);
   }
+  for (const TensorFileReader& reader : checkpoint.readers) reader.verifyChecksums(bufferBytes);
   return checkpoint;
 }
 
@@ -155,7 +171,9 @@ int64_t maxReshardWorldSize(const std::string& dir) {
   return maxReshardWorldSize(readManifest(dir).layout);
 }
 
-RankManifest inspectCheckpoint(const std::string& dir) { return openCheckpoint(dir).manifest; }
+RankManifest inspectCheckpoint(const std::string& dir) {
+  return openCheckpoint(dir, ExportOptions{}.bufferBytes).manifest;
+}
 
 ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFile,
                                ExportOptions options) {
@@ -163,7 +181,7 @@ ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFil
   TORCH_CHECK_VALUE(options.bufferBytes > 0, "exportCheckpoint: bufferBytes must be > 0, got ",
                     options.bufferBytes);
   detail::refuseOutputOverInput("exportCheckpoint", outFile, {dir});
-  const OpenCheckpoint source = openCheckpoint(dir);
+  const OpenCheckpoint source = openCheckpoint(dir, options.bufferBytes);
   const shard::ShardLayout& layout = source.manifest.layout;
   std::vector<TensorFileEntry> entries;
   for (size_t i = 0; i < layout.specs.size(); ++i) {
@@ -197,7 +215,7 @@ ExportSummary reshardCheckpoint(const std::string& dir, const std::string& outDi
   target.check();
   TORCH_CHECK_VALUE(target.worldSize() >= 1, kApi, ": the target layout has no ranks");
   detail::refuseOutputOverInput(kApi, outDir, {dir});
-  const OpenCheckpoint source = openCheckpoint(dir);
+  const OpenCheckpoint source = openCheckpoint(dir, options.bufferBytes);
   checkSameTensors(source.manifest.layout, target);
   std::error_code ignored;
   const bool createdOutDir = !std::filesystem::exists(outDir, ignored);

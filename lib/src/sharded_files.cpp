@@ -25,6 +25,16 @@ void ensureDirectory(const std::string& dir, const char* api) {
               error ? error.message() : std::string("not a directory"), ")");
 }
 
+void checkExportDestination(const std::string& path, const char* api) {
+  std::error_code error;
+  const std::filesystem::path target = std::filesystem::absolute(path, error);
+  const std::filesystem::path folder = target.parent_path();
+  const bool inCheckpoint = std::filesystem::is_regular_file(folder / kManifestFileName, error);
+  TORCH_CHECK_VALUE(!inCheckpoint, api, ": ", path, " is inside the checkpoint folder ",
+                    folder.string(), " (it holds ", kManifestFileName,
+                    "): exporting there would replace the checkpoint's files; export elsewhere");
+}
+
 std::string currentErrorMessage() {
   try {
     throw;

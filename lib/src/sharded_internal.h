@@ -21,6 +21,11 @@ namespace detail {
 std::string joinPath(const std::string& dir, const std::string& name);
 /// create_directories; c10::Error naming `api` and the folder on failure.
 void ensureDirectory(const std::string& dir, const char* api);
+/// Refuses an export destination inside a checkpoint folder (one holding
+/// manifest.json): writing there would replace the manifest or a rank file
+/// and lose the checkpoint. c10::ValueError naming `api`, the path and the
+/// folder.
+void checkExportDestination(const std::string& path, const char* api);
 /// The message of the exception in flight (call inside a catch): c10's
 /// without backtrace, std::exception's what(), or "unknown exception".
 std::string currentErrorMessage();

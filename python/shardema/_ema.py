@@ -1,6 +1,7 @@
 """shardema.EMA: the EMA of a model's (local shards of) weights, in pinned
 host memory, updated in the background."""
 import contextlib
+import warnings
 from datetime import timedelta
 from typing import Any, Dict, Iterable, Iterator, Optional, Sequence, Union
 
@@ -34,6 +35,10 @@ class EMA:
     FSDP2, the default group otherwise).
     chunk_mib, num_slots: the staging of the offload pipeline (default: the
     engine's, shardema._C.default_chunk_bytes and default_num_slots).
+    refuse_non_finite: True makes update() check the weights for NaN and Inf
+    first and raise a ValueError naming the tensor (the step not taken);
+    it costs one more read of the weights. False (default, as ema-pytorch,
+    timm and torch's AveragedModel): they are averaged like any value.
 
     Call update() after optimizer.step() and fence() before the next one
     (or attach(optimizer)).
@@ -45,7 +50,8 @@ class EMA:
                  num_slots: Optional[int] = None, *,
                  copy_on_first_update: bool = True, fence_in_update: bool = False,
                  engine: str = "auto", timeout: Union[float, timedelta] = 300.0,
-                 more_schedules: Sequence["_C.DecaySchedule"] = ()) -> None:
+                 more_schedules: Sequence["_C.DecaySchedule"] = (),
+                 refuse_non_finite: bool = False) -> None:
         model = unwrap(model_or_named_tensors)
         if isinstance(model, torch.nn.Module):
             tracked = module_tensors(model, policy)
@@ -61,7 +67,7 @@ class EMA:
                             f"(name, tensor) pairs, got {type(model_or_named_tensors).__name__}")
         plan = plan_layout(tracked, layout, process_group)
         self._build(plan, schedule, storage, chunk_mib, num_slots, copy_on_first_update,
-                    fence_in_update, engine, timeout, more_schedules)
+                    fence_in_update, engine, timeout, more_schedules, refuse_non_finite)
 
     @classmethod
     def from_local_shards(cls, shards: Sequence[Any], schedule: Optional["_C.DecaySchedule"] = None,
@@ -84,13 +90,14 @@ class EMA:
         self._build(Plan("local_shards", group, local, []), schedule, storage, chunk_mib,
                     num_slots, kwargs.pop("copy_on_first_update", True),
                     kwargs.pop("fence_in_update", False), kwargs.pop("engine", "auto"),
-                    kwargs.pop("timeout", 300.0), kwargs.pop("more_schedules", ()))
+                    kwargs.pop("timeout", 300.0), kwargs.pop("more_schedules", ()),
+                    kwargs.pop("refuse_non_finite", False))
         if kwargs:
             raise TypeError(f"from_local_shards: unexpected arguments {sorted(kwargs)}")
         return self
 
     def _build(self, plan: Plan, schedule, storage, chunk_mib, num_slots, copy_on_first_update,
-               fence_in_update, engine, timeout, more_schedules) -> None:
+               fence_in_update, engine, timeout, more_schedules, refuse_non_finite) -> None:
         if schedule is None:
             schedule = _C.DecaySchedule.warmup()
         if not isinstance(schedule, _C.DecaySchedule):
@@ -103,17 +110,42 @@ class EMA:
             raise ValueError(f"chunk_mib must be > 0, got {chunk_mib}")
         num_slots = _C.default_num_slots if num_slots is None else num_slots
         self._hooks: list = []
+        self._watched = plan.watched
         self._engine = _C.Ema(plan.group, _seconds(timeout), plan.shards, plan.whole, schedule,
                               list(more_schedules), bool(copy_on_first_update), storage,
                               chunk_bytes, int(num_slots), bool(fence_in_update),
-                              engine, plan.layout)
+                              engine, plan.layout, plan.owners, bool(refuse_non_finite))
 
     # --- stepping -------------------------------------------------------
     def update(self, step: Optional[int] = None) -> bool:
         """Folds the current weights in as optimizer step `step` (1-based,
         increasing; None: one more than the last). Returns at once; whether
-        the schedule said the step was due."""
-        return self._engine.update(step)
+        the schedule said the step was due.
+
+        A tracked tensor replaced since (a new nn.Parameter, `p.data = t`)
+        is followed, with a warning, when its shape, dtype and device are the
+        same; otherwise this raises a ValueError naming it (module.to(dtype)
+        after building the EMA, say)."""
+        for i, (container, key, tensor, index) in enumerate(self._watched):
+            if container.get(key) is not tensor:
+                self._follow(i)
+        due = self._engine.update(step)
+        followed = self._engine.take_followed()
+        if followed:
+            warnings.warn(f"shardema.EMA: {', '.join(repr(n) for n in followed)} replaced after "
+                          "the EMA was built (a new nn.Parameter or p.data = ...); the EMA "
+                          "follows the new tensor", stacklevel=2)
+        return due
+
+    def _follow(self, i: int) -> None:
+        container, key, _, index = self._watched[i]
+        replacement = container.get(key)
+        if replacement is None:
+            name = self._engine.names()[index]
+            raise ValueError(f"shardema.EMA.update: '{name}' was removed from the model after the "
+                             "EMA was built; build a new EMA for the new model")
+        self._engine.rebind(index, replacement)
+        self._watched[i] = (container, key, replacement, index)
 
     def fence(self) -> None:
         """Returns once the last update has read the weights: call it before
@@ -161,7 +193,12 @@ class EMA:
 
     # --- evaluation -----------------------------------------------------
     def _check_model(self, model: Any, api: str) -> None:
-        if model is not None and self._model is not None and unwrap(model) is not self._model:
+        if model is None:
+            return
+        if self._model is None:
+            raise ValueError(f"{api}: this EMA was built from named tensors, not a model; it "
+                             f"writes into those tensors: call {api}() without a model")
+        if unwrap(model) is not self._model:
             raise ValueError(f"{api}: this EMA tracks another model")
 
     @contextlib.contextmanager

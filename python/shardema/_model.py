@@ -18,6 +18,11 @@ class Tracked:
     tensor: Any  # a torch.Tensor, or a DTensor
     role: str
     is_buffer: bool
+    # The module's _parameters or _buffers dict holding it, and its key
+    # there: update() checks the tensor is still the one held (None: named
+    # tensors, nothing to watch).
+    container: Optional[dict] = None
+    key: Optional[str] = None
 
 
 @dataclass
@@ -26,6 +31,12 @@ class Plan:
     group: Any  # a ProcessGroup, or None for one process
     shards: List[Any] = field(default_factory=list)
     whole: List[Tuple[str, torch.Tensor]] = field(default_factory=list)
+    # Per shard: the tensor it was cut from and the cut ("replicated",
+    # "rank0"), for the engine to follow a replaced tensor; (None, None)
+    # where it cannot (DTensors, local shards).
+    owners: List[Tuple[Any, Optional[str]]] = field(default_factory=list)
+    # (container, key, tensor, shard index) of tensors held by a module.
+    watched: List[Tuple[dict, str, Any, int]] = field(default_factory=list)
 
 
 def unwrap(model: Any) -> Any:
@@ -50,15 +61,17 @@ def module_tensors(module: torch.nn.Module, policy: str) -> List[Tracked]:
     out: List[Tracked] = []
     for prefix, mod in module.named_modules():
         in_bn = isinstance(mod, batch_norm)
-        own = [(n, t, False) for n, t in mod._parameters.items()] + \
-              [(n, t, True) for n, t in mod._buffers.items()]
-        for name, tensor, is_buffer in own:
+        own = [(n, t, False, mod._parameters) for n, t in mod._parameters.items()] + \
+              [(n, t, True, mod._buffers) for n, t in mod._buffers.items()]
+        for name, tensor, is_buffer, container in own:
             if tensor is None or id(tensor) in seen:
                 continue
             seen.add(id(tensor))
             role = _C.role_for(policy, is_buffer, _is_floating(tensor),
                                bool(tensor.requires_grad), in_bn)
-            out.append(Tracked(f"{prefix}.{name}" if prefix else name, tensor, role, is_buffer))
+            check_dense(f"{prefix}.{name}" if prefix else name, tensor)
+            out.append(Tracked(f"{prefix}.{name}" if prefix else name, tensor, role, is_buffer,
+                               container, name))
     return out
 
 
@@ -69,11 +82,32 @@ def named_tensors(items: Iterable[Tuple[str, Any]], policy: str) -> List[Tracked
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
             raise TypeError(f"model_or_named_tensors[{index}]: expected a (name, tensor) pair")
         name, tensor = item
+        check_dense(name, tensor)
         is_buffer = not isinstance(tensor, torch.nn.Parameter) and not is_dtensor(tensor)
         role = _C.role_for(policy, is_buffer, _is_floating(tensor),
                            bool(getattr(tensor, "requires_grad", False)), False)
         out.append(Tracked(name, tensor, role, is_buffer))
     return out
+
+
+def check_dense(name: str, t: Any) -> None:
+    """ValueError naming the tensor for what has no dense storage to average
+    (sparse, quantized, nested layouts)."""
+    if is_dtensor(t):
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"'{name}': expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"'{name}' has layout {t.layout}; only dense (strided) tensors can be "
+                         "tracked (densify it with to_dense(), or leave it out)")
+
+
+def watched_of(tracked: List[Tracked]) -> List[Tuple[dict, str, Any, int]]:
+    """What update() checks is still held by the module: plain tensors of a
+    module (a DTensor's module swaps them itself, FSDP2's unsharded
+    parameters)."""
+    return [(t.container, t.key, t.tensor, i) for i, t in enumerate(tracked)
+            if t.container is not None and not is_dtensor(t.tensor)]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -150,7 +184,8 @@ def plan_layout(tracked: List[Tracked], layout: str, process_group: Any) -> Plan
                                          [t.is_buffer for t in tracked], kind, rank, world)
     whole = [(t.name, t.tensor) for t in tracked] if world > 1 else []
     name = "single" if group is None else kind
-    return Plan(name, group, shards, whole)
+    owners = [(t.tensor, kind) for t in tracked]
+    return Plan(name, group, shards, whole, owners, watched_of(tracked))
 
 
 def _plan_fsdp2(tracked: List[Tracked], dtensors: List[Tracked], layout: str,
@@ -175,8 +210,9 @@ def _plan_fsdp2(tracked: List[Tracked], dtensors: List[Tracked], layout: str,
         raise ValueError("the DTensor parameters live on more than one device mesh; pass "
                          "process_group= for the group they share")
     rank, world = _rank_and_size(group)
-    shards, whole = [], []
+    shards, whole, owners = [], [], []
     for t in tracked:
+        owners.append((None, None) if is_dtensor(t.tensor) else (t.tensor, "replicated"))
         if is_dtensor(t.tensor):
             local = locals_[id(t)]
             spec = layout_spec(t.name, list(t.tensor.shape), local.dtype, "fsdp2", world)
@@ -193,4 +229,4 @@ def _plan_fsdp2(tracked: List[Tracked], dtensors: List[Tracked], layout: str,
                                                   "replicated", rank, world)
             if world > 1:
                 whole.append((t.name, t.tensor))
-    return Plan("fsdp2", group, shards, whole)
+    return Plan("fsdp2", group, shards, whole, owners, watched_of(tracked))

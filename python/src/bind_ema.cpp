@@ -62,7 +62,10 @@ void bindEma(py::module_& m) {
                        const DecaySchedule& schedule, std::vector<DecaySchedule> moreSchedules,
                        bool copyOnFirstUpdate, const std::string& storage, int64_t chunkBytes,
                        int numSlots, bool fenceInUpdate, const std::string& engine,
-                       std::string layoutName) {
+                       std::string layoutName,
+                       const std::vector<std::pair<std::optional<at::Tensor>,
+                                                   std::optional<std::string>>>& owners,
+                       bool refuseNonFinite) {
              AveragerOptions options;
              options.schedule = schedule;
              options.moreSchedules = std::move(moreSchedules);
@@ -72,19 +75,32 @@ void bindEma(py::module_& m) {
              options.offload.numSlots = numSlots;
              options.offload.fenceInUpdate = fenceInUpdate;
              options.offload.engine = parseEngine(engine);
+             options.refuseNonFinite = refuseNonFinite;
              std::vector<TrackedTensor> whole;
              for (const auto& [name, tensor] : wholeTensors) whole.push_back({name, tensor});
+             std::vector<SourceOwner> sourceOwners;
+             for (const auto& [tensor, kind] : owners) {
+               SourceOwner owner;
+               if (tensor) owner.tensor = *tensor;
+               if (kind) owner.kind = shard::parseLayoutKind(*kind);
+               sourceOwners.push_back(std::move(owner));
+             }
              auto comm = communicatorFor(group, timeoutSeconds);
              py::gil_scoped_release release;
              return std::make_unique<PythonEma>(std::move(comm), std::move(shards),
                                                 std::move(whole), std::move(options),
-                                                std::move(layoutName));
+                                                std::move(layoutName), std::move(sourceOwners));
            }),
            py::arg("process_group"), py::arg("timeout_seconds"), py::arg("shards"),
            py::arg("whole_tensors"), py::arg("schedule"), py::arg("more_schedules"),
            py::arg("copy_on_first_update"), py::arg("storage"), py::arg("chunk_bytes"),
-           py::arg("num_slots"), py::arg("fence_in_update"), py::arg("engine"), py::arg("layout"))
+           py::arg("num_slots"), py::arg("fence_in_update"), py::arg("engine"), py::arg("layout"),
+           py::arg("owners") = std::vector<std::pair<std::optional<at::Tensor>,
+                                                     std::optional<std::string>>>(),
+           py::arg("refuse_non_finite") = false)
       .def("update", &PythonEma::update, py::arg("step") = py::none(), Release())
+      .def("rebind", &PythonEma::rebind, py::arg("index"), py::arg("replacement"), Release())
+      .def("take_followed", &PythonEma::takeFollowed)
       .def("fence", &PythonEma::fence, Release())
       .def("wait", &PythonEma::wait, Release())
       .def_property_readonly("step", &PythonEma::step)

@@ -29,12 +29,35 @@ const std::string& metadataValue(const RankState& state, const char* key) {
 
 }  // namespace
 
+// The first tensor a state_dict() of another model differs in: the state
+// holds this rank's EMA pieces by name, so names and sizes can be compared.
+std::string PythonEma::stateDifference(const RankState& state) const {
+  std::map<std::string, int64_t> saved;
+  for (const auto& [name, tensor] : state.tensors) saved[name] = tensor.numel();
+  for (const LocalShard& s : averager_->shards()) {
+    auto it = saved.find(s.spec.name);
+    if (it == saved.end())
+      return "tensor '" + s.spec.name + "' is tracked here but not in the state";
+    if (it->second != s.local.numel()) {
+      return "tensor '" + s.spec.name + "' has " + std::to_string(it->second) +
+             " elements on this rank in the state but " + std::to_string(s.local.numel()) + " here";
+    }
+    saved.erase(it);
+  }
+  if (!saved.empty())
+    return "tensor '" + saved.begin()->first + "' is in the state but not tracked here";
+  return "the same tensors and sizes, but another shape, dtype or split of them";
+}
+
 PythonEma::PythonEma(std::unique_ptr<shard::Communicator> comm, std::vector<LocalShard> shards,
                      std::vector<TrackedTensor> wholeTensors, AveragerOptions options,
-                     std::string layoutName)
+                     std::string layoutName, std::vector<SourceOwner> owners)
     : comm_(std::move(comm)),
       wholeTensors_(std::move(wholeTensors)),
       layoutName_(std::move(layoutName)) {
+  TORCH_CHECK_VALUE(owners.empty() || owners.size() == shards.size(), kApi, ": ", owners.size(),
+                    " owners for ", shards.size(), " shards");
+  for (const SourceOwner& owner : owners) owners_.push_back(Owner::of(owner.tensor, owner.kind));
   averager_ = std::make_unique<ShardedAverager>(comm_->rank(), comm_->worldSize(),
                                                 std::move(shards), std::move(options));
 }
@@ -42,7 +65,80 @@ PythonEma::PythonEma(std::unique_ptr<shard::Communicator> comm, std::vector<Loca
 PythonEma::~PythonEma() = default;
 
 bool PythonEma::update(std::optional<int64_t> step) {
+  // Inside swap() the model holds the EMA: an update would fold the EMA
+  // into itself and advance the step.
+  TORCH_CHECK(!swapped(), kApi, ".update: the EMA is swapped into the model; update() after ",
+              "leaving swap() (the model holds the EMA weights inside it)");
+  followReplacedData();
   return averager_->update(step ? *step : averager_->step() + 1);
+}
+
+// A parameter whose data was replaced in place (`p.data = t`,
+// `module.to(...)`) is the same TensorImpl with another storage, but the
+// shard we track is a view made from the old one: it would keep reading the
+// old values. Compared here at each update (a few comparisons per tensor).
+void PythonEma::followReplacedData() {
+  for (size_t i = 0; i < owners_.size(); ++i) {
+    Owner& owner = owners_[i];
+    if (!owner.tensor.defined()) continue;
+    const at::Tensor& t = owner.tensor;
+    if (t.unsafeGetTensorImpl()->storage().unsafeGetStorageImpl() == owner.storage &&
+        t.storage_offset() == owner.offset && t.scalar_type() == owner.dtype &&
+        t.sizes() == owner.sizes) {
+      continue;
+    }
+    rebind(i, t);
+  }
+}
+
+void PythonEma::rebind(size_t index, const at::Tensor& replacement) {
+  TORCH_CHECK_INDEX(index < owners_.size(), kApi, ": no tracked tensor ", index);
+  Owner& owner = owners_[index];
+  const LocalShard& shard = averager_->shards()[index];
+  const std::string& name = shard.spec.name;
+  TORCH_CHECK_VALUE(owner.kind.has_value(), kApi, ": tensor '", name,
+                    "' was replaced, and an EMA of local shards cannot follow it");
+  TORCH_CHECK_VALUE(replacement.layout() == at::kStrided, kApi, ": tensor '", name,
+                    "' was replaced by a ", replacement.layout(), " tensor; the EMA follows dense ",
+                    "tensors only");
+  const bool sameKind = replacement.scalar_type() == owner.dtype &&
+                        replacement.sizes() == c10::IntArrayRef(owner.sizes) &&
+                        replacement.device() == shard.local.device();
+  TORCH_CHECK_VALUE(sameKind, kApi, ": tensor '", name, "' changed after the EMA was built, from ",
+                    owner.dtype, " ", c10::IntArrayRef(owner.sizes), " on ", shard.local.device(),
+                    " to ", replacement.scalar_type(), " ", replacement.sizes(), " on ",
+                    replacement.device(),
+                    " (module.to(), p.data = ..., a new nn.Parameter): "
+                    "the EMA cannot follow it. Convert or move the model before building the EMA");
+  TORCH_CHECK_VALUE(replacement.is_contiguous(), kApi, ": tensor '", name,
+                    "' was replaced by a non-contiguous tensor; the EMA follows contiguous ones");
+  TrackedTensor full{name, replacement, shard.role, shard.changesInForward};
+  std::vector<LocalShard> local = shardsFromFullTensors({full}, *owner.kind, rank(), worldSize());
+  averager_->rebindLocal(name, local.front().local);
+  for (TrackedTensor& whole : wholeTensors_) {
+    if (whole.name == name) whole.source = replacement;
+  }
+  owner = Owner::of(replacement, owner.kind);
+  followed_.push_back(name);
+}
+
+PythonEma::Owner PythonEma::Owner::of(const at::Tensor& tensor,
+                                      std::optional<shard::LayoutKind> kind) {
+  Owner owner;
+  owner.kind = kind;
+  if (!tensor.defined()) return owner;
+  owner.tensor = tensor;
+  owner.storage = tensor.unsafeGetTensorImpl()->storage().unsafeGetStorageImpl();
+  owner.offset = tensor.storage_offset();
+  owner.dtype = tensor.scalar_type();
+  owner.sizes = tensor.sizes().vec();
+  return owner;
+}
+
+std::vector<std::string> PythonEma::takeFollowed() {
+  std::vector<std::string> out;
+  out.swap(followed_);
+  return out;
 }
 
 void PythonEma::writeEmaIntoModel() {
@@ -157,8 +253,9 @@ void PythonEma::loadStateDict(const RankState& state) {
                     "; to change world size, save_checkpoint(), reshard it with `shardema export "
                     "--world-size`, and load_checkpoint()");
   TORCH_CHECK_VALUE(fingerprint == averager_->layout().fingerprint(), kApi,
-                    ".load_state_dict: the state's layout (fingerprint ", fingerprint,
-                    ") is not this EMA's: ", averager_->layout().describe());
+                    ".load_state_dict: the state is not of this model: ", stateDifference(state),
+                    " (the state's layout fingerprint ", fingerprint, ", this EMA's ",
+                    averager_->layout().describe(), ")");
   TensorFile file;
   file.tensors = state.tensors;
   file.metadata = state.metadata;
@@ -183,12 +280,19 @@ void PythonEma::saveCheckpoint(const std::string& folder) {
 
 void PythonEma::loadCheckpoint(const std::string& folder) {
   // Keep what we have, so that a rank that loaded can go back when another
-  // rank failed: a collective load changes all ranks or none.
-  TensorFile before = averager_->averager().state();
-  for (auto& entry : before.tensors) entry.second = entry.second.clone();
+  // rank failed: a collective load changes all ranks or none. A failed EMA
+  // has nothing worth keeping; it goes back to failed.
+  const bool wasFailed = averager_->averager().failed();
+  TensorFile before;
+  if (!wasFailed) {
+    before = averager_->averager().state();
+    for (auto& entry : before.tensors) entry.second = entry.second.clone();
+  }
   std::string error;
   try {
     ::shardema::loadCheckpoint(folder, *averager_);
+  } catch (const c10::Error& e) {
+    error = e.what_without_backtrace();
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -200,7 +304,11 @@ void PythonEma::loadCheckpoint(const std::string& folder) {
   try {
     shard::agreeAcrossRanks(*comm_, request);
   } catch (...) {
-    if (error.empty()) averager_->averager().loadState(before, LoadStrictness::kStrict);
+    if (error.empty() && wasFailed) {
+      averager_->averager().markFailed("a load_checkpoint failed on another rank");
+    } else if (error.empty()) {
+      averager_->averager().loadState(before, LoadStrictness::kStrict);
+    }
     throw;
   }
 }

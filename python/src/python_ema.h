@@ -31,6 +31,14 @@ struct RankState {
   std::map<std::string, std::string> metadata;
 };
 
+/// The tensor a module holds (the nn.Parameter or buffer as tracked) of a
+/// shard cut from it by shardsFromFullTensors(kind): what update() watches
+/// for replacement. Undefined tensor: none (FSDP2 DTensors, local shards).
+struct SourceOwner {
+  at::Tensor tensor;
+  std::optional<shard::LayoutKind> kind;
+};
+
 class PythonEma {
  public:
   /// `wholeTensors` are the full tensors of a replicated model whose EMA is
@@ -39,11 +47,20 @@ class PythonEma {
   /// writes each rank's local shards.
   PythonEma(std::unique_ptr<shard::Communicator> comm, std::vector<LocalShard> shards,
             std::vector<TrackedTensor> wholeTensors, AveragerOptions options,
-            std::string layoutName);
+            std::string layoutName, std::vector<SourceOwner> owners = {});
   ~PythonEma();
 
   /// step: the 1-based optimizer step; nullopt counts calls (step() + 1).
+  /// Refused inside a swap. A tracked tensor whose data was replaced
+  /// (`p.data = t`) is followed when its dtype, shape and device are the
+  /// same (takeFollowed() names it), refused naming it otherwise.
   bool update(std::optional<int64_t> step);
+  /// Tracked tensor `index` (construction order) was replaced by
+  /// `replacement` (a new nn.Parameter): followed, or c10::ValueError
+  /// naming what changed, as in update().
+  void rebind(size_t index, const at::Tensor& replacement);
+  /// The names followed since the last call (for a Python warning).
+  std::vector<std::string> takeFollowed();
   void fence() { averager_->fence(); }
   void wait() { averager_->wait(); }
   int64_t step() const { return averager_->step(); }
@@ -100,6 +117,18 @@ class PythonEma {
       bool rank0Only, const std::optional<std::vector<std::string>>& names = std::nullopt);
 
  private:
+  struct Owner {
+    at::Tensor tensor;
+    std::optional<shard::LayoutKind> kind;
+    // What the shard was cut from: a change is a replaced tensor.
+    const c10::StorageImpl* storage = nullptr;
+    int64_t offset = 0;
+    c10::ScalarType dtype = c10::ScalarType::Undefined;
+    std::vector<int64_t> sizes;
+    static Owner of(const at::Tensor& tensor, std::optional<shard::LayoutKind> kind);
+  };
+  void followReplacedData();
+  std::string stateDifference(const RankState& state) const;
   void writeEmaIntoModel();
   std::unique_ptr<shard::Communicator> comm_;
   std::unique_ptr<ShardedAverager> averager_;
@@ -107,6 +136,8 @@ class PythonEma {
   std::string layoutName_;
   // The raw values during a swap: local shards first, then whole tensors.
   std::vector<at::Tensor> raw_;
+  std::vector<Owner> owners_;  // one per shard, or none
+  std::vector<std::string> followed_;
 };
 
 }  // namespace shardema::python

@@ -4,6 +4,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <chrono>
 #include <string>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -52,8 +54,9 @@ class Communicator::Impl {
     try {
       c10::intrusive_ptr<c10d::Work> work = start();
       // c10d's own op timeout (set in the options of every call) fires
-      // first with the more precise message; this wait is the backstop.
-      work->wait(options.timeout + options.timeout / 2);
+      // first with the more precise message; this wait is the backstop,
+      // a second at most later, so a collective fails within its timeout.
+      work->wait(options.timeout + std::min(options.timeout / 2, std::chrono::milliseconds(1000)));
       return;
     } catch (const c10::Error& e) {
       message = e.what_without_backtrace();

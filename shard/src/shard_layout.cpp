@@ -207,6 +207,71 @@ std::string ShardLayout::describe() const {
          std::to_string(specs.size()) + " tensors, fingerprint " + fingerprint();
 }
 
+namespace {
+
+std::string shapeText(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
+std::string rangesText(const std::vector<ElementRange>& ranges) {
+  std::string text;
+  for (const ElementRange& r : ranges) {
+    text += (text.empty() ? "" : " ") +
+            ("[" + std::to_string(r.begin) + ", " + std::to_string(r.end) + ")");
+  }
+  return text;
+}
+
+std::string specDifference(const ShardSpec& saved, const ShardSpec& here) {
+  const std::string who = "tensor '" + saved.name + "' ";
+  if (saved.globalShape != here.globalShape) {
+    return who + "has shape " + shapeText(saved.globalShape) + " in the checkpoint but " +
+           shapeText(here.globalShape) + " here";
+  }
+  if (saved.dtype != here.dtype) {
+    return who + "has dtype " + std::string(c10::toString(saved.dtype)) +
+           " in the checkpoint but " + c10::toString(here.dtype) + " here";
+  }
+  if (saved.kind != here.kind) {
+    return who + "is laid out as " + layoutKindName(saved.kind) + " in the checkpoint but " +
+           layoutKindName(here.kind) + " here";
+  }
+  if (saved.ranges != here.ranges) {
+    return who + "is split over ranks as " + rangesText(saved.ranges) + " in the checkpoint but " +
+           rangesText(here.ranges) + " here";
+  }
+  return "";
+}
+
+}  // namespace
+
+std::string layoutDifference(const ShardLayout& saved, const ShardLayout& here) {
+  for (const ShardSpec& spec : saved.specs) {
+    bool found = false;
+    for (const ShardSpec& mine : here.specs) {
+      if (mine.name != spec.name) continue;
+      found = true;
+      const std::string difference = specDifference(spec, mine);
+      if (!difference.empty()) return difference;
+    }
+    if (!found) return "tensor '" + spec.name + "' is in the checkpoint but not tracked here";
+  }
+  for (const ShardSpec& mine : here.specs) {
+    bool found = false;
+    for (const ShardSpec& spec : saved.specs) found = found || spec.name == mine.name;
+    if (!found) return "tensor '" + mine.name + "' is tracked here but not in the checkpoint";
+  }
+  for (size_t i = 0; i < saved.specs.size() && i < here.specs.size(); ++i) {
+    if (saved.specs[i].name != here.specs[i].name) {
+      return "the tensors are in another order (position " + std::to_string(i) + ": '" +
+             saved.specs[i].name + "' in the checkpoint, '" + here.specs[i].name + "' here)";
+    }
+  }
+  return "";  // every field compared above is equal, so the specs are
+}
+
 ShardLayout relayout(const ShardLayout& layout, int64_t worldSize) {
   TORCH_CHECK_VALUE(worldSize >= 1, "relayout: world size must be >= 1, got ", worldSize);
   ShardLayout out;

@@ -165,7 +165,7 @@ TEST(AveragerPipelineTest, AWorkerFailureMarksTheAveragerFailedUntilAStateIsLoad
   expectFailed([&] { averager.state(); }, "state");
   expectFailed([&] { averager.update(4); }, "update");
   expectFailed([&] { averager.copyTo(); }, "copyTo");
-  averager.fence();  // nothing in flight: fine
+  expectFailed([&] { averager.fence(); }, "fence");  // like every other call
   averager.load(dir.file("good.safetensors"));
   EXPECT_FALSE(averager.failed());
   EXPECT_EQ(averager.step(), 2);

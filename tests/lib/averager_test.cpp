@@ -149,6 +149,66 @@ TEST(AveragerTest, RejectsStepsThatDoNotIncrease) {
   EXPECT_THROW(averager.update(2), c10::ValueError);
 }
 
+TEST(AveragerTest, StepZeroIsRefusedAsNotOneBased) {
+  Averager averager({{"w", at::zeros({2}), TrackRole::kAverage}});
+  try {
+    averager.update(0);
+    FAIL() << "expected an error";
+  } catch (const c10::ValueError& e) {
+    const std::string message = e.what_without_backtrace();
+    EXPECT_NE(message.find("1-based optimizer steps; got step 0"), std::string::npos) << message;
+    EXPECT_EQ(message.find("after step"), std::string::npos) << message;
+  }
+  EXPECT_EQ(averager.step(), 0);
+  EXPECT_TRUE(averager.update(1));
+}
+
+TEST(AveragerTest, FenceOnAFailedAveragerRaisesAndALoadRecovers) {
+  at::Tensor w = at::ones({4});
+  Averager averager({{"w", w, TrackRole::kAverage}});
+  averager.update(1);
+  averager.fence();
+  const TensorFile saved = averager.state();
+  averager.markFailed("a test marked it");
+  try {
+    averager.fence();
+    FAIL() << "fence on a failed Averager must raise";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("a test marked it"), std::string::npos);
+  }
+  averager.loadState(saved);
+  EXPECT_FALSE(averager.failed());
+  averager.fence();
+}
+
+TEST(AveragerTest, RebindFollowsAReplacementOfTheSameShapeAndRefusesAnother) {
+  at::Tensor old = at::zeros({2, 2});
+  ConstantScheduleOptions half;
+  half.decay = 0.5;
+  AveragerOptions options;
+  options.schedule = DecaySchedule::constant(half);
+  Averager averager({{"w", old, TrackRole::kAverage}}, options);
+  averager.update(1);  // the copy: 0
+  averager.fence();
+  at::Tensor replacement = at::full({2, 2}, 4.0);
+  averager.rebindSource("w", replacement);
+  averager.update(2);
+  averager.wait();
+  EXPECT_TRUE(averager.ema("w").equal(at::full({2, 2}, 2.0)));  // 0.5 * 0 + 0.5 * 4
+  for (const at::Tensor& other : {at::zeros({4}), at::zeros({2, 2}, at::kDouble)}) {
+    try {
+      averager.rebindSource("w", other);
+      FAIL() << "a replacement of another shape or dtype must be refused";
+    } catch (const c10::ValueError& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("tensor 'w' was replaced by"),
+                std::string::npos);
+    }
+  }
+  at::Tensor sparse = at::eye(2).to_sparse();
+  EXPECT_THROW(averager.rebindSource("w", sparse), c10::ValueError);
+  EXPECT_TRUE(averager.tracked().front().source.is_same(replacement));
+}
+
 TEST(AveragerTest, RejectsBadTrackedTensors) {
   const at::Tensor t = at::zeros({2});
   EXPECT_THROW(Averager({{"", t, TrackRole::kAverage}}), c10::ValueError);

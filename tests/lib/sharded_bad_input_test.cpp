@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
@@ -12,6 +13,7 @@
 #include "lib/sharded_fixture.h"
 #include "shardema/core/checksum.h"
 #include "shardema/core/tensor_file.h"
+#include "shardema/core/tensor_file_reader.h"
 #include "shardema/detail/rank_manifest.h"
 #include "shardema/sharded_averager.h"
 #include "shardema/sharded_checkpoint.h"
@@ -81,6 +83,24 @@ TEST(ShardedBadInputTest, MissingTruncatedOrCorruptedRankFilesNameTheFile) {
   EXPECT_NO_THROW(loadCheckpoint(saved.ckpt(), *saved.job.ranks[0].averager));
 }
 
+// A checkpoint of another model names the first tensor that differs, not
+// two fingerprints, and gives no resharding advice that could not help.
+TEST(ShardedBadInputTest, AnotherModelNamesTheTensorThatDiffers) {
+  SavedJob saved;
+  std::vector<testing::RankModel> bf16 =
+      testing::makeRanks(testing::unevenModel(at::kBFloat16, true), shard::LayoutKind::kFsdp2, 4);
+  try {
+    loadCheckpoint(saved.ckpt(), *bf16[0].averager);
+    FAIL() << "a checkpoint of another model must be refused";
+  } catch (const c10::ValueError& e) {
+    const std::string message = e.what_without_backtrace();
+    EXPECT_NE(message.find("is not of this model: tensor '"), std::string::npos) << message;
+    EXPECT_NE(message.find("in the checkpoint but BFloat16 here"), std::string::npos) << message;
+    EXPECT_EQ(message.find("reshard"), std::string::npos) << message;
+  }
+  EXPECT_EQ(bf16[0].averager->step(), 0);
+}
+
 TEST(ShardedBadInputTest, AnotherWorldSizeNamesBothLayoutsAndPointsToResharding) {
   SavedJob saved;
   std::vector<testing::RankModel> two =
@@ -90,10 +110,12 @@ TEST(ShardedBadInputTest, AnotherWorldSizeNamesBothLayoutsAndPointsToResharding)
   EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *two[0].averager), saved4);
   EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *two[0].averager), here2);
   EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *two[1].averager), "--world-size 2");
-  // Same world size, other layout kind: also refused.
+  // Same world size, other layout kind: also refused, naming the tensor
+  // (resharding would not change the kind, so no such advice).
   std::vector<testing::RankModel> replicated =
       testing::makeRanks(saved.job.model, shard::LayoutKind::kReplicated, 4);
-  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *replicated[1].averager), "reshard");
+  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *replicated[1].averager),
+                     "is laid out as fsdp2 in the checkpoint but replicated here");
   // A failed load changed nothing.
   EXPECT_EQ(two[0].averager->step(), 0);
 }
@@ -178,6 +200,64 @@ TEST(ShardedBadInputTest, FailedExportLeavesTheOldOutputByteIdentical) {
   EXPECT_THROW(reshardCheckpoint(saved.ckpt(), saved.dir.file("w2"), 2), c10::ValueError);
   EXPECT_FALSE(fs::exists(saved.dir.file("w2/manifest.json")));
   EXPECT_VALUE_ERROR(reshardCheckpoint(saved.ckpt(), saved.ckpt(), 2), "elsewhere");
+}
+
+// The issue's reproduction: a data byte of rank 1's "w" flipped (7.0f
+// turns into 7.0001216f) and the manifest re-signed with the file's new size
+// and XXH64. inspectCheckpoint and export once passed it, and export wrote
+// the wrong value into a deployable file under a fresh checksum; only the
+// load checked each tensor's own checksum. Now every tool does, before it
+// writes anything.
+TEST(ShardedBadInputTest, AFlippedDataByteUnderAReSignedManifestIsRefusedNamingTheTensor) {
+  testing::TempDir dir;
+  const std::string ckpt = dir.file("ckpt");
+  const shard::ShardSpec spec = shard::fsdp2Spec("w", {2, 2}, at::kFloat, 2);
+  std::vector<std::unique_ptr<ShardedAverager>> ranks;
+  for (int64_t r = 0; r < 2; ++r) {
+    ranks.push_back(std::make_unique<ShardedAverager>(
+        r, 2, std::vector<LocalShard>{{at::full({2}, 7.0f), spec}}, testing::smallChunkOptions()));
+  }
+  saveCheckpoint(ckpt, {ranks[0].get(), ranks[1].get()});
+  RankManifest manifest = readManifest(ckpt);
+  const std::string path = ckpt + "/" + manifest.files[1].name;
+  std::string bytes = testing::readFileBytes(path);
+  {
+    const TensorFileReader reader(path);
+    bytes[reader.header().dataOffset + reader.entry("w").begin] ^= static_cast<char>(0xff);
+  }
+  testing::writeFileBytes(path, bytes);
+  manifest.files[1].size = fs::file_size(path);
+  manifest.files[1].checksum = fileChecksum(path);
+  writeManifest(ckpt, manifest);
+  ASSERT_NO_THROW(verifyRankFiles(ckpt)) << "the manifest must pass, as in the issue";
+
+  const std::string named = path + ": tensor 'w' fails its checksum";
+  EXPECT_VALUE_ERROR(inspectCheckpoint(ckpt), named);
+  EXPECT_VALUE_ERROR(exportCheckpoint(ckpt, dir.file("out.safetensors")), named);
+  EXPECT_VALUE_ERROR(reshardCheckpoint(ckpt, dir.file("w1"), 1), named);
+  EXPECT_VALUE_ERROR(loadCheckpoint(ckpt, *ranks[1]), named);
+  // Nothing written: no export, no temp file, no reshard folder.
+  std::vector<std::string> left;
+  for (const auto& entry : fs::directory_iterator(dir.path()))
+    left.push_back(entry.path().filename());
+  EXPECT_EQ(left, std::vector<std::string>{"ckpt"});
+}
+
+// A rank file's Averager state metadata (here a NaN last decay), re-signed
+// in the manifest, is refused by the tools as loadCheckpoint refuses it: a
+// reshard would otherwise copy it into every new rank file.
+TEST(ShardedBadInputTest, RankFileStateMetadataThatLoadingRefusesIsRefusedByTheTools) {
+  SavedJob saved;
+  TensorFile file = readTensorFile(saved.rankFile(1));
+  file.metadata["shardema.last_decay"] = "nan";
+  writeTensorFile(saved.rankFile(1), file);
+  saved.rerecord(1);
+  const std::string named = saved.rankFile(1) + ": Averager state: shardema.last_decay";
+  expectAllRefuse(saved, named);
+  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *saved.job.ranks[1].averager),
+                     "shardema.last_decay");
+  EXPECT_FALSE(fs::exists(saved.dir.file("out")));
+  EXPECT_FALSE(fs::exists(saved.dir.file("w2")));
 }
 
 TEST(ShardedBadInputTest, ManifestRefusesOutOfRangeIntegersAndUnsafeNames) {

@@ -17,6 +17,7 @@
 #include "shardema/core/checksum.h"
 #include "shardema/core/decay_schedule.h"
 #include "shardema/core/tensor_file.h"
+#include "shardema/core/tensor_file_reader.h"
 #include "support/file_bytes.h"
 #include "tools/cli_run.h"
 
@@ -56,8 +57,14 @@ struct HandCheckpoint {
       TensorFile file;
       file.tensors = {{"w", fullW().reshape({-1}).slice(0, w[r].first, w[r].second)},
                       {"b", fullB().slice(0, b[r].first, b[r].second)}};
+      // The Averager state's keys (docs/files.md), which inspect checks as
+      // Averager::load does, plus the rank's.
       file.metadata = {{"shardema.kind", "averager_state"},
                        {"shardema.step", "42"},
+                       {"shardema.schedule", schedule},
+                       {"shardema.initialized", "true"},
+                       {"shardema.last_decay", "0.90000000000000002"},
+                       {"shardema.roles", R"({"w":"average","b":"average"})"},
                        {"shardema.rank", std::to_string(r)},
                        {"shardema.world_size", "2"},
                        {"shardema.layout_fingerprint", fingerprint}};
@@ -79,6 +86,26 @@ struct HandCheckpoint {
     writeFileBytes(dir + "/manifest.json", manifest.dump(2));
   }
 };
+
+/// The issue's tampering: XORs the first data byte of `tensor` in dir's rank
+/// r file with 0xff (7.0f would read 7.0001216f), then writes the file's new
+/// size and XXH64 into the manifest, so the file-level check passes and only
+/// the tensor's own checksum can catch it. Returns the rank file's path.
+inline std::string flipDataByteUnderAReSignedManifest(const std::string& dir, int r,
+                                                      const std::string& tensor) {
+  auto manifest = nlohmann::json::parse(readFileBytes(dir + "/manifest.json"));
+  const std::string path = dir + "/" + manifest["files"][r]["name"].get<std::string>();
+  std::string bytes = readFileBytes(path);
+  {
+    const TensorFileReader reader(path);
+    bytes[reader.header().dataOffset + reader.entry(tensor).begin] ^= static_cast<char>(0xff);
+  }
+  writeFileBytes(path, bytes);
+  manifest["files"][r]["size"] = std::filesystem::file_size(path);
+  manifest["files"][r]["xxh64"] = checksumHex(fileChecksum(path));
+  writeFileBytes(dir + "/manifest.json", manifest.dump(2));
+  return path;
+}
 
 /// dir's rank r file as its manifest names it.
 inline std::string rankFileIn(const std::string& dir, int r) {

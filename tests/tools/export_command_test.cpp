@@ -5,6 +5,8 @@
 #include <sys/stat.h>
 
 #include <filesystem>
+#include <string>
+#include <vector>
 
 #include "shardema/core/tensor_file.h"
 #include "support/file_bytes.h"
@@ -94,6 +96,33 @@ TEST(ExportCommandTest, LayoutWritesACheckpointForExactlyThatLayoutFsdp1Included
   EXPECT_EQ(result.status, 2);
   EXPECT_NE(result.err.find("bad.json"), std::string::npos) << result.err;
   EXPECT_NE(runCli("export --help").out.find("--layout FILE"), std::string::npos);
+}
+
+// The reproduction: a data byte flipped in rank 1's "b" and the
+// manifest re-signed. export once merged it into a deployable file under a
+// fresh checksum; now every tensor's checksum is checked before anything
+// is written, and the output (file, temp file or folder) never appears.
+TEST(ExportCommandTest, AFlippedDataByteUnderAReSignedManifestWritesNothing) {
+  testing::TempDir dir;
+  HandCheckpoint::write(dir.file("ckpt"));
+  const std::string rank1 = testing::flipDataByteUnderAReSignedManifest(dir.file("ckpt"), 1, "b");
+  const std::string ckpt = " --checkpoint " + dir.file("ckpt");
+  for (const std::string& args :
+       {"export" + ckpt + " --out " + dir.file("out.safetensors"),
+        "export" + ckpt + " --out " + dir.file("out.safetensors") + " --dtype bf16",
+        "export" + ckpt + " --world-size 1 --out " + dir.file("resharded")}) {
+    SCOPED_TRACE(args);
+    const auto result = runCli(args);
+    EXPECT_EQ(result.status, 2) << result.out;
+    EXPECT_EQ(testing::countLines(result.err), 1u) << result.err;
+    EXPECT_NE(result.err.find(rank1 + ": tensor 'b' fails its checksum"), std::string::npos)
+        << result.err;
+    std::vector<std::string> left;
+    for (const auto& entry : std::filesystem::directory_iterator(dir.path())) {
+      left.push_back(entry.path().filename());
+    }
+    EXPECT_EQ(left, std::vector<std::string>{"ckpt"}) << "export wrote something";
+  }
 }
 
 TEST(ExportCommandTest, ErrorsAreOneLineNamingTheFileWithStatus2) {

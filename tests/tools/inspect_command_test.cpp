@@ -5,11 +5,17 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
 
+#include "shardema/averager.h"
 #include "shardema/core/checksum.h"
+#include "shardema/core/decay_schedule.h"
 #include "shardema/core/tensor_file.h"
 #include "support/file_bytes.h"
 #include "support/temp_dir.h"
+#include "support/value_error.h"
 #include "tools/checkpoint_cli_fixture.h"
 
 namespace shardema {
@@ -63,6 +69,96 @@ TEST(InspectCommandTest, ValidatesACheckpointFolderAgainstItsManifest) {
   EXPECT_TRUE(has(result.out, "rank 1 " + HandCheckpoint::name(1))) << result.out;
   EXPECT_TRUE(has(result.out, "tensor w fsdp2 Float [3, 2] ranges [0, 4) [4, 6)")) << result.out;
   EXPECT_EQ(result.out.find(" ok\n") != std::string::npos, true) << result.out;
+}
+
+// The issue's reproduction: a data byte flipped in rank 1's "b" and the
+// manifest re-signed with the file's new size and XXH64. inspect once
+// passed it; it now runs each tensor's checksum, as loading does.
+TEST(InspectCommandTest, AFlippedDataByteUnderAReSignedManifestNamesTheFileAndTensor) {
+  testing::TempDir dir;
+  HandCheckpoint::write(dir.file("ckpt"));
+  const std::string rank1 = testing::flipDataByteUnderAReSignedManifest(dir.file("ckpt"), 1, "b");
+  const auto result = runCli("inspect " + dir.file("ckpt"));
+  EXPECT_EQ(result.status, 2) << result.out;
+  EXPECT_EQ(testing::countLines(result.err), 1u) << result.err;
+  EXPECT_TRUE(has(result.err, rank1 + ": tensor 'b' fails its checksum")) << result.err;
+  EXPECT_EQ(result.out, "") << "nothing reported as sound";
+}
+
+// `shardema inspect` on an Averager state refuses what Averager::load
+// refuses, through the same checks (checkAveragerStateMetadata): each row
+// edits one key of a real saved file and writes it again (writeTensorFile
+// signs the tensors anew; no checksum covers the metadata), so the edit
+// reaches the metadata checks. Once inspect passed them all with status 0.
+TEST(InspectCommandTest, AnAveragerStateThatLoadRefusesIsRefusedNamingTheKey) {
+  testing::TempDir dir;
+  auto tracked = [] {
+    return std::vector<TrackedTensor>{{"w", at::full({2}, 7.0f), TrackRole::kAverage},
+                                      {"b", at::zeros({3}), TrackRole::kCopy}};
+  };
+  Averager saved(tracked());
+  saved.update(1);
+  saved.fence();
+  const std::string good = dir.file("good.safetensors");
+  saved.save(good);
+  ASSERT_EQ(runCli("inspect " + good).status, 0) << runCli("inspect " + good).err;
+  ASSERT_NO_THROW(Averager(tracked()).load(good));
+  auto schedule = nlohmann::json::parse(DecaySchedule::constant().toJson());
+  schedule["decay"] = 2;
+  struct Edit {
+    std::string key;
+    std::string value;  // empty: the key removed
+    std::string named;  // in both errors
+  };
+  const std::vector<Edit> edits = {
+      {"shardema.step", "-5", "shardema.step"},
+      {"shardema.step", "abc", "shardema.step"},
+      {"shardema.step", "99999999999999999999", "shardema.step"},
+      {"shardema.last_decay", "nan", "shardema.last_decay"},
+      {"shardema.last_decay", "1.5", "shardema.last_decay"},
+      {"shardema.schedule", schedule.dump(), "shardema.schedule: DecaySchedule::constant: decay"},
+      {"shardema.schedule", "{", "shardema.schedule"},
+      {"shardema.kind", "averager_statx", "shardema.kind is 'averager_statx', expected"},
+      {"shardema.kind", "deployable_weights", "shardema.kind is 'deployable_weights', expected"},
+      {"shardema.kind", "", "metadata key 'shardema.kind' is missing"},
+      {"shardema.roles", "[\"average\"]", "shardema.roles is not a JSON object"},
+      {"shardema.roles", R"({"w":"averagex","b":"copy"})", "shardema.roles: tensor 'w'"},
+      {"shardema.roles", R"({"w":1,"b":"copy"})", "shardema.roles: tensor 'w'"},
+      {"shardema.initialized", "yes", "shardema.initialized"},
+      {"shardema.initialized", "", "metadata key 'shardema.initialized' is missing"},
+  };
+  const TensorFile original = readTensorFile(good);
+  for (const Edit& edit : edits) {
+    SCOPED_TRACE(edit.key + "=" + edit.value);
+    TensorFile file = original;
+    if (edit.value.empty()) {
+      file.metadata.erase(edit.key);
+    } else {
+      file.metadata[edit.key] = edit.value;
+    }
+    const std::string path = dir.file("edited.safetensors");
+    writeTensorFile(path, file);
+    const auto result = runCli("inspect " + path);
+    EXPECT_NE(result.status, 0);
+    EXPECT_EQ(testing::countLines(result.err), 1u) << result.err;
+    EXPECT_TRUE(has(result.err, path + ": ")) << result.err;
+    EXPECT_TRUE(has(result.err, edit.named)) << result.err;
+    Averager fresh(tracked());
+    EXPECT_VALUE_ERROR(fresh.load(path), edit.named);
+  }
+}
+
+// A kind no shardema writer uses is an edited or foreign file.
+TEST(InspectCommandTest, AnUnknownKindIsRefused) {
+  testing::TempDir dir;
+  TensorFile file;
+  file.tensors.emplace_back("w", at::arange(4, at::kFloat));
+  file.metadata["shardema.kind"] = "weights_of_some_kind";
+  writeTensorFile(dir.file("x.safetensors"), file);
+  const auto result = runCli("inspect " + dir.file("x.safetensors"));
+  EXPECT_EQ(result.status, 2);
+  EXPECT_EQ(testing::countLines(result.err), 1u) << result.err;
+  EXPECT_TRUE(has(result.err, "shardema.kind is 'weights_of_some_kind', not a kind")) << result.err;
 }
 
 TEST(InspectCommandTest, ErrorsAreOneLineNamingTheFileWithStatus2) {

@@ -41,6 +41,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -61,6 +62,7 @@ class WorkerPool;
 
 namespace detail {
 class EmaStore;
+struct EmaUpdate;
 }  // namespace detail
 
 /// Where the EMA lives and how it is updated (see the file comment).
@@ -124,6 +126,12 @@ struct AveragerOptions {
   /// (shardema/core/update_kernels.h).
   /// Copy roles keep one copy shared by all profiles. Default: none.
   std::vector<DecaySchedule> moreSchedules;
+  /// true: update() first checks every floating source it will read for
+  /// NaN and Inf, and refuses the step (c10::ValueError naming the tensor,
+  /// the EMA unchanged). It costs one more read of the weights on the
+  /// calling thread. false (default, as ema-pytorch, timm and torch's
+  /// AveragedModel): non-finite weights are averaged like any other.
+  bool refuseNonFinite = false;
 };
 
 /// How load() treats names that differ between a file and the Averager.
@@ -139,6 +147,28 @@ struct LoadReport {
   std::vector<std::string> missing;     // tracked here, absent in the file
   std::vector<std::string> unexpected;  // in the file, not tracked here
 };
+
+/// What the metadata of an Averager state records (Averager::state() and
+/// save(); every rank file of a sharded checkpoint carries the same keys).
+struct AveragerStateInfo {
+  DecaySchedule schedule = DecaySchedule::warmup();
+  int64_t step = 0;
+  double lastDecay = 0.0;
+  bool initialized = false;
+  /// The role each tensor was saved with; empty when shardema.roles is absent.
+  std::map<std::string, TrackRole> roles;
+};
+
+/// The checks Averager::loadState makes of a state's metadata before it
+/// looks at the tensors; `shardema inspect` and inspectCheckpoint make them
+/// too, so no tool passes a state that loading refuses. shardema.kind is
+/// averager_state; shardema.schedule a valid DecaySchedule JSON;
+/// shardema.step plain decimal digits within int64; shardema.last_decay a
+/// finite number in [0, 1]; shardema.initialized true or false;
+/// shardema.roles, when present, a JSON object of tensor names to role
+/// names. c10::ValueError "<api>: <key> ..." naming the key and its text.
+AveragerStateInfo checkAveragerStateMetadata(const std::map<std::string, std::string>& metadata,
+                                             const char* api);
 
 class Averager {
  public:
@@ -192,6 +222,11 @@ class Averager {
   EmaStorage storage() const { return options_.storage; }
   /// Whether a background update failed (see the file comment).
   bool failed() const { return !failure_.empty(); }
+  /// Marks the Averager failed, as a failed background update does: every
+  /// call but a load refuses until a state is loaded. For a collective load
+  /// that succeeded here but failed on another rank, so that every rank is
+  /// left as it was.
+  void markFailed(const std::string& why) { failure_ = why.empty() ? "marked failed" : why; }
   /// Pipeline counters (zero for kDevice): staging bytes, fence waits, ...
   /// Does not wait.
   offload::PipelineStats offloadStats() const;
@@ -222,6 +257,16 @@ class Averager {
   std::vector<std::pair<std::string, at::Tensor>> emaTensors(int profile = 0) const;
   /// The live sources, in construction order (handles, not copies).
   std::vector<TrackedTensor> tracked() const;
+  /// Follows a tracked tensor that was replaced by another of the same
+  /// shape, dtype and device (a new nn.Parameter, `p.data = ...`): the next
+  /// update reads `source`. c10::ValueError naming the tensor and what
+  /// differs otherwise, before anything changes. An update in flight keeps
+  /// reading the old source until fence().
+  void rebindSource(const std::string& name, const at::Tensor& source);
+  /// The dtype and shape of a tracked tensor's EMA storage (fixed at
+  /// construction). Does not wait, so it also answers on a failed Averager
+  /// (a load checks a file against it).
+  std::pair<c10::ScalarType, std::vector<int64_t>> emaDtypeAndShape(const std::string& name) const;
 
   /// Sets the progress a resume from snapshots restores (loadState() does
   /// it from its metadata): the last step and whether the first copy
@@ -258,7 +303,7 @@ class Averager {
  private:
   void checkProfile(int profile, const char* api) const;
   size_t indexOf(const std::string& name, const char* api) const;
-  void checkRoles(const TensorFile& file) const;
+  void checkRoles(const std::map<std::string, TrackRole>& saved) const;
   // Throws when failed; otherwise waits for the update in flight and turns
   // its error into the failed mark.
   void settle(const char* api) const;
@@ -266,6 +311,7 @@ class Averager {
   LoadReport loadValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
                         LoadStrictness strictness, int profile);
   void rejectUnfenced(int64_t step);
+  void checkFinite(const detail::EmaUpdate& plan, int64_t step) const;
   detail::EmaStore& store(const char* api) const;
 
   AveragerOptions options_;

@@ -68,6 +68,10 @@ class ShardedAverager {
   const shard::ShardLayout& layout() const { return layout_; }
   /// This rank's live local shards, attach order.
   const std::vector<LocalShard>& shards() const { return shards_; }
+  /// The shard `name` is now `local` (its tensor was replaced by one of the
+  /// same shape, dtype and device): Averager::rebindSource, whose
+  /// c10::ValueError names what differs.
+  void rebindLocal(const std::string& name, const at::Tensor& local);
 
   /// Averager::update / fence / wait of the local shards (no communication).
   bool update(int64_t step) { return averager_.update(step); }

@@ -106,10 +106,15 @@ void loadCheckpoint(const std::string& dir, ShardedAverager& averager);
 
 /// Checks a checkpoint completely without loading it: the manifest; every
 /// rank file's size and XXH64; every rank file's metadata (shardema.rank,
-/// world_size, layout_fingerprint and step agree with the manifest) and
+/// world_size, layout_fingerprint and step agree with the manifest, the
+/// Averager state's keys pass checkAveragerStateMetadata of averager.h) and
 /// tensors (exactly the layout's, 1-D of the rank's size, one dtype per
-/// tensor across ranks). Returns the manifest. c10::ValueError naming the
-/// file and the tensor or key. This is what export and reshard check first.
+/// tensor across ranks); then every tensor's data against its own checksum
+/// (shardema.xxh64, the check loadCheckpoint makes; one streaming read of
+/// every file), which a file rewritten together with its manifest record
+/// still fails. Returns the manifest. c10::ValueError naming the file and
+/// the tensor or key. This is what export and reshard check first, before
+/// they write anything.
 RankManifest inspectCheckpoint(const std::string& dir);
 
 struct ExportOptions {
@@ -133,20 +138,23 @@ struct ExportSummary {
 /// Merges an inspected checkpoint into one deployable safetensors file of
 /// full tensors (global names and shapes, layout order), streaming tensor by
 /// tensor. Metadata: shardema.kind=deployable_weights, shardema.step,
-/// shardema.schedule, shardema.source_world_size. Crash-safe: on any error
-/// an existing `outFile` is left byte-identical. Blocks.
+/// shardema.schedule, shardema.source_world_size. The checkpoint is
+/// checked as inspectCheckpoint does (tensor checksums included) before
+/// `outFile` is opened: a failed check writes nothing. Crash-safe: on any
+/// error an existing `outFile` is left byte-identical. Blocks.
 ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFile,
                                ExportOptions options = {});
 
 /// Writes a checkpoint for `target` (same tensors, names, shapes, dtypes
 /// and order as the source layout, any world size) into `outDir` (created
 /// if missing; must not be or lie inside `dir`): for each new rank, the
-/// elements of its ranges read from the old ranks' files. An old checkpoint
-/// in `outDir` stays valid until the new manifest replaces it; on failure
-/// the files this call wrote are removed (and `outDir`, if this call created
-/// it and left it empty). Loading it on target.worldSize() ranks gives what
-/// a gather of the source followed by a scatter would. options.outputDtype
-/// is ignored (states keep their dtypes). Blocks.
+/// elements of its ranges read from the old ranks' files, once the source
+/// passed inspectCheckpoint's checks (nothing is written otherwise). An old
+/// checkpoint in `outDir` stays valid until the new manifest replaces it; on
+/// failure the files this call wrote are removed (and `outDir`, if this call
+/// created it and left it empty). Loading it on target.worldSize() ranks
+/// gives what a gather of the source followed by a scatter would.
+/// options.outputDtype is ignored (states keep their dtypes). Blocks.
 ExportSummary reshardCheckpoint(const std::string& dir, const std::string& outDir,
                                 const shard::ShardLayout& target, ExportOptions options = {});
 /// The largest newWorldSize reshardCheckpoint accepts for the checkpoint in

@@ -47,5 +47,11 @@ struct ShardLayout {
 /// for worldSize < 1.
 ShardLayout relayout(const ShardLayout& layout, int64_t worldSize);
 
+/// What first tells `saved` from `here`, naming the tensor, for errors of a
+/// load into another model: "tensor 'w' has shape [4, 3] in the checkpoint
+/// but [5, 3] here" (also: missing on one side, dtype, kind, ranges,
+/// order). Empty when the layouts are equal.
+std::string layoutDifference(const ShardLayout& saved, const ShardLayout& here);
+
 }  // namespace shard
 }  // namespace shardema
