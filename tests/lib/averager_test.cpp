@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -207,6 +208,28 @@ TEST(AveragerTest, RebindFollowsAReplacementOfTheSameShapeAndRefusesAnother) {
   at::Tensor sparse = at::eye(2).to_sparse();
   EXPECT_THROW(averager.rebindSource("w", sparse), c10::ValueError);
   EXPECT_TRUE(averager.tracked().front().source.is_same(replacement));
+}
+
+TEST(AveragerTest, RefuseNonFiniteNamesTheTensorAndTakesNoStep) {
+  at::Tensor w = at::ones({4});
+  at::Tensor steps = at::zeros({1}, at::kLong);  // not floating: never checked
+  AveragerOptions options;
+  options.refuseNonFinite = true;
+  Averager averager({{"w", w, TrackRole::kAverage}, {"steps", steps, TrackRole::kCopy}}, options);
+  averager.update(1);
+  averager.wait();
+  w[2] = std::numeric_limits<float>::infinity();
+  try {
+    averager.update(2);
+    FAIL() << "an Inf source must be refused";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("tensor 'w' holds NaN or Inf at step 2"),
+              std::string::npos);
+  }
+  EXPECT_EQ(averager.step(), 1);
+  EXPECT_TRUE(averager.ema("w").equal(at::ones({4})));
+  w[2] = 1.0f;
+  EXPECT_TRUE(averager.update(2));  // the same step, once finite again
 }
 
 TEST(AveragerTest, RejectsBadTrackedTensors) {
