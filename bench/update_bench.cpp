@@ -20,18 +20,27 @@
 //   x_lerp_loop     GBps / aten_lerp_loop GBps, same dtype and layout
 // limit: in-place a[i] += b[i] (a -= b on odd passes, so values stay put)
 // over the fp32 ema and source arrays: 12 B/elem in the access pattern of
-// the update (two streams read, one written back in place), our own plain
-// loop split over the same offload::WorkerPool. It is registered first so it is
-// measured before the rows that divide by it.
-// Threads (the benchmark arg) = pool workers + the calling thread; ATen
-// rows run with at::set_num_threads(threads) for a fair comparison.
-// Size sweep: ours_size/<dtype>/one/threads:2/elements:N runs ours on a
+// the update (two streams read, one written back in place), our own
+// explicit AVX2 loop split over the same offload::WorkerPool. The paired
+// limit of a bf16/fp16 row reads a 2-byte stream instead (10 B/elem, the
+// row's own pattern); frac_vs_limit_row always divides by the fp32 row. It is registered first so
+// it is measured before the rows that divide by it. Threads (the benchmark arg) = pool workers +
+// the calling thread; ATen rows run with at::set_num_threads(threads) for a fair comparison. Kernel
+// variants: kernel/<variant>/<dtype>/one/threads:T runs one KernelVariant (baseline, avx2, avx512:
+// those this CPU has) alone over the arena, split over the pool like updateSpans, each pass paired
+// with a limit pass as "ours" is; active_variant in the context says which one the update path
+// uses. Scaling: ours/<dtype>/one at threads 1, 2, 4, ... up to this machine's hardware threads
+// (and that count itself): the host math's rate per core count, the EMA's cost on a GPU node where
+// it runs beside training. Size sweep: ours_size/<dtype>/one/threads:2/elements:N runs ours on a
 // prefix of N elements (arena/256 .. the arena, x4 apart: 1Mi..256Mi by
 // default), each with its paired limit pass over the same prefix, to show
 // where the update leaves the caches and meets the memory limit.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -42,9 +51,11 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "build_type_warning.h"
+#include "shardema/core/kernel_variant.h"
 #include "shardema/core/tensor_update.h"
 #include "shardema/offload/worker_pool.h"
 
@@ -161,23 +172,95 @@ double timed(benchmark::State& state, double bytesPerIteration, const std::strin
   return gbps;
 }
 
+// The limit's loops are explicit AVX2, unrolled like the kernels (a
+// compiler-vectorised loop ran at the mercy of its alignment, and a limit
+// slower than the memory system reads as "ours exceeds the limit"). AVX2,
+// not AVX-512: on this VM the AVX-512 loop moved 5-10% less (update_bench's
+// kernel/avx512 rows), and the limit must be the fastest way to move the
+// bytes. The 16-bit limit reads a 2-byte stream widened as bf16: the
+// access pattern of a bf16/fp16 update (10 B per element), so those rows
+// are held to their own bytes, not the fp32 pattern's.
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) void addInPlaceAvx2(float* a, const float* b, int64_t n,
+                                                    float sign) {
+  const __m256 s = _mm256_set1_ps(sign);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    for (int k = 0; k < 32; k += 8) {
+      _mm256_storeu_ps(a + i + k, _mm256_add_ps(_mm256_loadu_ps(a + i + k),
+                                                _mm256_mul_ps(s, _mm256_loadu_ps(b + i + k))));
+    }
+  }
+  for (; i < n; ++i) a[i] += sign * b[i];
+}
+
+__attribute__((target("avx2"))) void addInPlace16Avx2(float* a, const uint16_t* b, int64_t n,
+                                                      float sign) {
+  const __m256 s = _mm256_set1_ps(sign);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    for (int k = 0; k < 32; k += 8) {
+      const __m256i wide =
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i + k)));
+      const __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+      _mm256_storeu_ps(a + i + k, _mm256_add_ps(_mm256_loadu_ps(a + i + k), _mm256_mul_ps(s, x)));
+    }
+  }
+  for (; i < n; ++i) {
+    uint32_t bits = static_cast<uint32_t>(b[i]) << 16;
+    float x;
+    std::memcpy(&x, &bits, sizeof x);
+    a[i] += sign * x;
+  }
+}
+#endif
+
+bool haveAvx2() {
+#if defined(__x86_64__)
+  static const bool have = __builtin_cpu_supports("avx2") != 0;
+  return have;
+#else
+  return false;
+#endif
+}
+
 void addInPlace(float* __restrict a, const float* __restrict b, int64_t n, float sign) {
+#if defined(__x86_64__)
+  if (haveAvx2()) return addInPlaceAvx2(a, b, n, sign);
+#endif
+  for (int64_t i = 0; i < n; ++i) a[i] += sign * b[i];
+}
+
+void addInPlace16(float* __restrict a, const uint16_t* __restrict b, int64_t n, float sign) {
+#if defined(__x86_64__)
+  if (haveAvx2()) return addInPlace16Avx2(a, b, n, sign);
+#endif
   for (int64_t i = 0; i < n; ++i) {
-    a[i] += sign * b[i];
+    uint32_t bits = static_cast<uint32_t>(b[i]) << 16;
+    float x;
+    std::memcpy(&x, &bits, sizeof x);
+    a[i] += sign * x;
   }
 }
 
 // One pass of the limit kernel over the whole arena, split like updateSpans
 // splits; alternates += and -= so repeated passes keep the values in range.
-// `n` elements from the start of the arena (the size sweep), all by default.
-void limitPass(shardema::offload::WorkerPool& pool, int threads, int64_t n = kElements) {
+// `n` elements from the start of the arena (the size sweep), all by default;
+// `dtype` a 16-bit type: the 2-byte source stream (10 B per element).
+void limitPass(shardema::offload::WorkerPool& pool, int threads, int64_t n = kElements,
+               at::ScalarType dtype = at::kFloat) {
   static float sign = 1.0f;
   float* a = arena().ema.data_ptr<float>();
   const float* b = arena().f32.data_ptr<float>();
+  const auto* b16 = static_cast<const uint16_t*>(arena().half16.data_ptr());
   const int64_t pieces = threads * kPiecesPerThread;
   pool.parallelFor(pieces, [&](int64_t p) {
     const int64_t begin = n / pieces * p, end = p + 1 == pieces ? n : begin + n / pieces;
-    addInPlace(a + begin, b + begin, end - begin, sign);
+    if (dtype == at::kFloat) {
+      addInPlace(a + begin, b + begin, end - begin, sign);
+    } else {
+      addInPlace16(a + begin, b16 + begin, end - begin, sign);
+    }
   });
   sign = -sign;
 }
@@ -257,7 +340,7 @@ void benchOurs(benchmark::State& state, at::ScalarType dtype, Layout layout) {
   }
   double ours = 0.0, limit = 0.0;
   for (auto _ : state) {
-    limit += secondsOf([&] { limitPass(pool, threads); });
+    limit += secondsOf([&] { limitPass(pool, threads, kElements, dtype); });
     const double s = secondsOf([&] { shardema::applyTensorUpdates(updates, kWeight, &pool); });
     ours += s;
     state.SetIterationTime(s);
@@ -265,7 +348,7 @@ void benchOurs(benchmark::State& state, at::ScalarType dtype, Layout layout) {
   const double n = static_cast<double>(state.iterations()) * kElements;
   state.SetBytesProcessed(static_cast<int64_t>(bytesPerElement(dtype) * n));
   const double gbps = bytesPerElement(dtype) * n / ours / 1e9;
-  const double limitGbps = 12.0 * n / limit / 1e9;
+  const double limitGbps = bytesPerElement(dtype) * n / limit / 1e9;
   const std::string d = dtypeName(dtype);
   rates()[key("ours", d, layout, threads)] = gbps;
   state.counters["GBps"] = gbps;
@@ -274,6 +357,41 @@ void benchOurs(benchmark::State& state, at::ScalarType dtype, Layout layout) {
   setRatio(state, "frac_vs_limit_row", gbps, key("limit", "f32", Layout::kOne, threads));
   setRatio(state, "x_foreach", gbps, key("foreach", d, layout, threads));
   setRatio(state, "x_lerp_loop", gbps, key("lerp_loop", d, layout, threads));
+}
+
+// One variant's lerp alone over the arena as one tensor, cut into the
+// pieces updateSpans would make, paired with a limit pass like benchOurs.
+void benchVariant(benchmark::State& state, shardema::KernelVariant variant, at::ScalarType dtype) {
+  const int threads = static_cast<int>(state.range(0));
+  shardema::offload::WorkerPool& pool = poolFor(threads);
+  float* ema = arena().ema.data_ptr<float>();
+  const auto* src = static_cast<const char*>(sourceOf(dtype).data_ptr());
+  const shardema::SourceType type = dtype == at::kFloat      ? shardema::SourceType::kFloat32
+                                    : dtype == at::kBFloat16 ? shardema::SourceType::kBFloat16
+                                                             : shardema::SourceType::kFloat16;
+  const int64_t size = shardema::sourceTypeSize(type);
+  const int64_t pieces = threads * kPiecesPerThread;
+  double ours = 0.0, limit = 0.0;
+  for (auto _ : state) {
+    limit += secondsOf([&] { limitPass(pool, threads, kElements, dtype); });
+    const double s = secondsOf([&] {
+      pool.parallelFor(pieces, [&](int64_t p) {
+        const int64_t begin = kElements / pieces * p;
+        const int64_t end = p + 1 == pieces ? kElements : begin + kElements / pieces;
+        shardema::lerpRangeWith(variant, ema + begin, src + begin * size, type, end - begin,
+                                static_cast<float>(kWeight));
+      });
+    });
+    ours += s;
+    state.SetIterationTime(s);
+  }
+  const double n = static_cast<double>(state.iterations()) * kElements;
+  state.SetBytesProcessed(static_cast<int64_t>(bytesPerElement(dtype) * n));
+  const double gbps = bytesPerElement(dtype) * n / ours / 1e9;
+  const double limitGbps = bytesPerElement(dtype) * n / limit / 1e9;
+  state.counters["GBps"] = gbps;
+  state.counters["limit_GBps"] = limitGbps;
+  state.counters["frac_of_limit"] = gbps / limitGbps;
 }
 
 // The size sweep: ours on the first `elements` of the arena as one tensor,
@@ -287,7 +405,7 @@ void benchOursSize(benchmark::State& state, at::ScalarType dtype) {
                                                         shardema::UpdateOp::kLerp, "prefix"}};
   double ours = 0.0, limit = 0.0;
   for (auto _ : state) {
-    limit += secondsOf([&] { limitPass(pool, threads, elements); });
+    limit += secondsOf([&] { limitPass(pool, threads, elements, dtype); });
     const double s = secondsOf([&] { shardema::applyTensorUpdates(updates, kWeight, &pool); });
     ours += s;
     state.SetIterationTime(s);
@@ -295,7 +413,7 @@ void benchOursSize(benchmark::State& state, at::ScalarType dtype) {
   const double n = static_cast<double>(state.iterations()) * static_cast<double>(elements);
   state.SetBytesProcessed(static_cast<int64_t>(bytesPerElement(dtype) * n));
   const double gbps = bytesPerElement(dtype) * n / ours / 1e9;
-  const double limitGbps = 12.0 * n / limit / 1e9;
+  const double limitGbps = bytesPerElement(dtype) * n / limit / 1e9;
   state.counters["elements"] = static_cast<double>(elements);
   state.counters["GBps"] = gbps;
   state.counters["limit_GBps"] = limitGbps;
@@ -330,6 +448,29 @@ void registerAll() {
       common(benchmark::RegisterBenchmark(("ours" + suffix).c_str(), benchOurs, dtype, layout),
              true);
     }
+  }
+  const int hardware = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  for (shardema::KernelVariant variant : shardema::availableKernelVariants()) {
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      const std::string name = std::string("kernel/") + shardema::kernelVariantName(variant) + "/" +
+                               dtypeName(dtype) + "/one";
+      auto* b = benchmark::RegisterBenchmark(name.c_str(), benchVariant, variant, dtype);
+      b->ArgName("threads")->Unit(benchmark::kMillisecond)->UseManualTime();
+      b->Arg(1);
+      if (hardware > 1) b->Arg(hardware);
+    }
+  }
+  // Thread scaling of the host math (1 and 2 threads are in the rows above).
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    std::vector<int> counts;
+    for (int t = 4; t < hardware; t *= 2) counts.push_back(t);
+    if (hardware > 2) counts.push_back(hardware);
+    if (counts.empty()) continue;
+    auto* b = benchmark::RegisterBenchmark(
+        (std::string("ours_scaling/") + dtypeName(dtype) + "/one").c_str(), benchOurs, dtype,
+        Layout::kOne);
+    b->ArgName("threads")->Unit(benchmark::kMillisecond)->UseManualTime();
+    for (int t : counts) b->Arg(t);
   }
   // fp16 would repeat bf16's bytes and shape; 2 threads as on the target VM.
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
@@ -389,6 +530,10 @@ int main(int argc, char** argv) {
   shardema::bench::warnIfUnoptimised("update_bench");
   benchmark::AddCustomContext("elements", std::to_string(kElements));
   benchmark::AddCustomContext("small_layout_tensors", std::to_string(kSmallTensors));
+  benchmark::AddCustomContext("active_variant",
+                              shardema::kernelVariantName(shardema::activeKernelVariant()));
+  benchmark::AddCustomContext("hardware_threads",
+                              std::to_string(std::thread::hardware_concurrency()));
   checkAgainstAten();
   registerAll();
   benchmark::RunSpecifiedBenchmarks();

@@ -5,121 +5,14 @@
 #include <algorithm>
 #include <cstring>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include "shardema/core/parallel_runner.h"
 
-// Built with -O3 -ffp-contract=off (lib/CMakeLists.txt): the loops below are
-// written so GCC vectorises them at the SSE2 baseline, and no a*b+c may be
-// fused, so a vector body and its scalar tail round alike and the result of
-// updateSpans does not depend on where the work was cut.
+// The element loops (lerpRange, copyRange) are kernel_variants.cpp's; this
+// file cuts the work into pieces over a ParallelRunner and runs several
+// profiles of one source in one pass.
 
 namespace shardema {
 namespace {
-
-inline float bitsToFloat(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint32_t floatToBits(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  return bits;
-}
-
-struct LoadF32 {
-  float operator()(float x) const { return x; }
-};
-
-// bf16 is the top half of an fp32: widening is exact, NaN payloads included.
-struct LoadBF16 {
-  float operator()(uint16_t h) const { return bitsToFloat(static_cast<uint32_t>(h) << 16); }
-};
-
-// IEEE half -> float without branches so the loop vectorises at SSE2.
-// Normal halves, inf and nan: move exponent and mantissa into float position
-// with the exponent raised by 224, then multiply by 2^-112 (net bias change
-// 15 -> 127); the multiply is exact, keeps inf, and quiets a signalling NaN
-// with its payload, as F16C's vcvtph2ps does. Subnormal halves (m * 2^-24)
-// are normal floats: (0.5 + m*2^-24) - 0.5 is exact. No float here is ever
-// subnormal, so FTZ/DAZ modes do not change the result.
-struct LoadF16 {
-  float operator()(uint16_t h) const {
-    const uint32_t sign = (static_cast<uint32_t>(h) & 0x8000u) << 16;
-    const uint32_t magnitude = static_cast<uint32_t>(h) & 0x7fffu;
-    const float kTwoPowMinus112 = bitsToFloat((127u - 112u) << 23);
-    const float scaled = bitsToFloat((magnitude << 13) + (224u << 23)) * kTwoPowMinus112;
-    const float subnormal = bitsToFloat(magnitude | (126u << 23)) - 0.5f;
-    // All-ones for subnormal halves (and zero): a mask, not ?:, which GCC
-    // would keep as a branch and leave the loop scalar.
-    const uint32_t isSubnormal =
-        0u - static_cast<uint32_t>(static_cast<int32_t>(magnitude) < 0x0400);
-    const uint32_t bits =
-        (floatToBits(subnormal) & isSubnormal) | (floatToBits(scaled) & ~isSubnormal);
-    return bitsToFloat(bits | sign);
-  }
-};
-
-// ema + w*(x - ema): the header's formula, so w = 0 keeps ema and w = 1
-// gives x up to one rounding of (x - ema) + ema.
-template <typename Source, typename Load>
-void lerpLoop(float* __restrict ema, const Source* __restrict src, int64_t count, float weight,
-              Load load) {
-  for (int64_t i = 0; i < count; ++i) {
-    const float e = ema[i];
-    ema[i] = e + weight * (load(src[i]) - e);
-  }
-}
-
-template <typename Source, typename Load>
-void copyLoop(float* __restrict ema, const Source* __restrict src, int64_t count, Load load) {
-  for (int64_t i = 0; i < count; ++i) {
-    ema[i] = load(src[i]);
-  }
-}
-
-#if defined(__x86_64__)
-// fp16 is the one source whose conversion, done in software at the SSE2
-// baseline, costs more than the memory traffic (update_bench's fp16 rows
-// in docs/performance.md). CPUs with F16C (every x86-64 since about
-// 2012) convert 8 halves in one instruction; we pick that clone at run time
-// because CI may build for plain x86-64. The float math is the same sub,
-// mul, add (no FMA: "fma" is not in the target), and vcvtph2ps converts
-// exactly like LoadF16, so the result does not depend on which path ran.
-__attribute__((target("avx,f16c"))) void lerpF16C(float* ema, const uint16_t* src, int64_t count,
-                                                  float weight) {
-  const __m256 w = _mm256_set1_ps(weight);
-  int64_t i = 0;
-  for (; i + 8 <= count; i += 8) {
-    const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-    const __m256 e = _mm256_loadu_ps(ema + i);
-    _mm256_storeu_ps(ema + i, _mm256_add_ps(e, _mm256_mul_ps(w, _mm256_sub_ps(x, e))));
-  }
-  lerpLoop(ema + i, src + i, count - i, weight, LoadF16{});
-}
-
-__attribute__((target("avx,f16c"))) void copyF16C(float* ema, const uint16_t* src, int64_t count) {
-  int64_t i = 0;
-  for (; i + 8 <= count; i += 8) {
-    _mm256_storeu_ps(ema + i,
-                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  }
-  copyLoop(ema + i, src + i, count - i, LoadF16{});
-}
-
-bool haveF16C() {
-  static const bool have = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
-  return have;
-}
-#else
-constexpr bool haveF16C() { return false; }
-void lerpF16C(float*, const uint16_t*, int64_t, float) {}
-void copyF16C(float*, const uint16_t*, int64_t) {}
-#endif
 
 // Where the source of a span starts `offset` elements in.
 const void* sourceAt(const void* src, SourceType type, int64_t offset) {
@@ -245,45 +138,6 @@ void applyMultiPart(const MultiUpdateSpan& span, const float* weights, int64_t o
 
 int sourceTypeSize(SourceType type) { return type == SourceType::kFloat32 ? 4 : 2; }
 
-void lerpRange(float* ema, const void* src, SourceType type, int64_t count, float weight) {
-  switch (type) {
-    case SourceType::kFloat32:
-      lerpLoop(ema, static_cast<const float*>(src), count, weight, LoadF32{});
-      break;
-    case SourceType::kBFloat16:
-      lerpLoop(ema, static_cast<const uint16_t*>(src), count, weight, LoadBF16{});
-      break;
-    case SourceType::kFloat16:
-      if (haveF16C()) {
-        lerpF16C(ema, static_cast<const uint16_t*>(src), count, weight);
-      } else {
-        lerpLoop(ema, static_cast<const uint16_t*>(src), count, weight, LoadF16{});
-      }
-      break;
-  }
-}
-
-void copyRange(float* ema, const void* src, SourceType type, int64_t count) {
-  switch (type) {
-    case SourceType::kFloat32:
-      if (count > 0) {
-        std::memcpy(ema, src, static_cast<size_t>(count) * sizeof(float));
-      }
-      break;
-    case SourceType::kBFloat16:
-      copyLoop(ema, static_cast<const uint16_t*>(src), count, LoadBF16{});
-      break;
-    case SourceType::kFloat16:
-      if (haveF16C()) {
-        copyF16C(ema, static_cast<const uint16_t*>(src), count);
-      } else {
-        copyLoop(ema, static_cast<const uint16_t*>(src), count, LoadF16{});
-      }
-      break;
-  }
-}
-
-
 void updateSpans(const std::vector<UpdateSpan>& spans, float weight, ParallelRunner* pool,
                  int64_t minGrain) {
   splitOverPool("updateSpans", spans, pool, minGrain,
@@ -305,11 +159,11 @@ void lerpRangeMulti(float* const* emas, const float* weights, int numEmas, const
   for (int64_t begin = 0; begin < count; begin += kMultiBlock) {
     const int64_t n = std::min(kMultiBlock, count - begin);
     const float* x = blockAsFloat(src, type, begin, n, buffer);
-    // The same loop lerpRange runs for an f32 source (LoadF32, same sub,
-    // mul, add), so every profile matches its single-profile update bit for
-    // bit, whichever of them vectorised.
+    // lerpRange of an f32 source: the same sub, mul, add as the 16-bit
+    // sources' loops after their exact widening, so every profile matches
+    // its single-profile update bit for bit.
     for (int p = 0; p < numEmas; ++p) {
-      lerpLoop(emas[p] + begin, x, n, weights[p], LoadF32{});
+      lerpRange(emas[p] + begin, x, SourceType::kFloat32, n, weights[p]);
     }
   }
 }
