@@ -17,6 +17,7 @@
 #include "dtype.h"
 #include "process_group.h"
 #include "python_ema.h"
+#include "python_warnings.h"
 #include "shardema/offload/engine_choice.h"
 #include "shardema/offload/update_pipeline.h"
 
@@ -24,8 +25,6 @@ namespace py = pybind11;
 
 namespace shardema::python {
 namespace {
-
-using Release = py::call_guard<py::gil_scoped_release>;
 
 RankState fromPython(const py::dict& state) {
   TORCH_CHECK_VALUE(state.contains("tensors") && state.contains("metadata"),
@@ -86,6 +85,7 @@ void bindEma(py::module_& m) {
                sourceOwners.push_back(std::move(owner));
              }
              auto comm = communicatorFor(group, timeoutSeconds);
+             PythonWarnings warnings;
              py::gil_scoped_release release;
              return std::make_unique<PythonEma>(std::move(comm), std::move(shards),
                                                 std::move(whole), std::move(options),
@@ -123,6 +123,7 @@ void bindEma(py::module_& m) {
            [](const PythonEma& e) {
              RankState state;
              {
+               PythonWarnings warnings;
                py::gil_scoped_release release;
                state = e.stateDict();
              }
@@ -132,6 +133,7 @@ void bindEma(py::module_& m) {
           "load_state_dict",
           [](PythonEma& e, const py::dict& state) {
             RankState native = fromPython(state);
+            PythonWarnings warnings;
             py::gil_scoped_release release;
             e.loadStateDict(native);
           },
@@ -142,6 +144,7 @@ void bindEma(py::module_& m) {
           "export_weights",
           [](PythonEma& e, const std::string& path, py::handle dtype) {
             const c10::ScalarType type = scalarTypeOf(dtype, "export_weights: dtype");
+            PythonWarnings warnings;
             py::gil_scoped_release release;
             e.exportWeights(path, type);
           },

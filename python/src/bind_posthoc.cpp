@@ -16,6 +16,7 @@
 #include "conversions.h"
 #include "dtype.h"
 #include "process_group.h"
+#include "python_warnings.h"
 #include "shardema/core/tensor_file.h"
 #include "shardema/posthoc_callback.h"
 #include "shardema/synthesis.h"
@@ -24,8 +25,6 @@ namespace py = pybind11;
 
 namespace shardema::python {
 namespace {
-
-using Release = py::call_guard<py::gil_scoped_release>;
 
 // The callback and the communicator it borrows, alive together.
 struct PythonPostHoc {
@@ -79,6 +78,7 @@ void bindPostHoc(py::module_& m) {
               tracked.push_back({tensors[i].first, tensors[i].second, parseTrackRole(roles[i]),
                                  changesInForward[i]});
             }
+            PythonWarnings warnings;
             py::gil_scoped_release release;
             p.callback->onFitStart(std::move(tracked));
           },
@@ -86,6 +86,7 @@ void bindPostHoc(py::module_& m) {
       .def(
           "on_fit_start",
           [](PythonPostHoc& p, std::vector<LocalShard> shards) {
+            PythonWarnings warnings;
             py::gil_scoped_release release;
             p.callback->onFitStart(std::move(shards));
           },
@@ -114,6 +115,7 @@ void bindPostHoc(py::module_& m) {
           [](PythonPostHoc& p, std::map<std::string, std::string> metadata) {
             TrainingCheckpoint checkpoint;
             checkpoint.metadata = std::move(metadata);
+            PythonWarnings warnings;
             py::gil_scoped_release release;
             p.callback->onLoadCheckpoint(checkpoint);
           },
@@ -148,6 +150,7 @@ void bindPostHoc(py::module_& m) {
         o.bufferBytes = bufferBytes;
         FolderSynthesisReport report;
         {
+          PythonWarnings warnings;
           py::gil_scoped_release release;
           report = synthesizeSnapshotFolder(folder, path, o);
         }
@@ -167,6 +170,7 @@ void bindPostHoc(py::module_& m) {
       [](const std::string& path) {
         TensorFile file;
         {
+          PythonWarnings warnings;
           py::gil_scoped_release release;
           file = readTensorFile(path);
         }

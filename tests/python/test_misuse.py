@@ -317,3 +317,29 @@ def test_refuse_non_finite_names_the_tensor_and_leaves_the_ema(bad):
     with torch.no_grad():
         model.bias[1] = 0.0
     assert ema.update(2)  # the same step, once the weights are finite again
+
+
+# --- warnings reach Python ----------------------------------------------------------
+
+def test_engine_warnings_are_python_warnings_not_stderr_lines():
+    """The engine's warnings (here the copy engine's choice, which a CUDA
+    build of torch always reports once: no usable device, or the device
+    found) arrive as Python UserWarnings, where filters and pytest see
+    them, and not as c10's '[W... warning.cpp] Warning:' lines on stderr.
+    A fresh process: the warning is once per process."""
+    import subprocess
+    import sys
+    code = ("import warnings, torch, shardema\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    ema = shardema.EMA(torch.nn.Linear(2, 2))\n"
+            "    ema.update()\n"
+            "    ema.wait()\n"
+            "print([str(w.message) for w in caught if 'shardema' in str(w.message)])\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "Warning: shardema" not in run.stderr, run.stderr
+    caught = eval(run.stdout.strip().splitlines()[-1])
+    if torch.version.cuda is not None:
+        assert any("CUDA" in message for message in caught), (caught, run.stderr)
