@@ -86,6 +86,26 @@ timeout 600 cmake --build "$build/tree" -j "$(nproc)" --target "${targets[@]}" \
 echo "built"
 tests=$build/tree/shardema/tests
 
+step "a C++ exception into Python (crashed on the first H200 run)"
+# The first run (2026-12-04, g++ 13.3 from /opt/gcc, Python 3.12) died with
+# SIGSEGV on every C++ exception that reached Python. One throwing call,
+# with and without the device, the module's C++ runtime, and a backtrace.
+throwing='import torch, shardema
+try:
+    shardema.DecaySchedule.constant(1.5)
+except ValueError as e:
+    print("caught:", str(e)[:80])'
+module=$(ls "$build"/tree/python/shardema/_C*.so 2>/dev/null | head -1)
+if [[ -n "$module" ]]; then
+  (cd "$build/tree/python" && timeout 60 "$python" -c "$throwing"; echo "rc $?") 2>&1 | tail -2
+  (cd "$build/tree/python" && CUDA_VISIBLE_DEVICES= timeout 60 "$python" -c "$throwing"; echo "rc $? without a device") 2>&1 | tail -2
+  ldd "$module" | grep -E "stdc\+\+|gcc_s|libpython" | tee "$logs/module_ldd.log"
+  if command -v cuda-gdb >/dev/null; then
+    (cd "$build/tree/python" && timeout 120 cuda-gdb -batch -ex run -ex bt --args "$python" -c "$throwing") \
+      >"$logs/throw_backtrace.log" 2>&1
+    grep -E "^#[0-9]+ " "$logs/throw_backtrace.log" | head -25
+  fi
+fi
 step "CUDA engine tests (must run, not skip)"
 timeout 120 "$tests/offload_tests" --gtest_filter='CudaCopyEngineTest.*' >"$logs/cuda_tests.log" 2>&1 ||
   fail "CudaCopyEngineTest"
