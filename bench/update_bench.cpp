@@ -1,3 +1,8 @@
+// Over the 400-line guideline on purpose: every row shares one arena, the
+// rate table the ratio columns read and the paired limit, which Google
+// Benchmark registration ties to this file; the limit loops are apart in
+// update_bench_limit.h.
+//
 // update_bench: GB/s of the fused EMA update (shardema::applyTensorUpdates)
 // beside the bandwidth limit and the ATen peers, measured in one process.
 //
@@ -38,9 +43,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -58,6 +60,7 @@
 #include "shardema/core/kernel_variant.h"
 #include "shardema/core/tensor_update.h"
 #include "shardema/offload/worker_pool.h"
+#include "update_bench_limit.h"
 
 namespace {
 
@@ -172,77 +175,6 @@ double timed(benchmark::State& state, double bytesPerIteration, const std::strin
   return gbps;
 }
 
-// The limit's loops are explicit AVX2, unrolled like the kernels (a
-// compiler-vectorised loop ran at the mercy of its alignment, and a limit
-// slower than the memory system reads as "ours exceeds the limit"). AVX2,
-// not AVX-512: on this VM the AVX-512 loop moved 5-10% less (update_bench's
-// kernel/avx512 rows), and the limit must be the fastest way to move the
-// bytes. The 16-bit limit reads a 2-byte stream widened as bf16: the
-// access pattern of a bf16/fp16 update (10 B per element), so those rows
-// are held to their own bytes, not the fp32 pattern's.
-#if defined(__x86_64__)
-__attribute__((target("avx2"))) void addInPlaceAvx2(float* a, const float* b, int64_t n,
-                                                    float sign) {
-  const __m256 s = _mm256_set1_ps(sign);
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    for (int k = 0; k < 32; k += 8) {
-      _mm256_storeu_ps(a + i + k, _mm256_add_ps(_mm256_loadu_ps(a + i + k),
-                                                _mm256_mul_ps(s, _mm256_loadu_ps(b + i + k))));
-    }
-  }
-  for (; i < n; ++i) a[i] += sign * b[i];
-}
-
-__attribute__((target("avx2"))) void addInPlace16Avx2(float* a, const uint16_t* b, int64_t n,
-                                                      float sign) {
-  const __m256 s = _mm256_set1_ps(sign);
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    for (int k = 0; k < 32; k += 8) {
-      const __m256i wide =
-          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i + k)));
-      const __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-      _mm256_storeu_ps(a + i + k, _mm256_add_ps(_mm256_loadu_ps(a + i + k), _mm256_mul_ps(s, x)));
-    }
-  }
-  for (; i < n; ++i) {
-    uint32_t bits = static_cast<uint32_t>(b[i]) << 16;
-    float x;
-    std::memcpy(&x, &bits, sizeof x);
-    a[i] += sign * x;
-  }
-}
-#endif
-
-bool haveAvx2() {
-#if defined(__x86_64__)
-  static const bool have = __builtin_cpu_supports("avx2") != 0;
-  return have;
-#else
-  return false;
-#endif
-}
-
-void addInPlace(float* __restrict a, const float* __restrict b, int64_t n, float sign) {
-#if defined(__x86_64__)
-  if (haveAvx2()) return addInPlaceAvx2(a, b, n, sign);
-#endif
-  for (int64_t i = 0; i < n; ++i) a[i] += sign * b[i];
-}
-
-void addInPlace16(float* __restrict a, const uint16_t* __restrict b, int64_t n, float sign) {
-#if defined(__x86_64__)
-  if (haveAvx2()) return addInPlace16Avx2(a, b, n, sign);
-#endif
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t bits = static_cast<uint32_t>(b[i]) << 16;
-    float x;
-    std::memcpy(&x, &bits, sizeof x);
-    a[i] += sign * x;
-  }
-}
-
 // One pass of the limit kernel over the whole arena, split like updateSpans
 // splits; alternates += and -= so repeated passes keep the values in range.
 // `n` elements from the start of the arena (the size sweep), all by default;
@@ -257,9 +189,9 @@ void limitPass(shardema::offload::WorkerPool& pool, int threads, int64_t n = kEl
   pool.parallelFor(pieces, [&](int64_t p) {
     const int64_t begin = n / pieces * p, end = p + 1 == pieces ? n : begin + n / pieces;
     if (dtype == at::kFloat) {
-      addInPlace(a + begin, b + begin, end - begin, sign);
+      shardema::bench::addInPlace(a + begin, b + begin, end - begin, sign);
     } else {
-      addInPlace16(a + begin, b16 + begin, end - begin, sign);
+      shardema::bench::addInPlace16(a + begin, b16 + begin, end - begin, sign);
     }
   });
   sign = -sign;
@@ -318,6 +250,31 @@ void benchAtenForeach(benchmark::State& state, at::ScalarType dtype, Layout layo
         });
 }
 
+// Times `body` on the wall clock, each iteration after one limit pass of
+// the same elements and dtype (not counted), and sets GBps, limit_GBps and
+// frac_of_limit: on a shared 2-core box a neighbour's burst can halve any
+// row, and the paired limit saw the same load. Returns GB/s.
+template <typename Body>
+double pairedWithLimit(benchmark::State& state, shardema::offload::WorkerPool& pool, int threads,
+                       int64_t elements, at::ScalarType dtype, const Body& body) {
+  double ours = 0.0, limit = 0.0;
+  for (auto _ : state) {
+    limit += secondsOf([&] { limitPass(pool, threads, elements, dtype); });
+    const double s = secondsOf(body);
+    ours += s;
+    state.SetIterationTime(s);
+  }
+  const double bytes = bytesPerElement(dtype) * static_cast<double>(state.iterations()) *
+                       static_cast<double>(elements);
+  state.SetBytesProcessed(static_cast<int64_t>(bytes));
+  const double gbps = bytes / ours / 1e9;
+  const double limitGbps = bytes / limit / 1e9;
+  state.counters["GBps"] = gbps;
+  state.counters["limit_GBps"] = limitGbps;
+  state.counters["frac_of_limit"] = gbps / limitGbps;
+  return gbps;
+}
+
 void setRatio(benchmark::State& state, const char* name, double gbps, const std::string& k) {
   auto it = rates().find(k);
   if (it != rates().end()) {
@@ -338,22 +295,11 @@ void benchOurs(benchmark::State& state, at::ScalarType dtype, Layout layout) {
   for (size_t i = 0; i < emas.size(); ++i) {
     updates.push_back({emas[i], srcs[i], shardema::UpdateOp::kLerp, "t" + std::to_string(i)});
   }
-  double ours = 0.0, limit = 0.0;
-  for (auto _ : state) {
-    limit += secondsOf([&] { limitPass(pool, threads, kElements, dtype); });
-    const double s = secondsOf([&] { shardema::applyTensorUpdates(updates, kWeight, &pool); });
-    ours += s;
-    state.SetIterationTime(s);
-  }
-  const double n = static_cast<double>(state.iterations()) * kElements;
-  state.SetBytesProcessed(static_cast<int64_t>(bytesPerElement(dtype) * n));
-  const double gbps = bytesPerElement(dtype) * n / ours / 1e9;
-  const double limitGbps = bytesPerElement(dtype) * n / limit / 1e9;
+  const double gbps = pairedWithLimit(state, pool, threads, kElements, dtype, [&] {
+    shardema::applyTensorUpdates(updates, kWeight, &pool);
+  });
   const std::string d = dtypeName(dtype);
   rates()[key("ours", d, layout, threads)] = gbps;
-  state.counters["GBps"] = gbps;
-  state.counters["limit_GBps"] = limitGbps;
-  state.counters["frac_of_limit"] = gbps / limitGbps;
   setRatio(state, "frac_vs_limit_row", gbps, key("limit", "f32", Layout::kOne, threads));
   setRatio(state, "x_foreach", gbps, key("foreach", d, layout, threads));
   setRatio(state, "x_lerp_loop", gbps, key("lerp_loop", d, layout, threads));
@@ -371,27 +317,14 @@ void benchVariant(benchmark::State& state, shardema::KernelVariant variant, at::
                                                              : shardema::SourceType::kFloat16;
   const int64_t size = shardema::sourceTypeSize(type);
   const int64_t pieces = threads * kPiecesPerThread;
-  double ours = 0.0, limit = 0.0;
-  for (auto _ : state) {
-    limit += secondsOf([&] { limitPass(pool, threads, kElements, dtype); });
-    const double s = secondsOf([&] {
-      pool.parallelFor(pieces, [&](int64_t p) {
-        const int64_t begin = kElements / pieces * p;
-        const int64_t end = p + 1 == pieces ? kElements : begin + kElements / pieces;
-        shardema::lerpRangeWith(variant, ema + begin, src + begin * size, type, end - begin,
-                                static_cast<float>(kWeight));
-      });
+  pairedWithLimit(state, pool, threads, kElements, dtype, [&] {
+    pool.parallelFor(pieces, [&](int64_t p) {
+      const int64_t begin = kElements / pieces * p;
+      const int64_t end = p + 1 == pieces ? kElements : begin + kElements / pieces;
+      shardema::lerpRangeWith(variant, ema + begin, src + begin * size, type, end - begin,
+                              static_cast<float>(kWeight));
     });
-    ours += s;
-    state.SetIterationTime(s);
-  }
-  const double n = static_cast<double>(state.iterations()) * kElements;
-  state.SetBytesProcessed(static_cast<int64_t>(bytesPerElement(dtype) * n));
-  const double gbps = bytesPerElement(dtype) * n / ours / 1e9;
-  const double limitGbps = bytesPerElement(dtype) * n / limit / 1e9;
-  state.counters["GBps"] = gbps;
-  state.counters["limit_GBps"] = limitGbps;
-  state.counters["frac_of_limit"] = gbps / limitGbps;
+  });
 }
 
 // The size sweep: ours on the first `elements` of the arena as one tensor,
@@ -403,21 +336,9 @@ void benchOursSize(benchmark::State& state, at::ScalarType dtype) {
   const std::vector<shardema::TensorUpdate> updates = {{arena().ema.narrow(0, 0, elements),
                                                         sourceOf(dtype).narrow(0, 0, elements),
                                                         shardema::UpdateOp::kLerp, "prefix"}};
-  double ours = 0.0, limit = 0.0;
-  for (auto _ : state) {
-    limit += secondsOf([&] { limitPass(pool, threads, elements, dtype); });
-    const double s = secondsOf([&] { shardema::applyTensorUpdates(updates, kWeight, &pool); });
-    ours += s;
-    state.SetIterationTime(s);
-  }
-  const double n = static_cast<double>(state.iterations()) * static_cast<double>(elements);
-  state.SetBytesProcessed(static_cast<int64_t>(bytesPerElement(dtype) * n));
-  const double gbps = bytesPerElement(dtype) * n / ours / 1e9;
-  const double limitGbps = bytesPerElement(dtype) * n / limit / 1e9;
   state.counters["elements"] = static_cast<double>(elements);
-  state.counters["GBps"] = gbps;
-  state.counters["limit_GBps"] = limitGbps;
-  state.counters["frac_of_limit"] = gbps / limitGbps;
+  pairedWithLimit(state, pool, threads, elements, dtype,
+                  [&] { shardema::applyTensorUpdates(updates, kWeight, &pool); });
 }
 
 void registerAll() {
