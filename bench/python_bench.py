@@ -1,36 +1,69 @@
 #!/usr/bin/env python3
-"""The Python layer's cost against what a Python user would write instead.
+"""shardema.EMA from Python beside the EMAs a PyTorch user would pick instead.
 
     python_bench.py [--elements N] [--tensors T] [--repeats R] [--json PATH]
+                    [--no-fsdp2]
 
-1000 tensors of mixed sizes (log-uniform, N elements in all; default 64 Mi),
-fp32 and bf16 parameters, an fp32 EMA. For shardema.EMA (pinned host, the
-background pipeline) it times what update() costs the training loop (the
-call returning) and a full update (update + wait). The peers, timed the
-same way on the same tensors:
-  - ema-pytorch's way: a per-tensor lerp_ (p.float() for bf16);
-  - torch._foreach_lerp_ over fp32 lists (torch >= 2; on 1.13 its form
-    _foreach_mul_ + _foreach_add_);
-  - torch.optim.swa_utils.get_ema_multi_avg_fn (torch >= 2.1).
-Every row prints GB/s (the bytes an fp32 EMA update must move: read the
-source, read and write the EMA) and that rate over the host's in-place
-bandwidth (a.add_(b) on fp32, 12 bytes per element) measured in the same
-rounds. Figures are medians of R rounds after one warm-up; each round runs
-every method once (the in-place limit too), in rotating order, so ours, the
-peers and the limit see the same load.
+One model of T tensors (default 1000) of log-uniform sizes, N elements in
+all (default 64 Mi), with fp32 and then bf16 parameters; an update every
+round. The methods (python_bench_peers.py): shardema.EMA (pinned host, the
+background pipeline, fp32), torch._foreach_lerp_ on fp32 lists, timm
+ModelEmaV3, ema-pytorch EMA (foreach), torch AveragedModel with
+get_ema_multi_avg_fn and Lightning's EMAWeightAveraging; then, on W = 2
+processes over Gloo with a real FSDP2 model, the shard-local
+_foreach_lerp_ over to_local() tensors (what torchtitan's EMA does) beside
+shardema on the same shards.
+
+Every row gives the full update (for shardema update() + wait()), the time
+update() takes to return (what the training loop is blocked for; fence()
+before the next optimizer step waits for the weights to be read, which on
+a host without a GPU is the whole update), GB/s of the traffic an fp32 EMA
+update must move (read the parameter, read and write the EMA: 12 B/element
+for fp32 parameters, 10 for bf16), that rate over the limit, and what the
+method holds beyond the model and where.
+
+The limit: a STREAM-style kernel on all cores with the same bytes per
+element, a.add_(b) on fp32 (12 B) or fp32 += bf16 (10 B), timed in the same
+rounds. Each round runs every method once, in rotating order, so all see
+the same load (this VM's memory rate drifts by 2x within a minute); figures
+are medians of R rounds after one warm-up. A rate above the limit is marked
+'!' and means the limit is wrong, not that the method is faster than memory.
 """
 import argparse
 import json
 import math
 import os
 import platform
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+
+import warnings
 
 import torch
 
-import shardema
+# The one-line "no usable CUDA device" warning of each EMA on a host
+# without a GPU says nothing the header does not.
+warnings.filterwarnings("ignore", message="shardema: no usable CUDA device")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import python_bench_peers as peers  # noqa: E402
+
+try:
+    from lightning.pytorch import LightningModule as _ModelBase  # EMAWeightAveraging needs one
+except ImportError:  # pragma: no cover
+    _ModelBase = torch.nn.Module
+
+
+class Model(_ModelBase):
+    def __init__(self, sizes, dtype):
+        super().__init__()
+        self.weights = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(n).to(dtype)) for n in sizes)
 
 
 def sizes_for(total, count, seed=0):
@@ -42,92 +75,169 @@ def sizes_for(total, count, seed=0):
     return [int(s) for s in scaled]
 
 
-def interleaved_medians(methods, repeats):
-    """{name: median seconds} of each (name, fn), after one warm-up each, timed
-    in rounds: every round runs every method once, the order rotating, so
-    all see the same load. This VM's memory rate drifts by 2x within a
-    minute; timing the methods one after another would compare the drift."""
+def interleaved_medians(methods, repeats, between=None):
+    """{name: median seconds} of each (name, fn), after one warm-up each, in
+    rounds: every round runs every method once, the order rotating.
+    `between` (if given) runs untimed before each call (a barrier)."""
     for _, fn in methods:
         fn()
     times = {name: [] for name, _ in methods}
     for r in range(repeats):
         for name, fn in methods[r % len(methods):] + methods[:r % len(methods)]:
+            if between:
+                between()
             start = time.perf_counter()
             fn()
+            if between:
+                between()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def limit_kernels(elements):
+    """The STREAM-style kernels: name -> (fn, bytes per element)."""
+    a = torch.ones(elements)
+    b32 = torch.ones(elements)
+    b16 = torch.ones(elements, dtype=torch.bfloat16)
+
+    def fp32():
+        a.add_(b32)
+
+    def bf16():
+        a.add_(b16)
+    return {"limit fp32+=fp32 (12 B)": (fp32, 12), "limit fp32+=bf16 (10 B)": (bf16, 10)}
+
+
 def bench_dtype(dtype, sizes, repeats):
-    params = [torch.nn.Parameter(torch.randn(n).to(dtype)) for n in sizes]
     elements = sum(sizes)
     source_bytes = 2 if dtype == torch.bfloat16 else 4
-    moved = (source_bytes + 8) * elements  # read source, read + write fp32 EMA
+    moved = (source_bytes + 8) * elements
+    model = Model(sizes, dtype)
+    built = [make(model) for make in peers.ALL]
+    methods = [m for m in built if m is not None]
+    missing = [make.__name__ for make, m in zip(peers.ALL, built) if m is None]
+    step = [0]
 
-    # The host's in-place bandwidth (a.add_(b) on fp32, 12 bytes per
-    # element), timed in the same rounds as the rest.
-    a = torch.ones(elements)
-    b = torch.ones(elements)
+    def timed(method):
+        def run():
+            step[0] += 1
+            method.update(step[0])
+            method.wait()
+        return run
+    limits = limit_kernels(elements)
+    medians = interleaved_medians(
+        [(name, fn) for name, (fn, _) in limits.items()] +
+        [(m.name, timed(m)) for m in methods], repeats)
+    limit_rates = {name: per * elements / medians.pop(name) / 1e9
+                   for name, (_, per) in limits.items()}
+    # Bandwidth is bytes per second whatever the kernel: the faster kernel
+    # is the tighter limit (fp32 += bf16 runs below the memory rate on CPUs
+    # whose mixed-dtype add is not vectorized as well).
+    limit = max(limit_rates.values())
+    rows = []
+    for m in methods:
+        seconds = medians[m.name]
+        rate = moved / seconds / 1e9
+        row = {"dtype": str(dtype).replace("torch.", ""), "method": m.name, "ms": seconds * 1e3,
+               "returns_ms": statistics.median(m.returns[1:]) * 1e3 if m.returns else None,
+               "gb_s": rate, "limit_gb_s": limit, "fraction_of_limit": rate / limit,
+               "extra_gib": m.extra_bytes / (1 << 30), "where": m.where,
+               "ema_dtype": m.ema_dtype}
+        rows.append(row)
+    return rows, limit_rates, missing
 
-    def inplace():
-        a.add_(b)
 
-    ema = shardema.EMA([(f"t{i}", p) for i, p in enumerate(params)],
-                       schedule=shardema.DecaySchedule.constant(0.999), policy="ema_pytorch")
-    returns = []
+# ------------------------------------------------------------------ FSDP2
+
+def fsdp2_worker(rank, world, port, sizes, dtype_name, repeats, out):
+    """One rank of the W-process FSDP2 comparison; rank 0 writes the rows."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import shardema
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.weights = torch.nn.ParameterList(
+        torch.nn.Parameter(torch.randn(n).to(dtype)) for n in sizes)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    locals_ = [p.to_local() for p in model.parameters()]
+    local_elements = sum(t.numel() for t in locals_)
+    emas = [t.detach().float().clone() for t in locals_]
+
+    def torchtitan_style():
+        with torch.no_grad():
+            sources = [t if t.dtype == torch.float32 else t.float() for t in locals_]
+            torch._foreach_lerp_(emas, sources, 1 - peers.DECAY)
+    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(peers.DECAY),
+                       policy="ema_pytorch")
 
     def ours():
         ema.fence()
-        start = time.perf_counter()
         ema.update()
-        returns.append(time.perf_counter() - start)
         ema.wait()
+    per = 2 + 8 if dtype == torch.bfloat16 else 12
+    limits = limit_kernels(local_elements)
+    medians = interleaved_medians(
+        [(name, fn) for name, (fn, _) in limits.items()] +
+        [("shard-local _foreach_lerp_ (torchtitan)", torchtitan_style),
+         ("shardema.EMA update+wait", ours)], repeats, between=dist.barrier)
+    elements = sum(sizes)
+    # Every rank streams its kernel at once: the job's rate is the total bytes
+    # over the slowest rank's time (the barriers bracket each call).
+    limit_rate = max(b * elements / medians.pop(name) / 1e9 for name, (_, b) in limits.items())
+    rows = [{"dtype": dtype_name, "method": f"W={world} FSDP2: {name}", "ms": s * 1e3,
+             "returns_ms": None, "gb_s": per * elements / s / 1e9, "limit_gb_s": limit_rate,
+             "fraction_of_limit": per * elements / s / 1e9 / limit_rate,
+             "extra_gib": local_elements * 4 / (1 << 30),
+             "where": "pinned host" if name.startswith("shardema") else "beside the params",
+             "ema_dtype": "float32"} for name, s in medians.items()]
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(rows, f)
+    dist.barrier()
+    dist.destroy_process_group()
 
-    emas = [p.detach().float().clone() for p in params]
-    weight = 1 - 0.999
 
-    def per_tensor_lerp():
-        with torch.no_grad():
-            for e, p in zip(emas, params):
-                e.lerp_(p if p.dtype == torch.float32 else p.float(), weight)
+def run_fsdp2(sizes, dtype_name, repeats, world=2, timeout=600):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "rows.json")
+        spec = os.path.join(folder, "sizes.json")
+        with open(spec, "w") as f:
+            json.dump(sizes, f)
+        procs = [subprocess.Popen([sys.executable, __file__, "--fsdp2-worker", str(r), str(world),
+                                   str(port), spec, dtype_name, str(repeats), out])
+                 for r in range(world)]
+        try:
+            codes = [p.wait(timeout=timeout) for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"python_bench: the FSDP2 ranks ran past {timeout} s")
+        if any(codes) or not os.path.exists(out):
+            raise RuntimeError(f"python_bench: the FSDP2 ranks exited with {codes}")
+        with open(out) as f:
+            return json.load(f)
 
-    def sources():
-        return [p.detach() if p.dtype == torch.float32 else p.detach().float() for p in params]
 
-    methods = [("in-place a.add_(b)", inplace), ("shardema.EMA update+wait", ours),
-               ("per-tensor lerp_ (ema-pytorch)", per_tensor_lerp)]
-    if hasattr(torch, "_foreach_lerp_"):
-        def foreach():
-            with torch.no_grad():
-                torch._foreach_lerp_(emas, sources(), weight)
-        methods.append(("torch._foreach_lerp_", foreach))
-    else:
-        def foreach():
-            with torch.no_grad():
-                torch._foreach_mul_(emas, 0.999)
-                torch._foreach_add_(emas, sources(), alpha=weight)
-        methods.append(("_foreach_mul_+_foreach_add_ (1.13)", foreach))
-    swa = getattr(torch.optim.swa_utils, "get_ema_multi_avg_fn", None)
-    if swa is not None:
-        fn = swa(0.999)
-        steps = torch.tensor(1)
+# ------------------------------------------------------------------ report
 
-        def swa_update():
-            with torch.no_grad():
-                fn(emas, sources(), steps)
-        methods.append(("swa_utils get_ema_multi_avg_fn", swa_update))
-
-    medians = interleaved_medians(methods, repeats)
-    bw = 12 * elements / medians.pop("in-place a.add_(b)") / 1e9
-    rows = []
-    for name, seconds in medians.items():
-        gbs = moved / seconds / 1e9
-        rows.append({"dtype": str(dtype).replace("torch.", ""), "method": name,
-                     "ms": seconds * 1e3,
-                     "returns_ms": statistics.median(returns[1:]) * 1e3 if name.startswith(
-                         "shardema") else None,
-                     "gb_s": gbs, "fraction_of_inplace": gbs / bw, "inplace_gb_s": bw})
-    return rows
+def print_rows(rows):
+    print(f"{'dtype':<9}{'method':<48}{'ms':>9}{'returns ms':>11}{'GB/s':>7}{'of limit':>10}"
+          f"{'x peer':>8}{'extra GiB':>10}  where (EMA dtype)")
+    for r in rows:
+        returns = "" if r["returns_ms"] is None else f"{r['returns_ms']:.3f}"
+        over = "!" if r["fraction_of_limit"] > 1.0 else " "
+        print(f"{r['dtype']:<9}{r['method']:<48}{r['ms']:>9.2f}{returns:>11}{r['gb_s']:>7.2f}"
+              f"{r['fraction_of_limit']:>9.2f}{over}{r.get('speedup_vs_fastest_peer', 0):>8.2f}"
+              f"{r['extra_gib']:>10.3f}  {r['where']} ({r['ema_dtype']})")
 
 
 def main():
@@ -136,31 +246,47 @@ def main():
     parser.add_argument("--tensors", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--json", default="")
+    parser.add_argument("--no-fsdp2", action="store_true", help="skip the W = 2 FSDP2 rows")
+    if len(sys.argv) > 1 and sys.argv[1] == "--fsdp2-worker":
+        rank, world, port, spec, dtype_name, repeats, out = sys.argv[2:9]
+        with open(spec) as f:
+            sizes = json.load(f)
+        fsdp2_worker(int(rank), int(world), port, sizes, dtype_name, int(repeats), out)
+        return 0
     args = parser.parse_args()
     sizes = sizes_for(args.elements, args.tensors)
-    rows = []
+    rows, limits, missing = [], {}, []
     for dtype in (torch.float32, torch.bfloat16):
-        rows += bench_dtype(dtype, sizes, args.repeats)
-    bw = {r["dtype"]: r["inplace_gb_s"] for r in rows}
-    print(f"python_bench: torch {torch.__version__}, {platform.machine()}, "
-          f"{os.cpu_count()} CPUs, {args.tensors} tensors, {args.elements / (1 << 20):.0f} Mi "
-          f"elements; in-place bandwidth (a.add_(b), fp32) in the float32 rounds "
-          f"{bw['float32']:.2f} GB/s, in the bfloat16 rounds {bw['bfloat16']:.2f} GB/s")
-    print(f"{'dtype':<9}{'method':<38}{'ms':>9}{'returns ms':>12}{'GB/s':>8}{'of limit':>10}"
-          f"{'speedup':>9}")
+        found, rates, absent = bench_dtype(dtype, sizes, args.repeats)
+        rows += found
+        limits[str(dtype).replace("torch.", "")] = rates
+        missing = absent
+    if not args.no_fsdp2:
+        for dtype_name in ("float32", "bfloat16"):
+            rows += run_fsdp2(sizes, dtype_name, args.repeats)
     for dtype in ("float32", "bfloat16"):
         mine = [r for r in rows if r["dtype"] == dtype]
-        peers = [r for r in mine if not r["method"].startswith("shardema")]
-        fastest = min(r["ms"] for r in peers)
+        peer_ms = [r["ms"] for r in mine if not r["method"].startswith("shardema")
+                   and "shardema" not in r["method"]]
         for r in mine:
-            r["speedup_vs_fastest_peer"] = fastest / r["ms"]
-            returns = "" if r["returns_ms"] is None else f"{r['returns_ms']:.3f}"
-            print(f"{dtype:<9}{r['method']:<38}{r['ms']:>9.2f}{returns:>12}{r['gb_s']:>8.2f}"
-                  f"{r['fraction_of_inplace']:>10.2f}{r['speedup_vs_fastest_peer']:>9.2f}")
+            r["speedup_vs_fastest_peer"] = min(peer_ms) / r["ms"]
+    print(f"python_bench: torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs "
+          f"(torch threads {torch.get_num_threads()}), {args.tensors} tensors, "
+          f"{args.elements / (1 << 20):.0f} Mi elements, {args.repeats} rounds")
+    for dtype, rates in limits.items():
+        print(f"  limits in the {dtype} rounds: " +
+              ", ".join(f"{name} {rate:.2f} GB/s" for name, rate in rates.items()))
+    if missing:
+        print(f"  left out (package missing): {', '.join(missing)}")
+    print_rows(rows)
+    over = [r for r in rows if r["fraction_of_limit"] > 1.0]
+    if over:
+        print("  '!': above the limit measured in the same rounds; the limit kernel is slower "
+              "than the memory system there (see docs/performance.md)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "elements": args.elements,
-                       "tensors": args.tensors, "inplace_gb_s": bw, "rows": rows}, f, indent=1)
+                       "tensors": args.tensors, "limits": limits, "rows": rows}, f, indent=1)
     return 0
 
 

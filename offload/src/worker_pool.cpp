@@ -2,8 +2,11 @@
 
 #include <c10/util/Exception.h>
 
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <boost/asio/post.hpp>
 #include <boost/asio/thread_pool.hpp>
 #include <condition_variable>
@@ -132,8 +135,50 @@ void WorkerPool::post(std::function<void()> fn) {
   boost::asio::post(impl_->pool, [fn = std::move(fn)]() noexcept { fn(); });
 }
 
+namespace {
+
+// A whole non-negative decimal integer, or -1.
+int64_t parseCount(const char* text) {
+  if (text == nullptr || *text == '\0') return -1;
+  int64_t value = 0;
+  for (const char* c = text; *c != '\0'; ++c) {
+    if (*c < '0' || *c > '9' || value > 1'000'000) return -1;
+    value = value * 10 + (*c - '0');
+  }
+  return value;
+}
+
+int usableCpuCount() {
+#ifdef __linux__
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
+
+}  // namespace
+
+int WorkerPool::poolSizeFor(const char* threadsVariable, int usableCpus,
+                            const char* localRanksVariable) {
+  if (threadsVariable != nullptr && *threadsVariable != '\0') {  // set and not empty
+    const int64_t threads = parseCount(threadsVariable);
+    TORCH_CHECK_VALUE(threads >= 0 && threads <= 4096, "SHARDEMA_THREADS='", threadsVariable,
+                      "' is not a thread count: set a whole number from 0 (every update on "
+                      "the calling thread) to 4096, or unset it for the default");
+    return static_cast<int>(threads);
+  }
+  // A malformed LOCAL_WORLD_SIZE is the launcher's business: ignored here.
+  const int64_t localRanks = std::max<int64_t>(1, parseCount(localRanksVariable));
+  return std::max<int>(1, static_cast<int>(usableCpus / localRanks) - 1);
+}
+
+int WorkerPool::sharedPoolSize() {
+  return poolSizeFor(std::getenv("SHARDEMA_THREADS"), usableCpuCount(),
+                     std::getenv("LOCAL_WORLD_SIZE"));
+}
+
 WorkerPool& WorkerPool::shared() {
-  static WorkerPool pool(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) - 1));
+  static WorkerPool pool(sharedPoolSize());
   return pool;
 }
 

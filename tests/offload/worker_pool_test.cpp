@@ -13,6 +13,7 @@
 #include <random>
 #include <set>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -129,6 +130,30 @@ TEST(WorkerPoolTest, PostRunsAndDestructorJoins) {
   offload::WorkerPool inlinePool(0);
   inlinePool.post([&] { worker = std::this_thread::get_id(); });
   EXPECT_EQ(worker, std::this_thread::get_id());
+}
+
+TEST(WorkerPoolTest, SharedPoolSizeRule) {
+  using offload::WorkerPool;
+  // Default: the usable CPUs shared among the node's ranks, less the caller.
+  EXPECT_EQ(WorkerPool::poolSizeFor(nullptr, 16, nullptr), 15);
+  EXPECT_EQ(WorkerPool::poolSizeFor(nullptr, 16, "8"), 1);
+  EXPECT_EQ(WorkerPool::poolSizeFor(nullptr, 64, "4"), 15);
+  EXPECT_EQ(WorkerPool::poolSizeFor(nullptr, 2, nullptr), 1);
+  EXPECT_EQ(WorkerPool::poolSizeFor(nullptr, 1, nullptr), 1);
+  EXPECT_EQ(WorkerPool::poolSizeFor(nullptr, 16, "0"), 15);      // nonsense: ignored
+  EXPECT_EQ(WorkerPool::poolSizeFor(nullptr, 16, "eight"), 15);  // nonsense: ignored
+  // SHARDEMA_THREADS wins, 0 included.
+  EXPECT_EQ(WorkerPool::poolSizeFor("6", 16, "8"), 6);
+  EXPECT_EQ(WorkerPool::poolSizeFor("0", 16, nullptr), 0);
+  EXPECT_EQ(WorkerPool::poolSizeFor("", 16, nullptr), 15);  // set but empty: unset
+  for (const char* bad : {"-1", "two", "3.5", "99999999999"}) {
+    try {
+      WorkerPool::poolSizeFor(bad, 16, nullptr);
+      ADD_FAILURE() << "accepted SHARDEMA_THREADS='" << bad << "'";
+    } catch (const c10::ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find("SHARDEMA_THREADS"), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(WorkerPoolTest, SharedPoolAndBadSize) {

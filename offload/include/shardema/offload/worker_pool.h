@@ -37,9 +37,21 @@ class WorkerPool final : public ParallelRunner {
   /// fn must not throw (std::terminate if it does); wrap it to capture errors.
   void post(std::function<void()> fn);
 
-  /// A process-wide pool with hardwareConcurrency() - 1 workers (at least
-  /// 1), created on first use. For callers that were given no pool.
+  /// A process-wide pool of sharedPoolSize() workers, created on first use.
+  /// For callers that were given no pool.
   static WorkerPool& shared();
+
+  /// The shared pool's size: SHARDEMA_THREADS when set and not empty (an integer >= 0;
+  /// c10::ValueError naming the variable otherwise), else the CPUs this
+  /// process may run on (its affinity mask, so numactl/taskset bindings
+  /// count) divided among the ranks of this node (LOCAL_WORLD_SIZE, as
+  /// torchrun sets it), minus the training thread's own, at least 1.
+  static int sharedPoolSize();
+  /// The rule of sharedPoolSize() over explicit inputs (for tests):
+  /// `threadsVariable` SHARDEMA_THREADS's value or nullptr,
+  /// `localRanksVariable` LOCAL_WORLD_SIZE's or nullptr.
+  static int poolSizeFor(const char* threadsVariable, int usableCpus,
+                         const char* localRanksVariable);
 
  private:
   struct Impl;
