@@ -378,6 +378,8 @@ def python_section(path):
                ("GB/s", lambda r: number(r["gb_s"])),
                ("of limit", lambda r: fraction(r["fraction_of_limit"])),
                ("x fastest peer", lambda r: number(r["speedup_vs_fastest_peer"], 2)),
+               ("x fastest fp32-EMA peer",
+                lambda r: number(r["speedup_vs_fastest_fp32_peer"], 2)),
                ("extra GiB", lambda r: number(r["extra_gib"], 3)),
                ("where (EMA dtype)", lambda r: f"{r['where']} ({r['ema_dtype']})")]
     limits = "; ".join(f"{dtype} rounds: " + ", ".join(f"{name} {number(rate)} GB/s"
@@ -388,7 +390,9 @@ def python_section(path):
           f"torch {data['torch']}. Limit: the faster STREAM-style kernel on all cores "
           f"({limits}). Every method, the limits included, runs once per round in rotating "
           "order; medians of the rounds. \"update() returns\" is what the training loop "
-          "waits for; the full update adds wait(). The W=2 FSDP2 rows run two processes "
+          "waits for; the full update adds wait(). GB/s counts the bytes each method moves "
+          "(its EMA in its own dtype: a bf16 EMA of bf16 parameters moves 6 B/element, an "
+          "fp32 one 10). The W=2 FSDP2 rows run two processes "
           "over Gloo, each on its shards; extra GiB is per rank there. Targets: update() "
           "under 0.5 ms; a full update 4x the fastest peer for bf16 and 2x for fp32, at 0.85 "
           "to 1.0 of the limit.", "", markdown_table(columns, data["rows"])]
