@@ -51,8 +51,20 @@ from ._posthoc import PostHocEMA, read_tensor_file, synthesize_snapshot_folder  
 DecaySchedule = _C.DecaySchedule
 LoadReport = _C.LoadReport
 
+
+def __getattr__(name):
+    # EMALoadPlanner (DCP's load planner that lets a checkpoint without an
+    # EMA cold-start it) is made on first use: torch.distributed.checkpoint
+    # takes most of a second to import.
+    if name == "EMALoadPlanner":
+        from ._dcp import EMALoadPlanner
+        return EMALoadPlanner
+    raise AttributeError(f"module 'shardema' has no attribute {name!r}")
+
+
 __all__ = [
     "EMA",
+    "EMALoadPlanner",
     "PostHocEMA",
     "synthesize_snapshot_folder",
     "read_tensor_file",

@@ -8,8 +8,11 @@ from typing import Any, Dict, Iterable, Iterator, Optional, Sequence, Union
 import torch
 
 from . import _C
-from ._model import Plan, checked_group, module_tensors, named_tensors, plan_layout, unwrap
+from ._model import Plan, checked_group, is_dtensor, module_tensors, named_tensors, plan_layout, \
+    unwrap, write_on_first_replica
+from ._selection import select
 from ._shards import as_local_shard
+from ._view import copy_model_into_ema, materialize, model_values, reshard_fsdp
 
 
 def _seconds(timeout: Union[float, timedelta]) -> float:
@@ -39,6 +42,13 @@ class EMA:
     first and raise a ValueError naming the tensor (the step not taken);
     it costs one more read of the weights. False (default, as ema-pytorch,
     timm and torch's AveragedModel): they are averaged like any value.
+    ignore_names, ignore_prefixes: names (state_dict keys) left out of the
+    EMA, exactly or by prefix (ema-pytorch's ignore_names and
+    ignore_startswith_names): not averaged, saved or exported; swap(),
+    copy_to() and module() leave them at the model's own values.
+    copy_names: names whose current value is copied at each due update
+    instead of averaged (ema-pytorch's param_or_buffer_names_no_ema). A name
+    or prefix that matches no tracked tensor is a ValueError.
 
     Call update() after optimizer.step() and fence() before the next one
     (or attach(optimizer)).
@@ -51,7 +61,8 @@ class EMA:
                  copy_on_first_update: bool = True, fence_in_update: bool = False,
                  engine: str = "auto", timeout: Union[float, timedelta] = 300.0,
                  more_schedules: Sequence["_C.DecaySchedule"] = (),
-                 refuse_non_finite: bool = False) -> None:
+                 refuse_non_finite: bool = False, ignore_names: Iterable[str] = (),
+                 ignore_prefixes: Iterable[str] = (), copy_names: Iterable[str] = ()) -> None:
         model = unwrap(model_or_named_tensors)
         if isinstance(model, torch.nn.Module):
             tracked = module_tensors(model, policy)
@@ -65,6 +76,9 @@ class EMA:
         else:
             raise TypeError("model_or_named_tensors must be an nn.Module, a dict of tensors or "
                             f"(name, tensor) pairs, got {type(model_or_named_tensors).__name__}")
+        tracked = select(tracked, ignore_names, ignore_prefixes, copy_names)
+        # What copy_from() reads when there is no model: the tensors given.
+        self._given = None if self._model is not None else [(t.name, t.tensor) for t in tracked]
         plan = plan_layout(tracked, layout, process_group)
         self._build(plan, schedule, storage, chunk_mib, num_slots, copy_on_first_update,
                     fence_in_update, engine, timeout, more_schedules, refuse_non_finite)
@@ -87,6 +101,8 @@ class EMA:
             from ._model import _default_group
             group = _default_group()
         local = [as_local_shard(s, i) for i, s in enumerate(shards)]
+        self._given = None  # copy_from() reads the local shards' tensors
+        self._local_shards = local
         self._build(Plan("local_shards", group, local, []), schedule, storage, chunk_mib,
                     num_slots, kwargs.pop("copy_on_first_update", True),
                     kwargs.pop("fence_in_update", False), kwargs.pop("engine", "auto"),
@@ -111,6 +127,19 @@ class EMA:
         num_slots = _C.default_num_slots if num_slots is None else num_slots
         self._hooks: list = []
         self._watched = plan.watched
+        self._replicas = plan.replicas  # HSDP: only the first replica writes files
+        self._schedule = schedule
+        self._more_schedules = list(more_schedules)
+        # The parameters whose requires_grad decides, at each update, whether
+        # their shard is averaged or copied (in shard order), and each one's
+        # place in that list by shard index (a replaced one is followed).
+        # Held here, not by the engine: see PythonEma::Owner.
+        self._deciders = [owner[2] for owner in plan.owners
+                          if len(owner) > 2 and owner[2] is not None]
+        self._decider_of = {}
+        for index, owner in enumerate(plan.owners):
+            if len(owner) > 2 and owner[2] is not None:
+                self._decider_of[index] = len(self._decider_of)
         self._engine = _C.Ema(plan.group, _seconds(timeout), plan.shards, plan.whole, schedule,
                               list(more_schedules), bool(copy_on_first_update), storage,
                               chunk_bytes, int(num_slots), bool(fence_in_update),
@@ -129,6 +158,8 @@ class EMA:
         for i, (container, key, tensor, index) in enumerate(self._watched):
             if container.get(key) is not tensor:
                 self._follow(i)
+        if self._deciders:
+            self._engine.mirror_trainable([bool(p.requires_grad) for p in self._deciders])
         due = self._engine.update(step)
         followed = self._engine.take_followed()
         if followed:
@@ -146,6 +177,8 @@ class EMA:
                              "EMA was built; build a new EMA for the new model")
         self._engine.rebind(index, replacement)
         self._watched[i] = (container, key, replacement, index)
+        if index in self._decider_of:
+            self._deciders[self._decider_of[index]] = replacement
 
     def fence(self) -> None:
         """Returns once the last update has read the weights: call it before
@@ -180,6 +213,21 @@ class EMA:
         return self._engine.last_decay
 
     @property
+    def schedule(self) -> "_C.DecaySchedule":
+        """The decay schedule: update(n) averages with schedule.decay_at(n)
+        when schedule.is_due_at(n), so the next update() uses
+        schedule.decay_at(step + 1)."""
+        return self._schedule
+
+    def get_current_decay(self) -> float:
+        """What ema-pytorch's EMA.get_current_decay() returns at the same
+        point of the loop: the schedule's decay at the last step folded in
+        (0.0 before any), the decay that update averaged with if it was due
+        (ema-pytorch counts the call before computing it). The next update()
+        uses schedule.decay_at(step + 1)."""
+        return self._schedule.decay_at(self.step) if self.step > 0 else 0.0
+
+    @property
     def rank(self) -> int:
         return self._engine.rank
 
@@ -205,33 +253,97 @@ class EMA:
     def swap(self, model: Any = None) -> Iterator[None]:
         """The EMA weights in the model (its local shards) inside the block,
         the raw ones back on exit, also on exceptions. Collective for a
-        replicated model on several ranks."""
+        replicated model on several ranks. An FSDP2 model is resharded on
+        entry and exit, so that forwards see what the shards hold."""
         self._check_model(model, "swap")
+        reshard_fsdp(self._model)
         self._engine.swap_in()
         try:
             yield
         finally:
             self._engine.swap_out()
+            reshard_fsdp(self._model)
 
     def copy_to(self, model: Any = None) -> None:
         """Writes the EMA weights into the model for good."""
         self._check_model(model, "copy_to")
         self._engine.copy_to()
+        reshard_fsdp(self._model)
+
+    def module(self, device: Any = None, into: Optional[torch.nn.Module] = None) -> torch.nn.Module:
+        """A module holding what swap() would put in the model (the EMA
+        weights, the model's own values for names left out of the EMA),
+        without touching the model: ema-pytorch's ema_model, built on
+        demand. A snapshot: call it again after more updates.
+
+        device=None: a deep copy of the model whose parameters and buffers
+        are on `device` (None: each where the model's is), in the model's
+        dtypes, with requires_grad False: one model-sized copy, plus under a
+        split layout (DDP, rank0) full tensors gathered 64 MiB at a time.
+        into: a module of the same structure to write into instead, and
+        return; needed under FSDP2, whose models torch will not deep-copy:
+        build the same model and fully_shard it the same way, and each rank
+        writes only its local rows (one shard-sized copy per rank).
+        Collective where rows are gathered (several ranks: every rank calls
+        it). Waits for the update in flight. FSDP2 modules (the model's and
+        into's) are resharded first, their values unchanged."""
+        if self._model is None:
+            raise ValueError("EMA.module: this EMA was built from named tensors or local shards, "
+                             "not a model; read it with full_state_dict() or local_ema()")
+        return materialize(self, self._model, device, into)
+
+    def copy_from(self, model: Any = None) -> None:
+        """The EMA of every tracked tensor becomes its current value (ema-
+        pytorch's copy_params_from_model_to_ema), after the update in
+        flight. The step and the schedule go on, as in ema-pytorch: the
+        next update averages into these values with the schedule's decay at
+        its step (to restart a warmup, build a new EMA). This rank's rows
+        only, no communication. Refused inside swap() (the model holds the
+        EMA there) and with more_schedules (one profile would move)."""
+        self._check_model(model, "copy_from")
+        if self._engine.swapped:
+            raise RuntimeError("EMA.copy_from: the EMA is swapped into the model; leave swap() "
+                               "first (the model holds the EMA weights inside it)")
+        if self._more_schedules:
+            raise ValueError("EMA.copy_from: this EMA has more_schedules; copying the model into "
+                             "one profile only would leave them inconsistent")
+        if self._model is not None:
+            full, local = model_values(self._model)
+        elif self._given is not None:
+            full = [(n, t) for n, t in self._given if not is_dtensor(t)]
+            local = [(n, t.to_local()) for n, t in self._given if is_dtensor(t)]
+        else:
+            full, local = [], [(s.spec.name, s.local) for s in self._local_shards]
+        copy_model_into_ema(self._engine, full, local)
 
     # --- state ----------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """This rank's EMA tensors and progress (for torch.save or DCP)."""
-        return self._engine.state_dict()
+        """{"weights": {name: tensor}, "progress": {...}}, for DCP beside the
+        model and optimizer (or torch.save with one process): fresh copies,
+        fp32 where averaged; DTensors (Shard(0) rows) where ranks hold rows,
+        so DCP reshards them on another world size. The progress is plain
+        values, equal on every rank. See docs/python.md, "Checkpoints with
+        torch.distributed.checkpoint"."""
+        from . import _dcp
+        return _dcp.state_dict(self)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restores state_dict() of the same rank, world size and layout."""
+        """Adopts state_dict()'s structure as DCP (or torch.load) filled it,
+        at any world size; {} (what shardema.EMALoadPlanner leaves for a
+        checkpoint without an EMA) restarts the EMA from the model's weights
+        at step 0, with a warning. An older state_dict() ({"tensors",
+        "metadata"}) loads on the same rank, world size and layout."""
         if not isinstance(state, dict):
             raise TypeError(f"load_state_dict: expected a dict, got {type(state).__name__}")
-        self._engine.load_state_dict(state)
+        if "tensors" in state and "metadata" in state:
+            self._engine.load_state_dict(state)
+            return
+        from . import _dcp
+        _dcp.load_state_dict(self, state)
 
     def save_checkpoint(self, folder: str) -> None:
         """Collective: this rank's file and (rank 0) the manifest in `folder`."""
-        self._engine.save_checkpoint(str(folder))
+        write_on_first_replica(self._replicas, lambda: self._engine.save_checkpoint(str(folder)))
 
     def load_checkpoint(self, folder: str) -> None:
         """Collective: every rank loads its file of a checkpoint of the same
@@ -241,7 +353,8 @@ class EMA:
     def export_weights(self, path: str, dtype: torch.dtype = torch.float32) -> None:
         """Collective: rank 0 writes deployable safetensors of the full
         tensors (floating ones as `dtype`)."""
-        self._engine.export_weights(str(path), dtype)
+        write_on_first_replica(self._replicas,
+                               lambda: self._engine.export_weights(str(path), dtype))
 
     def full_state_dict(self, rank0_only: bool = True,
                         names: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:

@@ -2,7 +2,7 @@
 how they are split over ranks (the layout). Pure bookkeeping over
 PyTorch's public attributes; the roles come from the C++ policy."""
 from dataclasses import dataclass, field
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -32,11 +32,17 @@ class Plan:
     shards: List[Any] = field(default_factory=list)
     whole: List[Tuple[str, torch.Tensor]] = field(default_factory=list)
     # Per shard: the tensor it was cut from and the cut ("replicated",
-    # "rank0"), for the engine to follow a replaced tensor; (None, None)
-    # where it cannot (DTensors, local shards).
-    owners: List[Tuple[Any, Optional[str]]] = field(default_factory=list)
+    # "rank0"), for the engine to follow a replaced tensor ((None, None)
+    # where it cannot: DTensors, local shards), and the tensor whose
+    # requires_grad decides "average_if_trainable" at each update (the
+    # parameter, a DTensor one too).
+    owners: List[Tuple[Any, Optional[str], Any]] = field(default_factory=list)
     # (container, key, tensor, shard index) of tensors held by a module.
     watched: List[Tuple[dict, str, Any, int]] = field(default_factory=list)
+    # HSDP: the group of the ranks holding the same shards as this one (the
+    # mesh's replicate dimension). Only the replica holding global rank 0
+    # writes files; None: no replicas.
+    replicas: Any = None
 
 
 def unwrap(model: Any) -> Any:
@@ -142,15 +148,33 @@ def _rank_and_size(group: Any) -> Tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _fsdp2_local(name: str, t: Any) -> torch.Tensor:
+def dtensor_split(name: str, t: Any) -> str:
+    """How DTensor `t` is split over the last dimension of its mesh, the one
+    shardema's collectives run over: "fsdp2" (Shard(0): torch.chunk's rows,
+    as fully_shard leaves them; on a 2-D mesh, HSDP, the first dimension
+    replicates them) or "replicated" (Replicate() on every dimension: each
+    rank holds the whole tensor, and keeps the EMA of its rows of it, as
+    under DDP). ValueError naming the tensor otherwise."""
     mesh = t.device_mesh
-    if mesh.ndim != 1:
-        raise ValueError(f"'{name}': a {mesh.ndim}-D device mesh (HSDP) is not supported yet; "
-                         "only FSDP2 on a 1-D mesh, or EMA.from_local_shards")
     placements = tuple(t.placements)
-    if len(placements) != 1 or not (placements[0].is_shard() and placements[0].dim == 0):
-        raise ValueError(f"'{name}': placement {placements} is not supported; shardema.EMA "
-                         "detects FSDP2's Shard(0) only (use EMA.from_local_shards otherwise)")
+    if mesh.ndim > 2:
+        raise ValueError(f"'{name}': a {mesh.ndim}-D device mesh is not supported; shardema.EMA "
+                         "follows FSDP2 on a 1-D mesh and HSDP on a 2-D one (or use "
+                         "EMA.from_local_shards)")
+    if all(p.is_replicate() for p in placements):
+        return "replicated"
+    if placements[-1].is_shard(0) and all(p.is_replicate() for p in placements[:-1]):
+        return "fsdp2"
+    raise ValueError(f"'{name}': placements {placements} on a {mesh.ndim}-D mesh are not "
+                     "supported; shardema.EMA follows Shard(0) (FSDP2, or HSDP's (Replicate(), "
+                     "Shard(0))) and Replicate(). Another split (tensor parallelism's Shard(1), "
+                     "a shard of a shard) gives a rank pieces that are not one range of the "
+                     "flattened tensor")
+
+
+def _fsdp2_local(name: str, t: Any) -> torch.Tensor:
+    """The local tensor of DTensor `t` (validated by dtensor_split)."""
+    dtensor_split(name, t)
     local = getattr(t, "_local_tensor", None)
     if local is None:
         with torch.no_grad():
@@ -184,8 +208,17 @@ def plan_layout(tracked: List[Tracked], layout: str, process_group: Any) -> Plan
                                          [t.is_buffer for t in tracked], kind, rank, world)
     whole = [(t.name, t.tensor) for t in tracked] if world > 1 else []
     name = "single" if group is None else kind
-    owners = [(t.tensor, kind) for t in tracked]
+    owners = [(t.tensor, kind, t.tensor) for t in tracked]
     return Plan(name, group, shards, whole, owners, watched_of(tracked))
+
+
+def _mesh_groups(mesh: Any) -> Tuple[Any, Any]:
+    """(the group of the mesh's last dimension, the one the collectives run
+    over; the group of its first dimension when it has two (HSDP's
+    replicas), else None)."""
+    if mesh.ndim == 1:
+        return mesh.get_group(), None
+    return mesh.get_group(mesh.ndim - 1), mesh.get_group(0)
 
 
 def _plan_fsdp2(tracked: List[Tracked], dtensors: List[Tracked], layout: str,
@@ -196,37 +229,67 @@ def _plan_fsdp2(tracked: List[Tracked], dtensors: List[Tracked], layout: str,
     if not dtensors:
         raise ValueError("layout='fsdp2' needs DTensor parameters (fully_shard); for another "
                          "split use EMA.from_local_shards")
-    plain_params = [t for t in tracked if not t.is_buffer and not is_dtensor(t.tensor)]
-    if plain_params:
-        raise ValueError(f"'{plain_params[0].name}' is a plain parameter while "
-                         f"'{dtensors[0].name}' is a DTensor: a model partly under fully_shard is "
-                         "not supported (shard every parameter, or use EMA.from_local_shards)")
-    locals_ = {id(t): _fsdp2_local(t.name, t.tensor) for t in dtensors}
+    splits = {id(t): dtensor_split(t.name, t.tensor) for t in dtensors}
     mesh = dtensors[0].tensor.device_mesh
-    group = process_group
-    if group is None:
-        group = mesh.get_group()
     if process_group is None and any(t.tensor.device_mesh != mesh for t in dtensors):
         raise ValueError("the DTensor parameters live on more than one device mesh; pass "
                          "process_group= for the group they share")
+    group, replicas = _mesh_groups(mesh)
+    if process_group is not None:
+        group = process_group
     rank, world = _rank_and_size(group)
     shards, whole, owners = [], [], []
     for t in tracked:
-        owners.append((None, None) if is_dtensor(t.tensor) else (t.tensor, "replicated"))
         if is_dtensor(t.tensor):
-            local = locals_[id(t)]
+            local = _fsdp2_local(t.name, t.tensor)
+        else:
+            # A buffer, or a parameter outside fully_shard (a model partly
+            # under it): the same on every rank of the group, as under DDP.
+            local = t.tensor
+            if not local.is_contiguous():
+                raise ValueError(f"'{t.name}': the tensor is not contiguous; shardema tracks "
+                                 "contiguous parameters and buffers")
+        if is_dtensor(t.tensor) and splits[id(t)] == "fsdp2":
             spec = layout_spec(t.name, list(t.tensor.shape), local.dtype, "fsdp2", world)
-            # requires_grad is the DTensor's, not its local tensor's, so the
-            # engine cannot ask it at each update: decided here, once.
-            role = t.role
-            if role == "average_if_trainable":
-                role = "average" if t.tensor.requires_grad else "copy"
-            shards.append(LocalShard(local, spec, role, t.is_buffer))
-        else:  # a buffer, the same on every rank: replicated
-            if not t.tensor.is_contiguous():
-                raise ValueError(f"'{t.name}': the buffer is not contiguous")
-            shards += _C.shards_from_full_tensors([(t.name, t.tensor)], [t.role], [True],
-                                                  "replicated", rank, world)
-            if world > 1:
-                whole.append((t.name, t.tensor))
-    return Plan("fsdp2", group, shards, whole, owners, watched_of(tracked))
+            shards.append(LocalShard(local, spec, t.role, t.is_buffer))
+            # requires_grad is the DTensor's: the engine asks it at each update.
+            owners.append((None, None, t.tensor))
+            continue
+        # Whole on every rank (a plain tensor, a Replicate() DTensor's local):
+        # each rank keeps the EMA of its rows; a swap gathers them into it.
+        shards += _C.shards_from_full_tensors([(t.name, local)], [t.role], [t.is_buffer],
+                                              "replicated", rank, world)
+        if world > 1:
+            whole.append((t.name, local))
+        # A DTensor's local cannot be followed when replaced (FSDP2 swaps it
+        # itself); a plain tensor is, as under DDP.
+        owners.append((None, None, t.tensor) if is_dtensor(t.tensor)
+                      else (t.tensor, "replicated", t.tensor))
+    return Plan("fsdp2", group, shards, whole, owners, watched_of(tracked), replicas)
+
+
+def write_on_first_replica(replicas: Any, write: Callable[[], None]) -> None:
+    """Runs `write` (a collective of the shard group that writes files:
+    save_checkpoint, export_weights) on the first replica only, the mesh's
+    first index of its replicate dimension (global rank 0's under
+    init_device_mesh). HSDP's replicas hold the same EMA: one set of files,
+    not one per replica racing for the same names. The other replicas wait
+    for their peer on the first replica and raise its error, so the call
+    returns on every rank once the files are complete or failed."""
+    if replicas is None:
+        write()
+        return
+    import torch.distributed as dist
+    failure: List[Optional[str]] = [None]
+    raised: Optional[BaseException] = None
+    if dist.get_rank(replicas) == 0:
+        try:
+            write()
+        except Exception as error:  # every replica learns it below
+            raised = error
+            failure[0] = f"{type(error).__name__}: {error}"
+    dist.broadcast_object_list(failure, src=dist.get_global_rank(replicas, 0), group=replicas)
+    if raised is not None:
+        raise raised
+    if failure[0] is not None:
+        raise RuntimeError(f"the first HSDP replica, which writes the files, failed: {failure[0]}")

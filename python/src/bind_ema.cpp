@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -62,8 +63,9 @@ void bindEma(py::module_& m) {
                        bool copyOnFirstUpdate, const std::string& storage, int64_t chunkBytes,
                        int numSlots, bool fenceInUpdate, const std::string& engine,
                        std::string layoutName,
-                       const std::vector<std::pair<std::optional<at::Tensor>,
-                                                   std::optional<std::string>>>& owners,
+                       const std::vector<std::tuple<std::optional<at::Tensor>,
+                                                    std::optional<std::string>,
+                                                    std::optional<at::Tensor>>>& owners,
                        bool refuseNonFinite) {
              AveragerOptions options;
              options.schedule = schedule;
@@ -78,10 +80,11 @@ void bindEma(py::module_& m) {
              std::vector<TrackedTensor> whole;
              for (const auto& [name, tensor] : wholeTensors) whole.push_back({name, tensor});
              std::vector<SourceOwner> sourceOwners;
-             for (const auto& [tensor, kind] : owners) {
+             for (const auto& [tensor, kind, trainable] : owners) {
                SourceOwner owner;
                if (tensor) owner.tensor = *tensor;
                if (kind) owner.kind = shard::parseLayoutKind(*kind);
+               if (trainable) owner.trainable = *trainable;
                sourceOwners.push_back(std::move(owner));
              }
              auto comm = communicatorFor(group, timeoutSeconds);
@@ -95,10 +98,12 @@ void bindEma(py::module_& m) {
            py::arg("whole_tensors"), py::arg("schedule"), py::arg("more_schedules"),
            py::arg("copy_on_first_update"), py::arg("storage"), py::arg("chunk_bytes"),
            py::arg("num_slots"), py::arg("fence_in_update"), py::arg("engine"), py::arg("layout"),
-           py::arg("owners") = std::vector<std::pair<std::optional<at::Tensor>,
-                                                     std::optional<std::string>>>(),
+           py::arg("owners") = std::vector<std::tuple<std::optional<at::Tensor>,
+                                                      std::optional<std::string>,
+                                                      std::optional<at::Tensor>>>(),
            py::arg("refuse_non_finite") = false)
       .def("update", &PythonEma::update, py::arg("step") = py::none(), Release())
+      .def("mirror_trainable", &PythonEma::mirrorTrainable, py::arg("trainable"), Release())
       .def("rebind", &PythonEma::rebind, py::arg("index"), py::arg("replacement"), Release())
       .def("take_followed", &PythonEma::takeFollowed)
       .def("fence", &PythonEma::fence, Release())

@@ -9,5 +9,6 @@ void bindSchedules(pybind11::module_& m);  // DecaySchedule and its factories
 void bindShards(pybind11::module_& m);     // roles, local shards, FSDP1 layouts
 void bindEma(pybind11::module_& m);        // PythonEma
 void bindPostHoc(pybind11::module_& m);    // post-hoc callback, synthesis, files
+void bindTestHooks(pybind11::module_& m);  // _ChunkGate, for tests/python only
 
 }  // namespace shardema::python

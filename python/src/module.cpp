@@ -19,4 +19,5 @@ PYBIND11_MODULE(_C, m) {
   shardema::python::bindShards(m);
   shardema::python::bindEma(m);
   shardema::python::bindPostHoc(m);
+  shardema::python::bindTestHooks(m);
 }

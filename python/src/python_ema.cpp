@@ -57,7 +57,10 @@ PythonEma::PythonEma(std::unique_ptr<shard::Communicator> comm, std::vector<Loca
       layoutName_(std::move(layoutName)) {
   TORCH_CHECK_VALUE(owners.empty() || owners.size() == shards.size(), kApi, ": ", owners.size(),
                     " owners for ", shards.size(), " shards");
-  for (const SourceOwner& owner : owners) owners_.push_back(Owner::of(owner.tensor, owner.kind));
+  for (const SourceOwner& owner : owners) {
+    owners_.push_back(Owner::of(owner.tensor, owner.kind));
+    owners_.back().decidesTrainable = owner.trainable.defined();
+  }
   averager_ = std::make_unique<ShardedAverager>(comm_->rank(), comm_->worldSize(),
                                                 std::move(shards), std::move(options));
 }
@@ -71,6 +74,30 @@ bool PythonEma::update(std::optional<int64_t> step) {
               "leaving swap() (the model holds the EMA weights inside it)");
   followReplacedData();
   return averager_->update(step ? *step : averager_->step() + 1);
+}
+
+// The Averager averages a kAverageIfTrainable source while it requires
+// grad and copies it otherwise; here each such source takes the flag of the
+// parameter it belongs to at this update (freezing and unfreezing during
+// training, VersatIL's rule). Where the flags differ, the source becomes a
+// detached alias of the same elements carrying the parameter's flag: no
+// copy, and nothing of the model's autograd state changes.
+void PythonEma::mirrorTrainable(const std::vector<bool>& trainable) {
+  const std::vector<LocalShard>& shards = averager_->shards();
+  size_t next = 0;
+  for (size_t i = 0; i < owners_.size(); ++i) {
+    if (!owners_[i].decidesTrainable) continue;
+    TORCH_CHECK_VALUE(next < trainable.size(), kApi, ".mirror_trainable: ", trainable.size(),
+                      " flags for more parameters");
+    const bool flag = trainable[next++];
+    if (shards[i].role != TrackRole::kAverageIfTrainable) continue;
+    if (shards[i].local.requires_grad() == flag) continue;
+    at::Tensor alias = shards[i].local.detach();
+    alias.set_requires_grad(flag);
+    averager_->rebindLocal(shards[i].spec.name, alias);
+  }
+  TORCH_CHECK_VALUE(next == trainable.size(), kApi, ".mirror_trainable: ", trainable.size(),
+                    " flags for ", next, " parameters");
 }
 
 // A parameter whose data was replaced in place (`p.data = t`,
@@ -118,7 +145,9 @@ void PythonEma::rebind(size_t index, const at::Tensor& replacement) {
   for (TrackedTensor& whole : wholeTensors_) {
     if (whole.name == name) whole.source = replacement;
   }
+  const bool decidesTrainable = owner.decidesTrainable;
   owner = Owner::of(replacement, owner.kind);
+  owner.decidesTrainable = decidesTrainable;
   followed_.push_back(name);
 }
 

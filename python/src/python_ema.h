@@ -37,6 +37,13 @@ struct RankState {
 struct SourceOwner {
   at::Tensor tensor;
   std::optional<shard::LayoutKind> kind;
+  /// The tensor whose requires_grad decides, at each update, whether a
+  /// kAverageIfTrainable shard is averaged or copied: the parameter (a
+  /// DTensor one too). The shard's local cannot say: a view cut from a
+  /// parameter keeps requiring grad after the parameter is frozen, and a
+  /// DTensor's local tensor never requires grad. Undefined: the local's own
+  /// flag decides (local shards given by hand).
+  at::Tensor trainable;
 };
 
 class PythonEma {
@@ -55,6 +62,11 @@ class PythonEma {
   /// (`p.data = t`) is followed when its dtype, shape and device are the
   /// same (takeFollowed() names it), refused naming it otherwise.
   bool update(std::optional<int64_t> step);
+  /// Before update(): `trainable[k]` is the requires_grad, now, of the k-th
+  /// parameter given as a SourceOwner::trainable (in shard order). Each such
+  /// kAverageIfTrainable shard is averaged while it is true and copied
+  /// otherwise (freezing and unfreezing during training, VersatIL's rule).
+  void mirrorTrainable(const std::vector<bool>& trainable);
   /// Tracked tensor `index` (construction order) was replaced by
   /// `replacement` (a new nn.Parameter): followed, or c10::ValueError
   /// naming what changed, as in update().
@@ -125,6 +137,12 @@ class PythonEma {
     int64_t offset = 0;
     c10::ScalarType dtype = c10::ScalarType::Undefined;
     std::vector<int64_t> sizes;
+    // SourceOwner::trainable was given: the Python side passes that
+    // parameter's requires_grad to mirrorTrainable() at each update. The
+    // engine keeps no reference to the parameter, strong or weak: torch's
+    // swap_tensors (FSDP2's module.to(), Lightning's strategies) refuses to
+    // swap a parameter whose TensorImpl is referenced from elsewhere.
+    bool decidesTrainable = false;
     static Owner of(const at::Tensor& tensor, std::optional<shard::LayoutKind> kind);
   };
   void followReplacedData();

@@ -41,11 +41,11 @@ def local_rows(tensor, rank, world):
 
 
 def fsdp2_rows(model, rank, world):
-    """What fully_shard leaves on a rank: its rows of every tensor, as
-    separate tensors, with their specs."""
+    """Rows like fully_shard's, cut by hand for EMA.from_local_shards: this
+    rank's rows of every tensor, as separate tensors, with their specs."""
     # The roles shardema.EMA gives a whole model (versatil policy), so the
-    # two runs are comparable; the rows are not parameters, so "average if
-    # trainable" is decided here, as EMA does for DTensors.
+    # two runs are comparable; the rows are not parameters (nothing says
+    # whether they are trainable), so "average if trainable" is "average".
     from shardema._model import module_tensors
     roles = {t.name: t.role for t in module_tensors(model, "versatil")}
     shards, locals_ = [], {}
@@ -77,57 +77,47 @@ def train_rows(ema, model, locals_, rank, world, out):
                os.path.join(out, f"rank{rank}.pt"))
 
 
-def standin_fsdp2(locals_):
-    """A model whose parameters are Shard(0) DTensor stand-ins over
-    `locals_` (what fully_shard leaves on a rank), with a load_state_dict
-    that copies DTensor values shard to shard, as DTensor parameters do."""
-    from dtensor_standin import Mesh, StandInDTensor
-    mesh = Mesh(group=dist.distributed_c10d._get_default_group())
-    sharded = make_model()
-    for module_name, module in sharded.named_modules():
-        for name, tensor in list(module._parameters.items()):
-            full_name = f"{module_name}.{name}" if module_name else name
-            module._parameters[name] = StandInDTensor(locals_[full_name], tensor.shape, mesh=mesh)
-
-    def load_state_dict(state, strict=True):
-        params = {n: p for n, p in sharded.named_parameters()}
-        buffers = dict(sharded.named_buffers())
+def sharded_model(world, zero=False):
+    """make_model() under torch's fully_shard on a 1-D mesh of the job:
+    Shard(0) DTensor parameters (1-row tensors leave ranks 1.. empty) and
+    plain buffers."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    model = make_model()
+    if zero:
         with torch.no_grad():
-            for name, value in state.items():
-                if name in params:
-                    params[name].to_local().copy_(value.to_local())
-                else:
-                    buffers[name].copy_(value)
-    sharded.load_state_dict = load_state_dict
-    return sharded, mesh
+            for p in model.parameters():
+                p.zero_()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    return model
 
 
-def sharded_state_dict(sharded, mesh):
-    """Lightning's sharded state dict of `sharded` (ModelParallelStrategy):
-    DTensor parameters, plain buffers, each a copy."""
-    from dtensor_standin import StandInDTensor
-    state = {n: StandInDTensor(p.to_local().clone(), p.shape, mesh=mesh)
-             for n, p in sharded.named_parameters()}
-    state.update({n: b.clone() for n, b in sharded.named_buffers()})
-    return state
+def train_sharded(model, step, rank, world):
+    """train_step on the full tensors, each rank adding its rows of the same
+    increments to its local shards: what the single process does,
+    elementwise."""
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            step_full = torch.cos(torch.arange(p.numel(), dtype=torch.float64) * 0.3 *
+                                  (step + i)).reshape(p.shape).to(p.dtype)
+            p.to_local().add_(local_rows(step_full, rank, world))
 
 
-def dtensor_checkpoint(model, rank, world):
-    """EMACallback over an FSDP2 model: the checkpoint holds the EMA as
-    DTensors of this rank's rows (only the replicated buffers are gathered),
-    the raw weights under RAW_STATE_KEY, and a resume restores both."""
+def dtensor_checkpoint(rank, world):
+    """EMACallback over an FSDP2 model: the checkpoint (the model's sharded
+    state dict) holds the EMA as DTensors of this rank's rows (only the
+    replicated buffers are gathered), the raw weights under RAW_STATE_KEY,
+    and a resume restores both."""
     from types import SimpleNamespace
-    from dtensor_standin import StandInDTensor
+    from torch.distributed.tensor import DTensor
     from shardema.callbacks import EMACallback
-    _, locals_ = fsdp2_rows(model, rank, world)
-    sharded, mesh = standin_fsdp2(locals_)
+    sharded = sharded_model(world)
     trainer = SimpleNamespace(global_step=0, accumulate_grad_batches=1, is_last_batch=False)
     callback = EMACallback(power=0.75)
     callback.on_fit_start(trainer, sharded)
     for step in range(1, STEPS + 1):
         callback.on_before_optimizer_step(trainer, sharded, None)
-        train_step(model, step)
-        copy_rows(model, locals_, rank, world)
+        train_sharded(sharded, step, rank, world)
         trainer.global_step += 1
         callback.on_train_batch_end(trainer, sharded, None, None, 0)
     ema = callback.ema
@@ -138,23 +128,26 @@ def dtensor_checkpoint(model, rank, world):
     gathered = []
     gather = ema.full_state_dict
     ema.full_state_dict = lambda **kw: gathered.append(list(kw.get("names") or ())) or gather(**kw)
-    checkpoint = {"state_dict": sharded_state_dict(sharded, mesh)}
+    checkpoint = {"state_dict": sharded.state_dict()}
     callback.on_save_checkpoint(trainer, sharded, checkpoint)
     assert gathered == [buffers], f"gathered {gathered}, expected only the buffers {buffers}"
-    state, raw = checkpoint["state_dict"], checkpoint[EMACallback.RAW_STATE_KEY]
+    state = checkpoint["state_dict"]
+    # A sharded (DCP) checkpoint keeps each rank's raw rows in the state
+    # dict, under RAW_STATE_KEY as a prefix.
+    raw_prefix = EMACallback.RAW_STATE_KEY + "."
+    raw = {k[len(raw_prefix):]: v for k, v in state.items() if k.startswith(raw_prefix)}
+    assert sorted(raw) == sorted(expected), sorted(raw)
     for name, param in sharded.named_parameters():
-        assert isinstance(state[name], StandInDTensor), name
+        assert isinstance(state[name], DTensor), name
         rows = state[name].to_local()
         assert torch.equal(rows, expected[name].view(rows.shape).to(rows.dtype)), name
         assert torch.equal(raw[name].to_local(), param.to_local()), name
     for name in buffers:
         assert torch.equal(state[name], full_buffers[name].to(state[name].dtype)), name
 
-    # Resume into fresh rows: the module gets the raw weights, the EMA its own.
-    _, fresh = fsdp2_rows(make_model(), rank, world)
-    for rows in fresh.values():
-        rows.zero_()
-    resumed, _ = standin_fsdp2(fresh)
+    # Resume into a fresh model of zeros: the module gets the raw weights,
+    # the EMA its own.
+    resumed = sharded_model(world, zero=True)
     callback2 = EMACallback(power=0.75)
     callback2.on_load_checkpoint(trainer, resumed, checkpoint)
     callback2.on_fit_start(trainer, resumed)
@@ -190,21 +183,18 @@ def run(scenario, rank, world, out):
         if scenario == "rows_save":
             ema.save_checkpoint(os.path.join(out, "ckpt"))
     elif scenario == "dtensor":
-        # FSDP2 as EMA's auto layout sees it: Shard(0) DTensor parameters on
-        # a 1-D mesh whose group is the job's (stand-ins still: not yet moved
-        # to fully_shard), and plain buffers.
-        from dtensor_standin import Mesh, StandInDTensor
-        mesh = Mesh(group=dist.distributed_c10d._get_default_group())
-        _, locals_ = fsdp2_rows(model, rank, world)
-        sharded = make_model()  # what fully_shard(model) holds on this rank
-        for module_name, module in sharded.named_modules():
-            for name, tensor in list(module._parameters.items()):
-                full_name = f"{module_name}.{name}" if module_name else name
-                module._parameters[name] = StandInDTensor(locals_[full_name], tensor.shape,
-                                                          mesh=mesh)
+        # FSDP2 as EMA's auto layout sees it: torch's fully_shard on a 1-D
+        # mesh of the job's ranks.
+        sharded = sharded_model(world)
         ema = shardema.EMA(sharded, schedule=schedule(), policy="versatil", timeout=60)
         assert ema.layout == "fsdp2"
-        train_rows(ema, model, locals_, rank, world, out)
+        for step in range(1, STEPS + 1):
+            ema.fence()
+            train_sharded(sharded, step, rank, world)
+            ema.update()
+        ema.wait()
+        torch.save({"local": ema.local_ema(), "full": ema.full_state_dict()},
+                   os.path.join(out, f"rank{rank}.pt"))
     elif scenario == "rows_load":
         shards, _ = fsdp2_rows(model, rank, world)
         ema = shardema.EMA.from_local_shards(shards, schedule=schedule(), timeout=60)
@@ -231,7 +221,7 @@ def run(scenario, rank, world, out):
         torch.save({"before": before, "after": model.state_dict(), "error": error},
                    os.path.join(out, f"rank{rank}.pt"))
     elif scenario == "dtensor_checkpoint":
-        dtensor_checkpoint(model, rank, world)
+        dtensor_checkpoint(rank, world)
     elif scenario == "rank_raises":
         ema = shardema.EMA(model, schedule=schedule(), timeout=20)
         if rank == 1:

@@ -6,6 +6,7 @@ independent float64 implementation of the VersatIL callback's behaviour."""
 import copy
 import io
 import os
+import shutil
 
 import pytest
 import torch
@@ -223,9 +224,123 @@ def test_ddp_posthoc_callback_lifecycle(tmp_path):
     assert list(written) == list(offline)
     assert all(torch.equal(written[k], offline[k]) for k in offline)
 
-    # Resume: the calls come back and the snapshots at that step are reloaded.
-    module2, _, trainer2 = fresh(str(tmp_path))
-    resumed = DDPPostHocEMACallback(checkpoint_every=2, checkpoint_folder=folder)
+
+
+def test_ddp_posthoc_callback_resume_continues_with_the_same_values(tmp_path):
+    """A run interrupted at step 6 and resumed in a new "process" (a copy of
+    the snapshot folder, the raw weights of step 6) takes epoch 2 as the
+    uninterrupted run does: the same validation weights and the same
+    train-end output, bit for bit."""
+    import shardema
+    module, optimizer, trainer = fresh(str(tmp_path))
+    folder = str(tmp_path / "snapshots")
+    callback = DDPPostHocEMACallback(checkpoint_every=2, checkpoint_folder=folder)
+    callback.on_fit_start(trainer, module)
+    run_epochs(module, callback, trainer, optimizer, range(2))
+    ckpt = {}
+    callback.on_save_checkpoint(trainer, module, ckpt)
+    resumed_folder = str(tmp_path / "snapshots_resumed")
+    shutil.copytree(folder, resumed_folder)
+    raw_at_6 = {k: v.clone() for k, v in module.state_dict().items()}
+
+    module2, optimizer2, trainer2 = fresh(str(tmp_path))  # SGD: no optimizer state
+    module2.load_state_dict(raw_at_6)
+    trainer2.global_step = 6
+    resumed = DDPPostHocEMACallback(checkpoint_every=2, checkpoint_folder=resumed_folder)
     resumed.on_load_checkpoint(trainer2, module2, ckpt)
     resumed.on_fit_start(trainer2, module2)
     assert resumed.calls == 6
+
+    def last_epoch(m, cb, tr, opt):
+        run_epochs(m, cb, tr, opt, range(2, 3))
+        raw = {k: v.clone() for k, v in m.state_dict().items()}
+        cb.on_validation_start(tr, m)
+        seen = {k: v.clone() for k, v in m.state_dict().items()}
+        cb.on_validation_end(tr, m)
+        cb.on_train_end(tr, m)
+        return raw, seen, shardema.read_tensor_file(cb.output_path)["tensors"]
+
+    raw, seen, written = last_epoch(module, callback, trainer, optimizer)
+    raw2, seen2, written2 = last_epoch(module2, resumed, trainer2, optimizer2)
+    assert resumed.calls == callback.calls == 9
+    assert not torch.equal(seen["policy.0.weight"], raw["policy.0.weight"])  # the EMA was in
+    for a, b in ((raw, raw2), (seen, seen2), (written, written2)):
+        assert list(a) == list(b)
+        differ = [k for k in a if not torch.equal(a[k], b[k])]
+        assert differ == [], differ
+
+
+def test_resume_refuses_raw_weights_of_another_model(tmp_path):
+    module, optimizer, trainer = fresh(str(tmp_path))
+    callback = EMACallback(attribute="policy")
+    callback.on_fit_start(trainer, module)
+    run_epochs(module, callback, trainer, optimizer, range(1))
+    saved = checkpoint_of(module, callback, trainer)
+    raw = saved[EMACallback.RAW_STATE_KEY]
+    raw["policy.9.weight"] = raw.pop("policy.3.weight")
+    module2, _, trainer2 = fresh(str(tmp_path))
+    module2.load_state_dict(saved["state_dict"])
+    with pytest.raises(ValueError, match=r"missing \['policy.3.weight'\], unexpected "
+                                         r"\['policy.9.weight'\]"):
+        EMACallback(attribute="policy").on_load_checkpoint(trainer2, module2, saved)
+
+
+def test_constant_schedule_copying_at_its_first_update_resumes_bit_identical(tmp_path):
+    """EMAWeightAveraging's settings (constant decay, an update every 2nd
+    step from step 2 on, the first update a copy): the resumed average has
+    started, so its first update after the resume averages, as the
+    uninterrupted run's does. Checked against a float64 recomputation."""
+    import shardema
+
+    def make():
+        return EMACallback(attribute="policy", update_after_step=1, copy_on_first_update=True,
+                           schedule=shardema.DecaySchedule.constant(0.8, update_every=2))
+
+    module, optimizer, trainer = fresh(str(tmp_path))
+    callback = make()
+    callback.on_fit_start(trainer, module)
+    weights = []
+    steps = []
+
+    class Recorder:
+        def on_train_batch_end(self, trainer, module, batch):
+            if trainer.global_step not in steps:
+                steps.append(trainer.global_step)
+                weights.append({k: v.double() for k, v in module.policy.state_dict().items()})
+    run_epochs(module, callback, trainer, optimizer, range(2), Recorder())
+    final = checkpoint_of(module, callback, trainer)
+    expected = None
+    for step, w in zip(steps, weights):
+        if step <= 1 or (step - 1) % 2:
+            continue  # due at 3 and 5
+        expected = dict(w) if expected is None else {
+            k: (expected[k] * 0.8 + v * 0.2 if k in ("0.weight", "0.bias", "3.weight", "3.bias")
+                else v) for k, v in w.items()}
+    ours = callback.ema.full_state_dict()
+    for k, v in expected.items():
+        torch.testing.assert_close(ours[k].double(), v, rtol=1e-6, atol=1e-6, msg=k)
+
+    module, optimizer, trainer = fresh(str(tmp_path))
+    callback = make()
+    callback.on_fit_start(trainer, module)
+    run_epochs(module, callback, trainer, optimizer, range(1))
+    saved = checkpoint_of(module, callback, trainer)
+    module, optimizer, trainer = fresh(str(tmp_path))
+    callback = make()
+    module.load_state_dict(saved["state_dict"])
+    callback.on_load_checkpoint(trainer, module, saved)
+    trainer.global_step = saved["global_step"]
+    callback.on_fit_start(trainer, module)
+    run_epochs(module, callback, trainer, optimizer, range(1, 2))
+    resumed = checkpoint_of(module, callback, trainer)
+    for key in ("state_dict", EMACallback.RAW_STATE_KEY):
+        for name, value in final[key].items():
+            assert torch.equal(resumed[key][name], value), (key, name)
+
+
+def test_schedule_and_warmup_options_are_one_or_the_other():
+    import shardema
+    with pytest.raises(ValueError, match="power"):
+        EMACallback(power=0.5, schedule=shardema.DecaySchedule.constant(0.9))
+    with pytest.raises(TypeError, match="DecaySchedule"):
+        EMACallback(schedule=0.9)

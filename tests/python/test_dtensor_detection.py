@@ -62,27 +62,51 @@ def test_a_buffer_beside_dtensor_parameters_is_replicated(one_rank_group):
     assert torch.equal(ema.full_state_dict()["running"], running)
 
 
-@pytest.mark.parametrize("placement, mesh_shape, message", [
-    (Shard(1), (1,), "placement"),
-    (Replicate(), (1,), "placement"),
-    (Shard(0), (1, 1), "HSDP"),
+@pytest.mark.parametrize("placements, mesh_shape", [
+    ((Replicate(),), (1,)),                 # each rank holds the whole tensor
+    ((Replicate(), Shard(0)), (1, 1)),      # HSDP
+    ((Replicate(), Replicate()), (1, 1)),
 ])
-def test_unsupported_dtensor_layouts_name_the_parameter(one_rank_group, placement, mesh_shape,
-                                                        message):
-    mesh = init_device_mesh("cpu", mesh_shape)
-    placements = (placement,) * len(mesh_shape)
-    p = dtensor(torch.ones(2, 2), placements, mesh)
+def test_supported_dtensor_layouts_follow_the_tensor(one_rank_group, placements, mesh_shape):
+    p = dtensor(torch.arange(6.0).reshape(3, 2), placements, init_device_mesh("cpu", mesh_shape))
+    ema = shardema.EMA([("w", p)], schedule=shardema.DecaySchedule.constant(0.5))
+    assert ema.layout == "fsdp2"
+    with torch.no_grad():
+        p.to_local().mul_(3.0)
+    ema.update()
+    assert torch.equal(ema.full_state_dict()["w"], p.full_tensor())
+
+
+@pytest.mark.parametrize("placements, mesh_shape, message", [
+    ((Shard(1),), (1,), r"Shard\(dim=1\)"),  # tensor parallelism's column split
+    ((Shard(0), Shard(0)), (1, 1), r"Shard\(dim=0\), Shard\(dim=0\)"),
+    ((Replicate(), Shard(1)), (1, 1), r"Shard\(dim=1\)"),
+    ((Shard(0), Replicate()), (1, 1), r"Shard\(dim=0\), Replicate"),
+    ((Replicate(), Replicate(), Shard(0)), (1, 1, 1), "3-D"),
+])
+def test_unsupported_dtensor_layouts_name_the_parameter_and_placement(one_rank_group, placements,
+                                                                      mesh_shape, message):
+    p = dtensor(torch.ones(2, 2), placements, init_device_mesh("cpu", mesh_shape))
     with pytest.raises(ValueError, match=message) as error:
         shardema.EMA([("layer.weight", p)])
-    assert "layer.weight" in str(error.value)
+    assert "'layer.weight'" in str(error.value)
 
 
-def test_plain_parameter_beside_dtensors_is_refused(one_rank_group):
+def test_plain_parameter_beside_dtensors_is_replicated(one_rank_group):
+    # a model partly under fully_shard: the plain parameter is the same on
+    # every rank, so it is tracked as DDP's are (test_multirank_fsdp2.py
+    # checks it on two ranks)
     d = dtensor(torch.ones(2, 2))
     plain = torch.nn.Parameter(torch.ones(3))
-    with pytest.raises(ValueError, match="plain") as error:
-        shardema.EMA([("sharded", d), ("plain", plain)])
-    assert "'plain'" in str(error.value)
+    ema = shardema.EMA([("sharded", d), ("plain", plain)],
+                       schedule=shardema.DecaySchedule.constant(0.5))
+    assert ema.layout == "fsdp2"
+    ema.update()
+    ema.fence()
+    with torch.no_grad():
+        plain.add_(2.0)
+    ema.update()
+    assert torch.equal(ema.full_state_dict()["plain"], torch.full((3,), 2.0))
 
 
 def test_dtensors_on_two_meshes_need_a_process_group(one_rank_group):
@@ -96,3 +120,37 @@ def test_dtensors_with_another_layout_are_refused(one_rank_group):
     d = dtensor(torch.ones(2, 2))
     with pytest.raises(ValueError, match="DTensor"):
         shardema.EMA([("w", d)], layout="replicated")
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "fully_shard"])
+def test_frozen_or_not_is_decided_at_each_update(one_rank_group, sharded):
+    # versatil: a frozen parameter is copied, a trainable one averaged, as
+    # requires_grad is at that update, not when the EMA was built.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 2))
+    if sharded:
+        fully_shard(model)
+    model[1].requires_grad_(False)
+    decay = 0.5
+    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(decay))
+
+    def full(p):
+        return (p.full_tensor() if sharded else p.detach()).double()
+    reference = {n: full(p) for n, p in model.named_parameters()}
+    ema.update()
+    for step in (2, 3, 4):
+        if step == 3:  # swap which layer is frozen
+            model[1].requires_grad_(True)
+            model[0].requires_grad_(False)
+        ema.fence()
+        with torch.no_grad():
+            for p in model.parameters():
+                (p.to_local() if sharded else p).add_(0.25 * step)
+        ema.update()
+        for n, p in model.named_parameters():
+            reference[n] = decay * reference[n] + (1 - decay) * full(p) if p.requires_grad \
+                else full(p)
+        got = ema.full_state_dict()
+        for n, want in reference.items():
+            torch.testing.assert_close(got[n].double(), want, rtol=1e-6, atol=1e-7,
+                                       msg=lambda m: f"step {step}, '{n}': {m}")

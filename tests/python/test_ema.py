@@ -233,14 +233,16 @@ def test_attach_fences_before_and_updates_after_every_optimizer_step():
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    decay = 0.8
-    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(decay)).attach(optimizer)
+    schedule = shardema.DecaySchedule.warmup(power=1.0, max_value=0.9)
+    ema = shardema.EMA(model, schedule=schedule).attach(optimizer)
     reference = None
-    for step in range(1, 5):
+    for step in range(1, 6):
         model(torch.randn(4, 3)).square().mean().backward()
-        optimizer.step()  # the pre-hook fences, the post-hook updates
+        # The pre-hook fences: without it this second update would be refused.
+        optimizer.step()  # the post-hook updates
         optimizer.zero_grad()
         now = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+        decay = schedule.decay_at(step) if reference is not None else 0.0
         reference = now if reference is None else \
             {n: decay * reference[n] + (1 - decay) * now[n] for n in now}
         assert ema.step == step
@@ -248,8 +250,40 @@ def test_attach_fences_before_and_updates_after_every_optimizer_step():
     for name, want in reference.items():
         torch.testing.assert_close(full[name].double(), want, rtol=1e-6, atol=1e-7)
     ema.detach()
-    optimizer.step()
-    assert ema.step == 4  # no hook left
+    model(torch.randn(4, 3)).square().mean().backward()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer.step()  # a real step, no hook left: the EMA does not move
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert ema.step == 5
+    assert all(torch.equal(full[k], v) for k, v in ema.full_state_dict().items())
+    ema.update()  # by hand again (no fence needed: the last update was waited for)
+    assert ema.step == 6
+
+
+def test_load_state_dict_of_another_model_names_the_tensor_and_changes_nothing(tmp_path):
+    def trained(model):
+        ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(0.5))
+        ema.update()
+        ema.wait()
+        return ema
+
+    state = trained(make_model()).state_dict()
+    trained(make_model()).save_checkpoint(str(tmp_path / "ckpt"))
+    wider = make_model()
+    wider.add_module("head", torch.nn.Linear(4, 2))  # 'head.weight' missing from the state
+    narrower = make_model()
+    narrower[2].bias = None  # '2.bias' in the state, not tracked here
+    for model, name, says in ((wider, "head.weight", "tracked here but not in the"),
+                              (narrower, "2.bias", "in the state but not tracked here")):
+        ema = trained(model)
+        before = ema.full_state_dict()
+        with pytest.raises(ValueError, match=f"'{name}' (is )?{says}"):
+            ema.load_state_dict(state)
+        with pytest.raises(ValueError, match=f"'{name}' (is )?" +
+                           says.replace("state", "checkpoint")):
+            ema.load_checkpoint(str(tmp_path / "ckpt"))
+        after = ema.full_state_dict()
+        assert ema.step == 1 and all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_load_state_dict_of_garbage_is_a_clear_error():
@@ -260,35 +294,100 @@ def test_load_state_dict_of_garbage_is_a_clear_error():
         ema.load_state_dict({"x": 1})
 
 
-def test_calls_that_wait_release_the_gil(tmp_path):
-    """Another Python thread runs while update/wait/save/export block."""
+@pytest.mark.parametrize("blocking", ["wait", "fence"])
+def test_update_returns_before_its_math_and_waiting_releases_the_gil(blocking):
+    """The math of step 2 is held at a gate (_C._ChunkGate: a C++ hook at the
+    failpoint offload.pipeline.chunk) until this test opens it: update(2)
+    returns meanwhile, so it did not run the math. The gate is opened by
+    another Python thread once the main thread is inside wait() / fence(),
+    which can happen only if they release the GIL; had either held it, the
+    gate would have timed out (timed_out) instead."""
+    import sys
     import threading
     import time
-    big = torch.nn.Parameter(torch.randn(8 << 20))
-    ema = shardema.EMA({"big": big}, schedule=shardema.DecaySchedule.constant(0.9))
-    ticks = [0]
-    stop = threading.Event()
+    w = torch.nn.Parameter(torch.zeros(1 << 16))
+    ema = shardema.EMA({"w": w}, schedule=shardema.DecaySchedule.constant(0.5),
+                       chunk_mib=0.05)  # 256 KiB in several chunks
+    ema.update()
+    ema.fence()
+    chunks_before = ema.offload_stats()["chunks"]
+    with torch.no_grad():
+        w.fill_(2.0)
+    gate = shardema._C._ChunkGate(step=2, timeout_seconds=20)
+    main = threading.get_ident()
 
-    def tick():
-        while not stop.is_set():
-            ticks[0] += 1
-            time.sleep(0.0005)
+    def open_once_main_blocks():
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            frame = sys._current_frames().get(main)
+            if frame is not None and frame.f_code.co_name == blocking and \
+                    frame.f_code.co_filename.endswith("_ema.py"):
+                break
+            time.sleep(0.001)
+        gate.open()
 
-    thread = threading.Thread(target=tick)
-    thread.start()
     try:
-        for call in (lambda: ema.save_checkpoint(str(tmp_path / "ckpt")),
-                     lambda: ema.export_weights(str(tmp_path / "ema.safetensors")),
-                     lambda: ema.full_state_dict()):
-            before = ticks[0]
-            start = time.perf_counter()
-            call()
-            elapsed = time.perf_counter() - start
-            if elapsed > 0.02:  # long enough for the other thread to run
-                assert ticks[0] - before >= 3, f"{ticks[0] - before} ticks in {elapsed:.3f} s"
+        assert ema.update() is True
+        assert gate.await_arrival(20), "the math of step 2 never started"
+        assert gate.arrivals == 1  # held at its first chunk, after update() returned
+        opener = threading.Thread(target=open_once_main_blocks)
+        opener.start()
+        getattr(ema, blocking)()
+        opener.join()
     finally:
-        stop.set()
-        thread.join()
+        gate.close()
+    assert not gate.timed_out, f"{blocking}() kept the GIL, or update() waited for the math"
+    assert gate.arrivals == ema.offload_stats()["chunks"] - chunks_before > 1  # all of step 2
+    assert torch.equal(ema.full_state_dict()["w"], torch.full((1 << 16,), 1.0))
+
+
+def thread_rank_group(store, rank, world):
+    """A Gloo group of `world` ranks that are threads of this process."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    backend = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=30))
+    group = dist.ProcessGroup(store, rank, world)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return group
+
+
+def test_collective_calls_release_the_gil(tmp_path):
+    """Two ranks as two threads of this process: each collective returns
+    only once both threads are inside it, which needs the first one in to
+    have released the GIL; one that kept it fails on the EMA's timeout."""
+    import threading
+
+    import torch.distributed as dist
+    store, world, errors, results = dist.HashStore(), 2, {}, {}
+
+    def rank_main(rank):
+        try:
+            group = thread_rank_group(store, rank, world)
+            rows = torch.nn.Parameter(torch.full((4, 3), float(rank + 1)))
+            spec = shardema.layout_spec("w", [8, 3], torch.float32, "fsdp2", world)
+            ema = shardema.EMA.from_local_shards([(rows, spec)], process_group=group, timeout=20)
+            ema.update()
+            ema.wait()
+            results[rank] = ema.full_state_dict(rank0_only=False)["w"]
+            ema.save_checkpoint(str(tmp_path / "ckpt"))
+            ema.export_weights(str(tmp_path / "ema.safetensors"))
+            ema.load_checkpoint(str(tmp_path / "ckpt"))
+        except BaseException as error:  # reported below
+            errors[rank] = f"{type(error).__name__}: {error}"
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    assert not any(t.is_alive() for t in threads), "a rank hung past 90 s"
+    assert errors == {}
+    want = torch.cat([torch.full((4, 3), 1.0), torch.full((4, 3), 2.0)])
+    assert all(torch.equal(results[r], want) for r in range(world))
+    exported = shardema.read_tensor_file(str(tmp_path / "ema.safetensors"))["tensors"]
+    assert torch.equal(exported["w"], want)
 
 
 def test_a_torch_other_than_the_one_built_against_is_an_import_error():

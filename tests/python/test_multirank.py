@@ -1,9 +1,8 @@
 """shardema.EMA over W = 1, 2, 3 processes on Gloo (loopback), each started
-here with a timeout: a replicated (DDP) model and FSDP2-style local rows.
+here with a timeout: a replicated (DDP) model, FSDP2-style local rows and
+torch's fully_shard.
 The union of the ranks' EMAs equals the single-process EMA bit for bit."""
 import os
-import socket
-import subprocess
 import sys
 import time
 
@@ -11,41 +10,16 @@ import pytest
 import torch
 
 import shardema
-from conftest import python_for_workers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import multirank_worker as worker  # noqa: E402
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+import rank_launch  # noqa: E402
 
 
 def launch(scenario, world, out, timeout=120, env=None):
-    """Starts `world` ranks; returns their exit codes and error texts."""
-    port = free_port()
-    environment = dict(os.environ, **(env or {}))
-    procs = [subprocess.Popen([python_for_workers(), os.path.join(HERE, "multirank_worker.py"),
-                               scenario, str(r), str(world), str(port), str(out)],
-                              env=environment) for r in range(world)]
-    deadline = time.monotonic() + timeout
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"{scenario} on {world} ranks hung past {timeout} s")
-    errors = {}
-    for r in range(world):
-        path = os.path.join(out, f"error{r}.txt")
-        if os.path.exists(path):
-            errors[r] = open(path).read()
-    return codes, errors
+    """Starts `world` ranks of multirank_worker.py; their exit codes and error texts."""
+    return rank_launch.launch("multirank_worker.py", scenario, world, out, timeout, env)
 
 
 def single_process_ema():
@@ -97,9 +71,10 @@ def test_fsdp2_rows_union_equals_single_process(world, tmp_path):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_dtensor_parameters_union_equals_single_process(world, tmp_path):
-    # buffers are replicated (rows of the whole), parameters fsdp2 rows:
-    # both split dim 0 the same way, so the union is the full EMA.
+def test_fully_shard_model_union_equals_single_process(world, tmp_path):
+    # torch's fully_shard: buffers are replicated (rows of the whole),
+    # parameters fsdp2 rows; both split dim 0 the same way, so the union is
+    # the full EMA, bit for bit.
     expected, results = run_and_compare("dtensor", world, tmp_path)
     assert all(torch.equal(results[0]["full"][k], v) for k, v in expected.items())
 
@@ -140,7 +115,6 @@ def test_a_swap_whose_gather_fails_leaves_the_model_as_it_was(tmp_path):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_emacallback_checkpoint_of_an_fsdp2_model_keeps_the_ema_sharded(world, tmp_path):
-    # Stand-in DTensors still (not yet moved to fully_shard, as
-    # test_dtensor_detection.py is); the checks are in the worker.
+    # torch's fully_shard and its sharded state dict; the checks are in the worker.
     codes, errors = launch("dtensor_checkpoint", world, tmp_path)
     assert codes == [0] * world, errors

@@ -1,0 +1,349 @@
+"""EMA.state_dict() for torch.distributed.checkpoint (DCP), and back.
+
+The state is {"weights": {name: tensor}, "progress": {...}}: it sits beside
+the model's and the optimizer's in one DCP state dict (say under "ema"),
+and DCP reshards it when the world size changes, because each EMA tensor
+says where its rows lie in the full tensor:
+
+- a DTensor with Shard(0) over the group's 1-D mesh ("rows"), when ranks
+  hold torch.chunk rows of dim 0: FSDP2 parameters (the parameter's mesh),
+  replicated buffers and DDP's replicated layout (each rank averages its
+  rows);
+- a plain full tensor on every rank ("whole") with one process;
+- a plain full tensor on rank 0 only ("rank0"): layout="rank0", and the
+  0-dim tensors of the other layouts, which rank 0 keeps.
+
+The progress (step, decay, schedule, roles) is plain values, equal on every
+rank. DCP loads in place into the state dict it is given: state_dict()
+returns fresh tensors of this EMA's pieces (fp32 where averaged), and
+load_state_dict() copies what was loaded into them back into the engine.
+"""
+import functools
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ._model import is_dtensor, module_tensors
+
+FORMAT = "shardema.EMA/1"
+
+# The engine's metadata keys of the progress, and the type each has here.
+_PROGRESS = {
+    "step": ("shardema.step", int),
+    "initialized": ("shardema.initialized", bool),
+    "last_decay": ("shardema.last_decay", float),
+    "schedule": ("shardema.schedule", str),
+    "roles": ("shardema.roles", str),
+}
+
+
+@dataclass
+class _Piece:
+    """How one EMA tensor appears on this rank."""
+    owner: str  # "rows", "whole" or "rank0"
+    global_shape: Tuple[int, ...]
+    local_shape: Tuple[int, ...]  # of the engine's piece on this rank
+    local_dtype: torch.dtype
+    mesh: Any = None  # "rows": the mesh of the DTensor
+
+
+@dataclass
+class _Layout:
+    """What a state dict of this EMA looks like on this rank: fixed for the
+    EMA's life (its tensors, split and schedule never change)."""
+    pieces: Dict[str, _Piece] = field(default_factory=dict)
+    identity: Dict[str, str] = field(default_factory=dict)  # engine metadata, not progress
+    own_schedule_and_roles: Dict[str, str] = field(default_factory=dict)
+    rank: int = 0
+    world: int = 1
+
+
+_LAYOUTS: "weakref.WeakKeyDictionary[Any, _Layout]" = weakref.WeakKeyDictionary()
+
+
+def _row_range(rows: int, rank: int, world: int) -> Tuple[int, int]:
+    """torch.chunk's rows of `rank` (FSDP2's and the engine's split)."""
+    chunk = -(-rows // world)
+    return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+
+
+def _contiguous_stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _checked_mesh(mesh: Any, layout: "_Layout", device_type: str) -> Any:
+    """`mesh` as the EMA's rows need it: 1-D, this EMA's ranks in order, on
+    the device the EMA is on (a DTensor moves its local tensor to its
+    mesh's device, and the EMA of a GPU model stays in host memory; DCP
+    reads only the mesh's coordinates)."""
+    if mesh.ndim != 1:
+        raise ValueError(f"shardema.EMA.state_dict: the parameters' mesh {mesh} is "
+                         f"{mesh.ndim}-D (HSDP); a DCP state dict of the EMA maps 1-D meshes "
+                         "only so far (use save_checkpoint())")
+    if mesh.size() != layout.world or \
+            list(mesh.get_coordinate() or ()) != [layout.rank]:
+        raise ValueError(f"shardema.EMA.state_dict: the mesh {mesh} does not list this EMA's "
+                         f"{layout.world} ranks in order (rank {layout.rank} here); a DCP "
+                         "state dict needs the EMA's group to be the mesh's")
+    if mesh.device_type == device_type:
+        return mesh
+    from torch.distributed.device_mesh import DeviceMesh
+    return DeviceMesh.from_group(mesh.get_group(), device_type)
+
+
+def _default_group_mesh(ema: Any, device_type: str) -> Any:
+    """A 1-D mesh of the default group: a replicated EMA's group unless it
+    was given another, which a DCP state dict cannot map (DCP's ranks are
+    the default group's)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    if not (dist.is_available() and dist.is_initialized()) or \
+            dist.get_world_size() != ema.world_size or dist.get_rank() != ema.rank:
+        raise ValueError(f"shardema.EMA.state_dict: this {ema.layout} EMA's group (rank "
+                         f"{ema.rank} of {ema.world_size}) is not the default group; a DCP "
+                         "state dict maps the default group's ranks only (use "
+                         "save_checkpoint() for another group)")
+    return DeviceMesh.from_group(dist.distributed_c10d._get_default_group(), device_type)
+
+
+def _sources(ema: Any) -> Dict[str, Any]:
+    """The model's tensors by the EMA's names (empty: built from tensors)."""
+    if ema._model is None:
+        return {}
+    return {t.name: t.tensor for t in module_tensors(ema._model, "versatil")}
+
+
+def _layout(ema: Any, raw: Optional[Dict[str, Any]] = None) -> _Layout:
+    """This EMA's _Layout, worked out once from the engine's state (`raw`,
+    or one taken here) and the model's tensors."""
+    known = _LAYOUTS.get(ema)
+    if known is not None:
+        return known
+    if raw is None:
+        raw = ema._engine.state_dict()
+    out = _Layout(rank=ema.rank, world=ema.world_size)
+    sources = _sources(ema)
+    if out.world > 1 and not sources:
+        raise ValueError("shardema.EMA.state_dict: a DCP state dict needs the model's tensors "
+                         f"(their full shapes and meshes), and this EMA on {out.world} ranks "
+                         "was built from local shards or named tensors; use save_checkpoint() "
+                         "and load_checkpoint() (same world size), or build the EMA from the "
+                         "model")
+    progress_keys = {key for key, _ in _PROGRESS.values()}
+    out.identity = {k: v for k, v in raw["metadata"].items() if k not in progress_keys}
+    out.own_schedule_and_roles = {key: raw["metadata"][key]
+                                  for key in ("shardema.schedule", "shardema.roles")}
+    dtensors = [t for t in sources.values() if is_dtensor(t)]
+    meshes: Dict[int, Any] = {}
+
+    def rows_mesh(source: Any, device_type: str) -> Any:
+        # FSDP2: the parameters' mesh, for their buffers too; DDP: the group's.
+        mesh = source.device_mesh if is_dtensor(source) else \
+            dtensors[0].device_mesh if dtensors else None
+        if id(mesh) not in meshes:
+            meshes[id(mesh)] = _checked_mesh(mesh, out, device_type) if mesh is not None \
+                else _default_group_mesh(ema, device_type)
+        return meshes[id(mesh)]
+
+    for name, local in raw["tensors"].items():
+        source = sources.get(name)
+        shape = tuple(source.shape) if source is not None else tuple(local.shape)
+        piece = _Piece("whole", shape, tuple(local.shape), local.dtype)
+        if source is not None and is_dtensor(source) or out.world > 1 and shape:
+            if ema.layout == "rank0":
+                piece.owner = "rank0"
+            else:
+                piece.owner = "rows"
+                piece.mesh = rows_mesh(source, local.device.type)
+        elif out.world > 1:  # a 0-dim tensor: rank 0 keeps it
+            piece.owner = "rank0"
+        out.pieces[name] = piece
+    _LAYOUTS[ema] = out
+    return out
+
+
+def state_dict(ema: Any) -> Dict[str, Any]:
+    """{"weights": {name: DTensor or tensor}, "progress": {...}}: fresh
+    tensors (DCP may load into them), nothing shared with the engine."""
+    from torch.distributed.tensor import DTensor, Shard
+    raw = ema._engine.state_dict()  # clones of this rank's pieces
+    layout = _layout(ema, raw)
+    weights: Dict[str, Any] = {}
+    for name, local in raw["tensors"].items():
+        piece = layout.pieces[name]
+        if piece.owner == "rows":
+            begin, end = _row_range(piece.global_shape[0], layout.rank, layout.world)
+            rows = local.reshape((end - begin,) + piece.global_shape[1:])
+            weights[name] = DTensor.from_local(rows, piece.mesh, [Shard(0)], run_check=False,
+                                               shape=torch.Size(piece.global_shape),
+                                               stride=_contiguous_stride(piece.global_shape))
+        elif piece.owner == "whole" or layout.rank == 0:
+            weights[name] = local.reshape(piece.global_shape)
+    metadata = raw["metadata"]
+    progress: Dict[str, Any] = {"format": FORMAT}
+    for field_name, (key, kind) in _PROGRESS.items():
+        text = metadata[key]
+        progress[field_name] = (text == "true") if kind is bool else kind(text)
+    return {"weights": weights, "progress": progress}
+
+
+def _progress_metadata(progress: Any) -> Dict[str, str]:
+    """The engine's metadata for `progress`, each field checked."""
+    if not isinstance(progress, dict) or progress.get("format") != FORMAT:
+        found = progress.get("format") if isinstance(progress, dict) else type(progress).__name__
+        raise ValueError(f"shardema.EMA.load_state_dict: 'progress' is not a shardema EMA's "
+                         f"(format {found!r}, expected {FORMAT!r})")
+    out = {}
+    for field_name, (key, kind) in _PROGRESS.items():
+        value = progress.get(field_name)
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool)) or \
+            (kind is float and isinstance(value, int) and not isinstance(value, bool))
+        if not ok:
+            raise ValueError(f"shardema.EMA.load_state_dict: progress '{field_name}' is "
+                             f"{value!r}, expected {kind.__name__}")
+        out[key] = ("true" if value else "false") if kind is bool else \
+            repr(float(value)) if kind is float else str(value)
+    return out
+
+
+def _local_piece(name: str, value: Any, piece: _Piece, layout: _Layout) -> torch.Tensor:
+    """This rank's piece of `value` (a DTensor: its local rows; a plain
+    tensor: the full tensor, cut as the engine splits it)."""
+    where = f"shardema.EMA.load_state_dict: tensor '{name}'"
+    if is_dtensor(value):
+        if tuple(value.shape) != piece.global_shape:
+            raise ValueError(f"{where} has shape {tuple(value.shape)} in the state but "
+                             f"{piece.global_shape} here")
+        return value.to_local()
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where} is a {type(value).__name__}, not a tensor")
+    if piece.owner == "whole":
+        return value
+    if tuple(value.shape) != piece.global_shape:
+        raise ValueError(f"{where} has shape {tuple(value.shape)} in the state but "
+                         f"{piece.global_shape} here")
+    if piece.owner == "rank0":
+        return value if layout.rank == 0 else value.reshape(-1)[:0]
+    begin, end = _row_range(piece.global_shape[0], layout.rank, layout.world)
+    return value[begin:end]
+
+
+def _pieces_of(values: Dict[str, Any], layout: _Layout) -> Dict[str, torch.Tensor]:
+    """This rank's pieces of `values` in the engine's local shapes; a
+    ValueError naming the first tensor that does not fit."""
+    prefix = "shardema.EMA.load_state_dict: the state is not of this model: "
+    for name, piece in layout.pieces.items():
+        if name not in values and (piece.owner != "rank0" or layout.rank == 0):
+            raise ValueError(f"{prefix}tensor '{name}' is tracked here but not in the state")
+    for name in values:
+        if name not in layout.pieces:
+            raise ValueError(f"{prefix}tensor '{name}' is in the state but not tracked here")
+    out = {}
+    for name, piece in layout.pieces.items():
+        if name not in values:  # a rank-0 tensor on another rank: it holds none of it
+            out[name] = torch.empty(piece.local_shape, dtype=piece.local_dtype)
+            continue
+        local = _local_piece(name, values[name], piece, layout)
+        expected = 1
+        for size in piece.local_shape:
+            expected *= size
+        if local.numel() != expected:
+            raise ValueError(f"{prefix}tensor '{name}' has {local.numel()} elements on this rank "
+                             f"in the state but {expected} here")
+        if piece.owner == "whole" and tuple(local.shape) != piece.global_shape:
+            raise ValueError(f"{prefix}tensor '{name}' has shape {tuple(local.shape)} in the "
+                             f"state but {piece.global_shape} here")
+        out[name] = local.detach().reshape(piece.local_shape)
+    return out
+
+
+def load_state_dict(ema: Any, state: Dict[str, Any]) -> None:
+    """Adopts what state_dict() returned (after DCP loaded into it, or
+    torch.load gave it back); {} cold-starts the EMA from the weights."""
+    if not state:
+        cold_start(ema)
+        return
+    if set(state) != {"weights", "progress"}:
+        raise ValueError("shardema.EMA.load_state_dict: expected what state_dict() returns, "
+                         "{'weights': ..., 'progress': ...} (or an older one, {'tensors': ..., "
+                         "'metadata': ...}), got the keys " + str(sorted(map(str, state))))
+    metadata = _progress_metadata(state["progress"])
+    weights = state["weights"]
+    if not isinstance(weights, dict):
+        raise TypeError(f"shardema.EMA.load_state_dict: 'weights' is a "
+                        f"{type(weights).__name__}, not a dict")
+    layout = _layout(ema)
+    pieces = _pieces_of(weights, layout)
+    ema._engine.load_state_dict({"tensors": pieces, "metadata": {**layout.identity, **metadata}})
+
+
+def cold_start(ema: Any) -> None:
+    """The EMA restarts from the model's current weights (step 0), as if
+    built now: what a checkpoint without an EMA resumes with. An EMA built
+    from tensors, not a model, copies them at its next update instead."""
+    layout = _layout(ema)
+    sources = _sources(ema)
+    warnings.warn("shardema.EMA: the checkpoint holds no EMA; it starts again from the "
+                  "model's weights at step 0", stacklevel=4)
+    if sources:
+        values = {name: sources[name] for name in layout.pieces}
+        pieces = _pieces_of({n: v.detach() for n, v in values.items()}, layout)
+        initialized = "true"
+    else:
+        pieces = dict(ema._engine.state_dict()["tensors"])
+        initialized = "false"
+    restart = {"shardema.step": "0", "shardema.initialized": initialized,
+               "shardema.last_decay": "0"}
+    ema._engine.load_state_dict({"tensors": pieces, "metadata": {
+        **layout.identity, **layout.own_schedule_and_roles, **restart}})
+
+
+@functools.lru_cache(maxsize=None)
+def _planner_class() -> type:
+    # Made on first use: torch.distributed.checkpoint takes most of a
+    # second to import, which `import shardema` should not pay.
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class EMALoadPlanner(DefaultLoadPlanner):
+        """DCP's DefaultLoadPlanner, except that an EMA state dict
+        (EMA.state_dict(), or the EMA itself) whose entries the checkpoint
+        lacks is emptied instead of refused: its load_state_dict() then
+        cold-starts the EMA from the loaded weights, with a warning. Every
+        other key stays required (unless allow_partial_load=True)."""
+
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+            if metadata is not None:
+                for path, ema_state in _ema_states(state_dict):
+                    key = ".".join(path + ("progress", "format"))
+                    if key not in metadata.state_dict_metadata:
+                        ema_state.clear()
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    EMALoadPlanner.__module__ = "shardema"
+    return EMALoadPlanner
+
+
+def __getattr__(name: str) -> Any:
+    if name == "EMALoadPlanner":
+        return _planner_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _ema_states(state: Any, path: Tuple[str, ...] = ()) -> List[Tuple[Tuple[str, ...], dict]]:
+    """(path, dict) of every EMA state dict nested in `state`."""
+    found: List[Tuple[Tuple[str, ...], dict]] = []
+    if not isinstance(state, dict):
+        return found
+    progress = state.get("progress")
+    if isinstance(progress, dict) and progress.get("format") == FORMAT:
+        return [(path, state)]
+    for key, value in state.items():
+        found += _ema_states(value, path + (str(key),))
+    return found

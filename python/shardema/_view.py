@@ -1,0 +1,167 @@
+"""What EMA.module() and EMA.copy_from() do with a model: a module holding
+the EMA weights, built beside the training model, and the model's weights
+written into the EMA. Pure PyTorch bookkeeping; the values come from the
+engine (ema(), full_state_dict(), load_full_values(), load_local_values())."""
+import copy
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ._model import _fsdp2_local, is_dtensor, unwrap
+
+# Under a layout whose rows are split over ranks, plain tensors are gathered
+# in batches of at most this many float32 bytes, so that module() holds one
+# batch of full tensors at a time beside the module it fills.
+_GATHER_BATCH_BYTES = 64 << 20
+
+
+def module_entries(module: torch.nn.Module) -> List[Tuple[str, Any]]:
+    """(name, tensor) of every parameter and buffer, under the names and in
+    the order shardema.EMA tracks them (_model.module_tensors): shared
+    tensors once, under their first name."""
+    seen, out = set(), []
+    for prefix, mod in module.named_modules():
+        for name, tensor in list(mod._parameters.items()) + list(mod._buffers.items()):
+            if tensor is None or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            out.append((f"{prefix}.{name}" if prefix else name, tensor))
+    return out
+
+
+def reshard_fsdp(module: Any) -> None:
+    """Registers the sharded parameters of every FSDP2 module in `module`
+    again. FSDP2 leaves the root's parameters unsharded after a forward that
+    no backward follows (evaluation), and the next forward then uses those
+    full copies as they are: without this, a forward inside swap() would not
+    see the EMA of the root's parameters, one after it would still see it,
+    and module(into=) / copy_from() would meet plain tensors."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return
+    if isinstance(module, torch.nn.Module):
+        for mod in module.modules():
+            if isinstance(mod, FSDPModule):
+                mod.reshard()
+
+
+def _local(name: str, t: Any) -> torch.Tensor:
+    return _fsdp2_local(name, t) if is_dtensor(t) else t
+
+
+def _blank_like(t: Any, device: Optional[torch.device]) -> torch.Tensor:
+    """A tensor of t's shape and dtype on `device` (t's own if None), to be
+    filled: what the deep copy holds instead of a copy of t (and of its
+    .grad)."""
+    blank = torch.empty(t.shape, dtype=t.dtype, device=t.device if device is None else device)
+    return torch.nn.Parameter(blank, requires_grad=False) if isinstance(t, torch.nn.Parameter) \
+        else blank
+
+
+def materialize(ema: Any, model: torch.nn.Module, device: Any, into: Any) -> torch.nn.Module:
+    """EMA.module(): a deep copy of `model` on `device` (or `into`) holding
+    what swap() would put in the model."""
+    reshard_fsdp(model)  # its DTensors, not full copies left by an evaluation forward
+    sources = module_entries(model)
+    if into is None:
+        dtensor = next((n for n, t in sources if is_dtensor(t)), None)
+        if dtensor is not None:
+            raise ValueError(f"EMA.module: '{dtensor}' is a DTensor (FSDP2), and torch refuses to "
+                             "deep-copy a fully_shard model; build the same model, fully_shard it "
+                             "the same way and pass it as EMA.module(into=...)")
+        device = None if device is None else torch.device(device)
+        memo: Dict[int, Any] = {id(t): _blank_like(t, device) for _, t in sources}
+        view = copy.deepcopy(model, memo)
+        targets = [(name, memo[id(t)], t) for name, t in sources]
+    else:
+        if device is not None:
+            raise TypeError("EMA.module: give device= or into=, not both (into's tensors stay "
+                            "where they are)")
+        view = unwrap(into)
+        if not isinstance(view, torch.nn.Module):
+            raise TypeError(f"EMA.module: into must be an nn.Module, got {type(into).__name__}")
+        reshard_fsdp(view)
+        theirs = dict(module_entries(view))
+        missing = [name for name, _ in sources if name not in theirs]
+        if missing:
+            raise ValueError(f"EMA.module: into has no {missing[:5]}"
+                             f"{' ...' if len(missing) > 5 else ''}; it must be a model of the "
+                             "same structure as the one the EMA tracks")
+        targets = [(name, theirs[name], t) for name, t in sources]
+    _write(ema, targets)
+    return view
+
+
+def _write(ema: Any, targets: List[Tuple[str, Any, Any]]) -> None:
+    """Each target takes the EMA of its name (its local rows for a DTensor,
+    the full tensor otherwise, gathered when the layout splits it), or the
+    model's own value for a name the EMA does not track."""
+    engine = ema._engine
+    tracked = set(engine.names())
+    split = engine.world_size > 1  # plain tensors' rows are spread over ranks
+    to_gather: List[Tuple[str, torch.Tensor]] = []
+    with torch.no_grad():
+        for name, target, source in targets:
+            local = _local(name, target)
+            if name not in tracked:
+                mine = _local(name, source)
+                _check_size(name, local, mine)
+                local.copy_(mine.reshape(local.shape))
+            elif is_dtensor(target) or not split:
+                value = engine.ema(name)
+                _check_size(name, local, value)
+                local.copy_(value.reshape(local.shape))
+            else:
+                to_gather.append((name, local))
+        # Every rank walks the same names in the same order: the gathers match.
+        batch: List[Tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, local in to_gather + [("", None)]:
+            if batch and (local is None or size + 4 * local.numel() > _GATHER_BATCH_BYTES):
+                full = dict(engine.full_state_dict(False, [n for n, _ in batch]))
+                for n, t in batch:
+                    value = full[n]
+                    _check_size(n, t, value)
+                    t.copy_(value.reshape(t.shape))
+                batch, size = [], 0
+            if local is not None:
+                batch.append((name, local))
+                size += 4 * local.numel()
+
+
+def _check_size(name: str, target: torch.Tensor, value: torch.Tensor) -> None:
+    if target.numel() != value.numel():
+        raise ValueError(f"EMA.module: '{name}' has {target.numel()} elements on this rank in the "
+                         f"module written into but {value.numel()} in the EMA; into= must be "
+                         "sharded like the model")
+
+
+def copy_model_into_ema(engine: Any, full: List[Tuple[str, Any]],
+                        local: List[Tuple[str, Any]]) -> None:
+    """EMA.copy_from(): every tracked tensor's EMA becomes its current value,
+    from `full` tensors (each rank keeps its own range of them) or `local`
+    pieces (this rank's rows, as a DTensor's to_local()). Tracked names
+    given by neither are a ValueError naming them, before anything
+    changes. No communication."""
+    tracked = engine.names()
+    given = {n for n, _ in full} | {n for n, _ in local}
+    absent = [n for n in tracked if n not in given]
+    if absent:
+        raise ValueError(f"EMA.copy_from: the model no longer holds {absent[:5]}, which the EMA "
+                         "tracks")
+    keep = set(tracked)
+    full = [(n, t.detach()) for n, t in full if n in keep]
+    local = [(n, t.detach()) for n, t in local if n in keep]
+    if full:
+        engine.load_full_values(full)
+    if local:
+        engine.load_local_values(local)
+
+
+def model_values(model: torch.nn.Module) -> Tuple[List[Tuple[str, Any]], List[Tuple[str, Any]]]:
+    """The model's current tensors by name: (full tensors, DTensors' local rows)."""
+    reshard_fsdp(model)
+    entries = module_entries(model)
+    return ([(n, t) for n, t in entries if not is_dtensor(t)],
+            [(n, _local(n, t)) for n, t in entries if is_dtensor(t)])

@@ -1,0 +1,176 @@
+"""One rank of test_dcp.py's runs: an FSDP2 model (fully_shard on CPU over
+Gloo) with its optimizer and shardema.EMA, saved and loaded through
+torch.distributed.checkpoint. Usage:
+dcp_worker.py SCENARIO RANK WORLD PORT OUT [CHECKPOINT]
+
+save: 3 steps, then `OUT/ckpt` (model, optimizer, EMA; async_save) and
+      `OUT/model_only` (no EMA). Rank 0 writes OUT/saved.pt.
+load: a fresh model and EMA load CHECKPOINT, take one more step and save
+      `OUT/ckpt` again. Rank 0 writes OUT/loaded.pt.
+cold: as load, then a fresh model and EMA load CHECKPOINT/../model_only.
+Rank r writes its error to OUT/error{r}.txt."""
+import os
+import sys
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import shardema
+
+STEPS = 3
+# The BatchNorm at index 3: versatil copies its parameters and buffers.
+COPIED_PREFIX = "3."
+
+
+class ToFloat(torch.nn.Module):
+    def forward(self, x):
+        return x.float()
+
+
+def make_model(seed, world):
+    """A bf16 layer and fp32 ones, with row counts that split unevenly over
+    2 and 3 ranks (5 rows: 3+2, 2+2+1; 2 rows: 1+1+0) and a 0-dim buffer."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5).to(torch.bfloat16), ToFloat(),
+                                torch.nn.Linear(5, 2), torch.nn.BatchNorm1d(2))
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model[0], mesh=mesh)  # FSDP2 all-gathers one dtype per group
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return model, optimizer
+
+
+def plain_emas(seed, layouts):
+    """A model without FSDP (the same on every rank, as under DDP) and an
+    EMA of it for each of `layouts` ("replicated": each rank its rows;
+    "rank0": rank 0 all of it)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.BatchNorm1d(2))
+    return model, [shardema.EMA(model, layout=layout) for layout in layouts]
+
+
+def plain_step(model, emas, step):
+    for ema in emas:
+        ema.fence()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.sin(torch.arange(p.numel(), dtype=torch.float32) * step).view(p.shape))
+    for ema in emas:
+        ema.update()
+        ema.wait()
+
+
+def train_step(model, optimizer, ema, step):
+    inputs = torch.randn(4, 4, generator=torch.Generator().manual_seed(step))
+    model(inputs.to(torch.bfloat16)).square().mean().backward()
+    ema.fence()
+    optimizer.step()
+    optimizer.zero_grad()
+    ema.update()
+
+
+def full_weights(model):
+    """Every rank calls it (full_tensor() is a collective)."""
+    return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+            for name, t in model.state_dict().items()}
+
+
+def save_all(model, optimizer, ema, folder, with_ema=True, plain=()):
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    if with_ema:
+        state["ema"] = ema.state_dict()
+        state.update((f"plain_{i}", e.state_dict()) for i, e in enumerate(plain))
+        dcp.async_save(state, checkpoint_id=folder).result()
+    else:
+        dcp.save(state, checkpoint_id=folder)
+
+
+def load_all(model, optimizer, ema, folder, planner=None):
+    """The EMA's state is loaded after the model's, so that a checkpoint
+    without one cold-starts it from the loaded weights."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state, "ema": ema.state_dict()}
+    dcp.load(state, checkpoint_id=folder, planner=planner)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    ema.load_state_dict(state["ema"])
+
+
+def run(scenario, rank, world, out, checkpoint):
+    result = {}
+    if scenario == "save":
+        model, optimizer = make_model(0, world)
+        ema = shardema.EMA(model)
+        for step in range(1, STEPS + 1):
+            train_step(model, optimizer, ema, step)
+        plain, emas = plain_emas(3, ["replicated", "rank0"])
+        for step in range(1, STEPS + 1):
+            plain_step(plain, emas, step)
+        result["plain"] = [e.full_state_dict() for e in emas]
+        save_all(model, optimizer, ema, os.path.join(out, "ckpt"), plain=emas)
+        save_all(model, optimizer, ema, os.path.join(out, "model_only"), with_ema=False)
+        result.update(ema=ema.full_state_dict(), step=ema.step, weights=full_weights(model))
+    else:
+        model, optimizer = make_model(1, world)
+        ema = shardema.EMA(model)
+        # The EMA itself in DCP's state dict: DCP calls its state_dict() and,
+        # once loaded, its load_state_dict() (torch's Stateful protocol).
+        model_state, optim_state = get_state_dict(model, optimizer)
+        # The replicated EMA's state into a rank-0 one and the other way round.
+        _, emas = plain_emas(4, ["rank0", "replicated"])
+        state = {"model": model_state, "optim": optim_state, "ema": ema,
+                 "plain_0": emas[0], "plain_1": emas[1]}
+        dcp.load(state, checkpoint_id=checkpoint)
+        result["plain"] = [e.full_state_dict() for e in emas]
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        result.update(loaded=ema.full_state_dict(), loaded_step=ema.step)
+        train_step(model, optimizer, ema, ema.step + 1)
+        weights = full_weights(model)
+        ema.wait()
+        result.update(weights=weights, ema=ema.full_state_dict(), step=ema.step)
+        save_all(model, optimizer, ema, os.path.join(out, "ckpt"), plain=emas)
+    if scenario == "cold":
+        model, optimizer = make_model(2, world)
+        ema = shardema.EMA(model)
+        model_only = os.path.join(os.path.dirname(checkpoint), "model_only")
+        try:
+            load_all(model, optimizer, ema, model_only)
+            result["refused"] = None
+        except BaseException as error:  # DCP's CheckpointException is a BaseException
+            result["refused"] = str(error)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            load_all(model, optimizer, ema, model_only, planner=shardema.EMALoadPlanner())
+        result["cold_warnings"] = [str(w.message) for w in caught
+                                   if "holds no EMA" in str(w.message)]
+        result.update(cold_weights=full_weights(model), cold_ema=ema.full_state_dict(),
+                      cold_step=ema.step)
+    if rank == 0:
+        torch.save(result, os.path.join(out, "saved.pt" if scenario == "save" else "loaded.pt"))
+
+
+def main():
+    scenario, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
+        int(sys.argv[4]), sys.argv[5]
+    checkpoint = sys.argv[6] if len(sys.argv) > 6 else None
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        run(scenario, rank, world, out, checkpoint)
+    except BaseException as error:  # reported to the test through the file
+        with open(os.path.join(out, f"error{rank}.txt"), "w") as f:
+            f.write(f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
+        os._exit(3)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

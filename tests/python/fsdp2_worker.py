@@ -1,0 +1,311 @@
+"""One rank of test_multirank_fsdp2.py: a tiny model under torch's real
+FSDP2 (fully_shard), HSDP, DDP or hand-made DTensors on CPU/Gloo, trained a
+few SGD steps with shardema.EMA. After every update the rank recomputes the
+EMA itself in float64 from the full tensors (full_tensor()), with the roles
+decided at that update, and compares shardema's full and local views with
+it. Several scenarios run one after the other in one launch, since starting
+processes is the slow part.
+
+Usage: fsdp2_worker.py SCENARIO[,SCENARIO...] RANK WORLD PORT OUT
+A scenario that fails writes error{rank}_{scenario}.txt and ends the
+process (exit 3); one that passes writes done{rank}_{scenario}."""
+import datetime
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import shardema
+
+STEPS = 4
+POWER = 0.75
+
+
+def schedule():
+    return shardema.DecaySchedule.warmup(power=POWER)
+
+
+def decay_at(step):
+    """The warmup schedule's decay written out here (VersatIL's formula):
+    0 at the first update, then 1 - (1 + e)^-power with e = step - 1, at
+    most 0.9999."""
+    e = step - 1
+    return 0.0 if e <= 0 else min(1.0 - (1.0 + e) ** -POWER, 0.9999)
+
+
+def full_value(tensor):
+    """The whole tensor, gathered for a DTensor; float64 if floating."""
+    with torch.no_grad():
+        whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
+    return whole.double() if whole.is_floating_point() else whole
+
+
+def rows_of(value, rank, world):
+    """The rows rank `rank` of `world` holds: torch.chunk on dim 0 (FSDP2's
+    split, which shardema also uses for replicated tensors); trailing ranks
+    may get none, and a 0-dim tensor is rank 0's."""
+    if value.dim() == 0:
+        return value.reshape(1) if rank == 0 else value.reshape(1)[:0]
+    chunks = value.chunk(world, dim=0)
+    return chunks[rank] if rank < len(chunks) else value[:0]
+
+
+def module_tensors(module):
+    return dict(list(module.named_parameters()) + list(module.named_buffers()))
+
+
+def versatil_averaged(module):
+    """What the versatil policy averages at this moment: parameters that
+    require grad outside BatchNorm (buffers, BatchNorm's parameters and
+    frozen parameters are copied)."""
+    out = set()
+    for prefix, child in module.named_modules():
+        if isinstance(child, nn.modules.batchnorm._BatchNorm):
+            continue
+        for name, p in child.named_parameters(recurse=False):
+            if p.requires_grad:
+                out.add(f"{prefix}.{name}" if prefix else name)
+    return out
+
+
+class Float64Ema:
+    """The EMA of the full tensors in float64: a copy at the first update
+    and for the tensors not averaged at an update, else the lerp with the
+    schedule's decay."""
+
+    def __init__(self, tensors, averaged):
+        self.tensors, self.averaged, self.ema = tensors, averaged, {}
+
+    def update(self, step):
+        decay, averaged = decay_at(step), self.averaged()
+        for name, tensor in self.tensors().items():
+            value = full_value(tensor)
+            if name in self.ema and name in averaged:
+                value = decay * self.ema[name] + (1.0 - decay) * value
+            self.ema[name] = value
+
+
+def close(got, want, what):
+    torch.testing.assert_close(got.to(want.dtype), want, rtol=1e-5, atol=1e-6,
+                               msg=lambda m: f"{what}: {m}")
+
+
+class Checker:
+    """Compares shardema's EMA with the float64 one: the full tensors on
+    every rank, and this rank's local pieces with the reference's rows this
+    rank holds (`shard_rank` of `shard_world` along dim 0)."""
+
+    def __init__(self, ema, reference, shard_rank, shard_world):
+        self.ema, self.reference = ema, reference
+        self.shard_rank, self.shard_world = shard_rank, shard_world
+
+    def __call__(self, where):
+        self.ema.wait()
+        full = self.ema.full_state_dict(rank0_only=False)
+        want = self.reference.ema
+        assert sorted(full) == sorted(want), f"{where}: names {sorted(full)} != {sorted(want)}"
+        local = self.ema.local_ema()
+        assert sorted(local) == sorted(want), f"{where}: local names {sorted(local)}"
+        for name, value in want.items():
+            assert full[name].shape == value.shape, f"{where}: '{name}' {full[name].shape}"
+            close(full[name], value, f"{where}: full '{name}'")
+            rows = rows_of(value, self.shard_rank, self.shard_world).reshape(-1)
+            close(local[name], rows, f"{where}: local '{name}' of rank {self.shard_rank}")
+        return full
+
+
+def check_split(tensors, shard_rank, shard_world):
+    """The rows Checker expects are the rows the DTensors really hold:
+    to_local() is torch.chunk's piece (Shard(0)) or the whole (Replicate)."""
+    for name, t in tensors.items():
+        if not isinstance(t, DTensor):
+            continue
+        whole = full_value(t)
+        sharded = any(p.is_shard() for p in t.placements)
+        want = rows_of(whole, shard_rank, shard_world) if sharded else whole
+        assert torch.equal(full_value(t.to_local()), want), f"'{name}': to_local() is not {want}"
+
+
+def inputs(features, seed):
+    return torch.randn(4, features, generator=torch.Generator().manual_seed(seed))
+
+
+def train(model, ema, reference, check, features, rank_seed=0, before_step=None):
+    """STEPS SGD steps, the EMA fenced before each optimizer step and
+    updated after it, checked after every update."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    for step in range(1, STEPS + 1):
+        if before_step:
+            before_step(step)
+        model(inputs(features, 100 * step + rank_seed)).float().square().mean().backward()
+        ema.fence()
+        optimizer.step()
+        optimizer.zero_grad()
+        ema.update()
+        reference.update(step)
+        assert abs(ema.last_decay - decay_at(step)) < 1e-12, (step, ema.last_decay)
+        check(f"step {step}")
+    return optimizer
+
+
+def check_swap(ema, model, tensors, full, where):
+    """Inside swap() the model's (full) tensors are the EMA's."""
+    with ema.swap(model):
+        for name, t in tensors.items():
+            got = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+            assert torch.equal(got, full[name].to(got.dtype)), f"{where}: swapped '{name}'"
+
+
+def fully_shard_model(rank, world, out):
+    """Nested fully_shard (reshard_after_forward False and True), rows that
+    do not divide by W, a one-row parameter (empty shards on the other
+    ranks), a BatchNorm with replicated buffers; at W = 2 bfloat16 compute
+    (MixedPrecisionPolicy): the EMA follows the fp32 sharded parameters. A
+    submodule frozen when the EMA is built is unfrozen at step 3, and
+    another frozen then: versatil decides at each update."""
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 7), nn.Linear(7, 1), nn.Linear(1, 5), nn.BatchNorm1d(5))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if world == 2 else None,
+                                  reduce_dtype=torch.float32, output_dtype=torch.float32)
+    fully_shard(model[0], mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    # fp32: FSDP2 cannot unfreeze a bf16 group frozen at its first forward
+    # (the bf16 gradient meets the fp32 parameter)
+    fully_shard(model[2], mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh)
+    model[2].requires_grad_(False)
+    ema = shardema.EMA(model, schedule=schedule(), timeout=60)
+    assert (ema.layout, ema.rank, ema.world_size) == ("fsdp2", rank, world), ema.layout
+    tensors = module_tensors(model)
+    assert all(isinstance(p, DTensor) and p.dtype == torch.float32
+               for p in model.parameters())
+    check_split(tensors, rank, world)
+    reference = Float64Ema(lambda: tensors, lambda: versatil_averaged(model))
+    check = Checker(ema, reference, rank, world)
+
+    def refreeze(step):
+        if step == 3:
+            model[2].requires_grad_(True)
+            model[0].requires_grad_(False)
+    train(model, ema, reference, check, 3, before_step=refreeze)
+    check_swap(ema, model, tensors, check("end"), "fully_shard")
+
+
+def partly_sharded(rank, world, out):
+    """fully_shard on the first layer only: the second layer's parameters
+    stay plain, the same on every rank (same inputs), replicated rows."""
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(3, 7), nn.Linear(7, 3))
+    fully_shard(model[0], mesh=mesh)
+    assert not isinstance(model[1].weight, DTensor)
+    ema = shardema.EMA(model, schedule=schedule(), timeout=60)
+    assert ema.layout == "fsdp2", ema.layout
+    tensors = module_tensors(model)
+    reference = Float64Ema(lambda: tensors, lambda: versatil_averaged(model))
+    check = Checker(ema, reference, rank, world)
+    train(model, ema, reference, check, 3)
+    check_swap(ema, model, tensors, check("end"), "partly sharded")
+
+
+def ddp_model(rank, world, out):
+    """DistributedDataParallel, each rank its own inputs: layout replicated."""
+    torch.manual_seed(2)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 1)))
+    ema = shardema.EMA(model, schedule=schedule(), timeout=60)
+    assert ema.layout == "replicated", ema.layout
+    tensors = module_tensors(model.module)
+    reference = Float64Ema(lambda: tensors, lambda: versatil_averaged(model.module))
+    check = Checker(ema, reference, rank, world)
+    train(model, ema, reference, check, 3, rank_seed=rank)
+
+
+def replicated_dtensor(rank, world, out):
+    """A Replicate() DTensor (each rank holds the whole) beside a Shard(0)
+    one on a 1-D mesh, as named tensors, stepped by hand."""
+    mesh = init_device_mesh("cpu", (world,))
+    whole = nn.Parameter(distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Replicate()]))
+    rows = nn.Parameter(distribute_tensor(torch.arange(5.0), mesh, [Shard(0)]))
+    tensors = {"whole": whole, "rows": rows}
+    check_split(tensors, rank, world)
+    ema = shardema.EMA(list(tensors.items()), schedule=schedule(), timeout=60)
+    assert ema.layout == "fsdp2", ema.layout
+    reference = Float64Ema(lambda: tensors, lambda: set(tensors))
+    check = Checker(ema, reference, rank, world)
+    for step in range(1, STEPS + 1):
+        ema.fence()
+        with torch.no_grad():  # the same on every rank: a replicated step
+            whole.to_local().mul_(0.5).add_(float(step))
+            rows.to_local().add_(torch.cos(torch.full_like(rows.to_local(), float(step))))
+        ema.update()
+        reference.update(step)
+        check(f"step {step}")
+    check_swap(ema, None, tensors, check("end"), "replicated DTensor")
+
+
+def hsdp_model(rank, world, out):
+    """HSDP on a 2 x 2 mesh: (Replicate(), Shard(0)). Each rank keeps the
+    EMA of its shard; gathers run over the shard dimension; only the
+    replica holding global rank 0 writes files (each replica is given its
+    own path here, so a second writer would show)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    shard_rank, replica = mesh.get_local_rank("shard"), mesh.get_local_rank("replicate")
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 1))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ema = shardema.EMA(model, schedule=schedule(), timeout=60)
+    assert (ema.layout, ema.rank, ema.world_size) == ("fsdp2", shard_rank, 2), \
+        (ema.layout, ema.rank, ema.world_size)
+    tensors = module_tensors(model)
+    check_split(tensors, shard_rank, 2)
+    reference = Float64Ema(lambda: tensors, lambda: versatil_averaged(model))
+    check = Checker(ema, reference, shard_rank, 2)
+    optimizer = train(model, ema, reference, check, 3, rank_seed=rank)
+    result = {"full": check("end"), "rank0": ema.full_state_dict(), "replica": replica}
+    ema.export_weights(os.path.join(out, f"export_replica{replica}.safetensors"))
+    ema.save_checkpoint(os.path.join(out, f"ckpt_replica{replica}"))
+    saved = ema.local_ema()
+    # One more step changes the EMA; loading what replica 0 wrote (every
+    # replica reads the same files) brings it back.
+    model(inputs(3, rank)).square().mean().backward()
+    ema.fence()
+    optimizer.step()
+    ema.update()
+    ema.wait()
+    assert any(not torch.equal(v, saved[k]) for k, v in ema.local_ema().items())
+    ema.load_checkpoint(os.path.join(out, "ckpt_replica0"))
+    for name, value in ema.local_ema().items():
+        assert torch.equal(value, saved[name]), f"'{name}' after load_checkpoint"
+    torch.save(result, os.path.join(out, f"hsdp{rank}.pt"))
+
+
+SCENARIOS = {"fully_shard": fully_shard_model, "partly_sharded": partly_sharded,
+             "ddp": ddp_model, "replicated_dtensor": replicated_dtensor, "hsdp": hsdp_model}
+
+
+def main():
+    scenarios, rank, world, port, out = sys.argv[1].split(","), int(sys.argv[2]), \
+        int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    for scenario in scenarios:
+        try:
+            SCENARIOS[scenario](rank, world, out)
+            dist.barrier()
+        except BaseException as error:  # reported to the test through the file
+            with open(os.path.join(out, f"error{rank}_{scenario}.txt"), "w") as f:
+                f.write(f"{scenario}: {type(error).__name__}: {error}\n{traceback.format_exc()}")
+            os._exit(3)
+        open(os.path.join(out, f"done{rank}_{scenario}"), "w").close()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
