@@ -11,7 +11,6 @@ cold: as load, then a fresh model and EMA load CHECKPOINT/../model_only.
 Rank r writes its error to OUT/error{r}.txt."""
 import os
 import sys
-import traceback
 import warnings
 
 import torch
@@ -22,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import shardema
+from rank_errors import errors_reported  # noqa: E402
 
 STEPS = 3
 # The BatchNorm at index 3: versatil copies its parameters and buffers.
@@ -163,12 +163,8 @@ def main():
     checkpoint = sys.argv[6] if len(sys.argv) > 6 else None
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    try:
+    with errors_reported(rank, out):
         run(scenario, rank, world, out, checkpoint)
-    except BaseException as error:  # reported to the test through the file
-        with open(os.path.join(out, f"error{rank}.txt"), "w") as f:
-            f.write(f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
-        os._exit(3)
     os._exit(0)
 
 

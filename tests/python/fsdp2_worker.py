@@ -12,7 +12,6 @@ process (exit 3); one that passes writes done{rank}_{scenario}."""
 import datetime
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -22,6 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import shardema
+from rank_errors import errors_reported  # noqa: E402
 
 STEPS = 4
 POWER = 0.75
@@ -296,13 +296,9 @@ def main():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     for scenario in scenarios:
-        try:
+        with errors_reported(rank, out, scenario):
             SCENARIOS[scenario](rank, world, out)
             dist.barrier()
-        except BaseException as error:  # reported to the test through the file
-            with open(os.path.join(out, f"error{rank}_{scenario}.txt"), "w") as f:
-                f.write(f"{scenario}: {type(error).__name__}: {error}\n{traceback.format_exc()}")
-            os._exit(3)
         open(os.path.join(out, f"done{rank}_{scenario}"), "w").close()
     os._exit(0)
 

@@ -16,10 +16,10 @@ weights, a validation forward that did not use the EMA, a test forward
 that did not use the final raw weights."""
 import os
 import sys
-import traceback
 import weakref
 
 import torch
+from rank_errors import errors_reported  # noqa: E402
 
 EPOCHS = 3
 BATCHES_PER_EPOCH = 3  # per rank; with ACCUMULATE 2: a full window and a partial one
@@ -295,13 +295,8 @@ def run(scenario, out):
 def main():
     scenario, out = sys.argv[1], sys.argv[2]
     rank = int(os.environ["LOCAL_RANK"])
-    try:
+    with errors_reported(rank, out):
         run(scenario, out)
-    except BaseException as error:  # reported to the test through the file
-        with open(os.path.join(out, f"error{rank}.txt"), "w") as f:
-            f.write(f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
-        sys.stdout.flush()
-        os._exit(3)
     sys.stdout.flush()
     os._exit(0)
 

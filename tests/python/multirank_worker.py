@@ -2,12 +2,12 @@
 over Gloo on loopback). Usage: multirank_worker.py SCENARIO RANK WORLD PORT OUT"""
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 
 import shardema
+from rank_errors import errors_reported  # noqa: E402
 
 STEPS = 5
 
@@ -236,12 +236,8 @@ def main():
         int(sys.argv[4]), sys.argv[5]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    try:
+    with errors_reported(rank, out):
         run(scenario, rank, world, out)
-    except BaseException as error:  # reported to the test through the file
-        with open(os.path.join(out, f"error{rank}.txt"), "w") as f:
-            f.write(f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
-        os._exit(3)
     os._exit(0)
 
 

@@ -4,13 +4,13 @@ Gloo on loopback. Usage: view_worker.py RANK WORLD PORT OUT. Each check
 asserts here; a failure is written to OUT/error<RANK>.txt."""
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import shardema
+from rank_errors import errors_reported  # noqa: E402
 
 STEPS = 4
 DECAY = 0.75
@@ -142,13 +142,9 @@ def main():
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    try:
+    with errors_reported(rank, out):
         check_ddp(rank, world)
         check_fsdp2(rank, world)
-    except BaseException as error:  # reported to the test through the file
-        with open(os.path.join(out, f"error{rank}.txt"), "w") as f:
-            f.write(f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
-        os._exit(3)
     os._exit(0)
 
 
