@@ -82,6 +82,7 @@ void counters(benchmark::State& state, const Model& m, double gbps);
 // The overlap row (offload_bench_overlap.cpp) and the per-tensor overhead
 // rows (offload_bench_small.cpp).
 void BM_Overlap(benchmark::State& state, at::ScalarType dtype);
+void BM_Averager(benchmark::State& state, at::ScalarType dtype);
 void BM_SmallTensors(benchmark::State& state, int path);
 extern int64_t gOverlapRounds;
 

@@ -36,6 +36,7 @@
 
 #include "build_type_warning.h"
 #include "shardema/core/update_kernels.h"
+#include "shardema/offload/parallel_update.h"
 #include "shardema/offload/worker_pool.h"
 
 namespace {
@@ -44,7 +45,7 @@ using shardema::SourceType;
 
 int64_t gElements = int64_t{8} << 20;
 constexpr int kThreads = 2;
-constexpr int64_t kPiecesPerThread = 4;  // as updateSpans splits
+constexpr int64_t kPiecesPerThread = 4;  // as offload::updateOnPool splits
 
 shardema::offload::WorkerPool& pool() {
   static shardema::offload::WorkerPool p(kThreads - 1);
@@ -94,7 +95,7 @@ void addInPlace(float* __restrict a, const float* __restrict b, int64_t n, float
   }
 }
 
-// One limit pass split like updateSpans splits; alternates += and -= so the
+// One limit pass split like offload::updateOnPool splits; alternates += and -= so the
 // values stay put.
 void limitPass(Data& d) {
   static float sign = 1.0f;
@@ -115,13 +116,13 @@ void onePass(Data& d, SourceType type, int64_t n) {
   span.src = d.src(type);
   span.type = type;
   span.count = n;
-  shardema::updateSpansMulti({span}, d.weights, &pool());
+  shardema::offload::updateOnPool(pool(), {span}, d.weights);
 }
 
 void kPasses(Data& d, SourceType type, int64_t n) {
   for (size_t p = 0; p < d.emas.size(); ++p) {
     shardema::UpdateSpan span{d.emas[p].data(), d.src(type), type, n, shardema::UpdateOp::kLerp};
-    shardema::updateSpans({span}, d.weights[p], &pool());
+    shardema::offload::updateOnPool(pool(), {span}, d.weights[p]);
   }
 }
 

@@ -3,8 +3,9 @@
 // Benchmark registration ties to this file; the limit loops are apart in
 // update_bench_limit.h.
 //
-// update_bench: GB/s of the fused EMA update (shardema::applyTensorUpdates)
-// beside the bandwidth limit and the ATen peers, measured in one process.
+// update_bench: GB/s of the fused EMA update (the checked spans of
+// shardema::spansOf run over a pool by offload::updateOnPool) beside the
+// bandwidth limit and the ATen peers, measured in one process.
 //
 // Data: 256M elements (fp32 EMA 1 GiB, fp32 source 1 GiB, one 2-byte source
 // 0.5 GiB read as bf16 or fp16), allocated once on 2 MiB-aligned, huge-page
@@ -32,7 +33,7 @@
 // it is measured before the rows that divide by it. Threads (the benchmark arg) = pool workers +
 // the calling thread; ATen rows run with at::set_num_threads(threads) for a fair comparison. Kernel
 // variants: kernel/<variant>/<dtype>/one/threads:T runs one KernelVariant (baseline, avx2, avx512:
-// those this CPU has) alone over the arena, split over the pool like updateSpans, each pass paired
+// those this CPU has) alone over the arena, split over the pool like updateOnPool, each pass paired
 // with a limit pass as "ours" is; active_variant in the context says which one the update path
 // uses. Scaling: ours/<dtype>/one at threads 1, 2, 4, ... up to this machine's hardware threads
 // (and that count itself): the host math's rate per core count, the EMA's cost on a GPU node where
@@ -59,6 +60,7 @@
 #include "build_type_warning.h"
 #include "shardema/core/kernel_variant.h"
 #include "shardema/core/tensor_update.h"
+#include "shardema/offload/parallel_update.h"
 #include "shardema/offload/worker_pool.h"
 #include "update_bench_limit.h"
 
@@ -67,7 +69,7 @@ namespace {
 int64_t kElements = int64_t{256} << 20;  // set once in main, before the arena
 constexpr int kSmallTensors = 1000;
 constexpr double kWeight = 0.001;        // 1 - decay at decay 0.999
-constexpr int64_t kPiecesPerThread = 4;  // as updateSpans splits
+constexpr int64_t kPiecesPerThread = 4;  // as offload::updateOnPool splits
 
 enum class Layout { kOne, kSmall };
 const char* layoutName(Layout l) { return l == Layout::kOne ? "one" : "small"; }
@@ -175,7 +177,7 @@ double timed(benchmark::State& state, double bytesPerIteration, const std::strin
   return gbps;
 }
 
-// One pass of the limit kernel over the whole arena, split like updateSpans
+// One pass of the limit kernel over the whole arena, split like updateOnPool
 // splits; alternates += and -= so repeated passes keep the values in range.
 // `n` elements from the start of the arena (the size sweep), all by default;
 // `dtype` a 16-bit type: the 2-byte source stream (10 B per element).
@@ -296,7 +298,7 @@ void benchOurs(benchmark::State& state, at::ScalarType dtype, Layout layout) {
     updates.push_back({emas[i], srcs[i], shardema::UpdateOp::kLerp, "t" + std::to_string(i)});
   }
   const double gbps = pairedWithLimit(state, pool, threads, kElements, dtype, [&] {
-    shardema::applyTensorUpdates(updates, kWeight, &pool);
+    shardema::offload::updateOnPool(pool, shardema::spansOf(updates, kWeight), kWeight);
   });
   const std::string d = dtypeName(dtype);
   rates()[key("ours", d, layout, threads)] = gbps;
@@ -306,7 +308,7 @@ void benchOurs(benchmark::State& state, at::ScalarType dtype, Layout layout) {
 }
 
 // One variant's lerp alone over the arena as one tensor, cut into the
-// pieces updateSpans would make, paired with a limit pass like benchOurs.
+// pieces updateOnPool would make, paired with a limit pass like benchOurs.
 void benchVariant(benchmark::State& state, shardema::KernelVariant variant, at::ScalarType dtype) {
   const int threads = static_cast<int>(state.range(0));
   shardema::offload::WorkerPool& pool = poolFor(threads);
@@ -338,7 +340,10 @@ void benchOursSize(benchmark::State& state, at::ScalarType dtype) {
                                                         shardema::UpdateOp::kLerp, "prefix"}};
   state.counters["elements"] = static_cast<double>(elements);
   pairedWithLimit(state, pool, threads, elements, dtype,
-                  [&] { shardema::applyTensorUpdates(updates, kWeight, &pool); });
+                  [&] {
+                    shardema::offload::updateOnPool(pool, shardema::spansOf(updates, kWeight),
+                                                    kWeight);
+                  });
 }
 
 void registerAll() {
@@ -412,7 +417,7 @@ void checkAgainstAten() {
     at::Tensor ours = arena().ema.narrow(0, 0, n).clone();
     const at::Tensor src = sourceOf(dtype).narrow(0, 0, n);
     const at::Tensor theirs = ours.clone().lerp_(src.to(at::kFloat), kWeight);
-    shardema::lerpInto(ours, src, kWeight, &poolFor(2));
+    shardema::lerpInto(ours, src, kWeight);
     TORCH_CHECK(at::allclose(ours, theirs, 1e-6, 0.0), "update_bench: ", dtypeName(dtype),
                 " result differs from ATen lerp_");
   }

@@ -168,6 +168,7 @@ def offload_section(rows):
     direct = {key(r): r for r in rows if r["path"][0] == "direct"}
     sweep = [r for r in rows if r["path"][0] == "sweep"]
     small = [r for r in rows if r["path"][0] == "small"]
+    averager = [r for r in rows if r["path"][0] == "averager"]
     bytes_per_element = {"f32": 4, "bf16": 2}
 
     def ov(r, counter, digits=3):
@@ -214,6 +215,14 @@ def offload_section(rows):
         ("traffic limit GB/s", lambda r: number(r.get("traffic_limit_GBps"))),
         ("fraction of traffic limit", lambda r: fraction(r.get("frac_of_traffic_limit"))),
     ]
+    averager_columns = [
+        ("source", lambda r: r["path"][1]),
+        ("elements", lambda r: size_text(r["args"]["elements"])),
+        ("threads", lambda r: str(int(r["threads"])) if "threads" in r else "-"),
+        ("update() + wait() GB/s", lambda r: with_cv(r, "GBps")),
+        ("kernel alone GB/s (paired)", lambda r: number(r.get("kernel_GBps"))),
+        ("fraction of kernel", lambda r: fraction(r.get("frac_of_kernel"))),
+    ]
     small_columns = [
         ("path", lambda r: r["path"][1]),
         ("us per tensor", lambda r: with_cv(r, "us_per_tensor")),
@@ -246,6 +255,13 @@ def offload_section(rows):
           "one-thread rate. Updates smaller than 4 chunks per thread are cut finer (down "
           "to 64 KiB) so the waiter gets a share.", "",
           markdown_table(direct_columns, direct_rows), "",
+          "What a user's `update()` + `wait()` costs over the kernel alone (target: "
+          "fraction of kernel >= 0.9): an Averager over the same 16 host tensors (direct "
+          "path, the shared pool's size on this machine), each update paired with a pass "
+          "of the kernel alone over the same sources and the Averager's own EMA, split "
+          "over the same threads (`offload::updateOnPool`), in alternating order. "
+          "Fraction = kernel time / update time.", "",
+          markdown_table(averager_columns, averager), "",
           f"Staging sweep (staged path, f32, {sweep_size} elements): what the default "
           "chunkBytes is chosen from.", "", markdown_table(sweep_columns, sweep), "",
           "Fixed cost per tensor: 1000 f32 tensors of 16 elements, submit + wait "
@@ -284,6 +300,8 @@ def offload_section(rows):
         "offload_direct": [plain(r, ["GBps", "update_GBps", "frac_of_update", "waiter_share"]
                                  + limit_counters)
                            for r in direct_rows],
+        "offload_averager": [plain(r, ["GBps", "kernel_GBps", "frac_of_kernel", "threads"])
+                             for r in averager],
         "offload_staging_sweep": [plain(r, ["GBps", "staging_bytes"] + limit_counters)
                                   for r in sweep],
         "offload_small_tensors": [plain(r, ["us_per_tensor", "us_per_update"]) for r in small]}

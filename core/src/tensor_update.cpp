@@ -89,8 +89,8 @@ void checkPair(const TensorUpdate& update, const char* api) {
                     subject("ema", update.name), " and its source overlap in memory");
 }
 
-void applyChecked(const std::vector<TensorUpdate>& updates, double weight, ParallelRunner* pool,
-                  const char* api) {
+std::vector<UpdateSpan> checkedSpans(const std::vector<TensorUpdate>& updates, double weight,
+                                     const char* api) {
   // Written so that NaN fails too.
   TORCH_CHECK_VALUE(weight >= 0.0 && weight <= 1.0, api,
                     ": weight (1 - decay) must be in [0, 1], got ", weight);
@@ -109,7 +109,7 @@ void applyChecked(const std::vector<TensorUpdate>& updates, double weight, Paral
     span.op = update.op;
     spans.push_back(span);
   }
-  updateSpans(spans, static_cast<float>(weight), pool);
+  return spans;
 }
 
 }  // namespace
@@ -122,19 +122,25 @@ void checkTensorUpdate(const TensorUpdate& update) {
   checkPair(update, "shardema::checkTensorUpdate");
 }
 
-void applyTensorUpdates(const std::vector<TensorUpdate>& updates, double weight,
-                        ParallelRunner* pool) {
-  applyChecked(updates, weight, pool, "shardema::applyTensorUpdates");
+void applyTensorUpdates(const std::vector<TensorUpdate>& updates, double weight) {
+  updateSpans(checkedSpans(updates, weight, "shardema::applyTensorUpdates"),
+              static_cast<float>(weight));
 }
 
-void lerpInto(const at::Tensor& ema, const at::Tensor& source, double weight,
-              ParallelRunner* pool) {
-  applyChecked({TensorUpdate{ema, source, UpdateOp::kLerp, ""}}, weight, pool,
-               "shardema::lerpInto");
+std::vector<UpdateSpan> spansOf(const std::vector<TensorUpdate>& updates, double weight) {
+  return checkedSpans(updates, weight, "shardema::spansOf");
 }
 
-void copyInto(const at::Tensor& ema, const at::Tensor& source, ParallelRunner* pool) {
-  applyChecked({TensorUpdate{ema, source, UpdateOp::kCopy, ""}}, 0.0, pool, "shardema::copyInto");
+void lerpInto(const at::Tensor& ema, const at::Tensor& source, double weight) {
+  updateSpans(checkedSpans({TensorUpdate{ema, source, UpdateOp::kLerp, ""}}, weight,
+                           "shardema::lerpInto"),
+              static_cast<float>(weight));
+}
+
+void copyInto(const at::Tensor& ema, const at::Tensor& source) {
+  updateSpans(checkedSpans({TensorUpdate{ema, source, UpdateOp::kCopy, ""}}, 0.0,
+                           "shardema::copyInto"),
+              0.0f);
 }
 
 }  // namespace shardema

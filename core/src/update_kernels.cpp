@@ -5,11 +5,9 @@
 #include <algorithm>
 #include <cstring>
 
-#include "shardema/core/parallel_runner.h"
-
 // The element loops (lerpRange, copyRange) are kernel_variants.cpp's; this
-// file cuts the work into pieces over a ParallelRunner and runs several
-// profiles of one source in one pass.
+// file runs a range of spans laid end to end and several profiles of one
+// source in one pass. It starts no threads (see update_kernels.h).
 
 namespace shardema {
 namespace {
@@ -30,12 +28,6 @@ void applyPart(const UpdateSpan& span, int64_t offset, int64_t count, float weig
   }
 }
 
-// Piece p of `pieces` covers [boundary(p), boundary(p + 1)) of the spans laid
-// end to end; sizes differ by at most one element.
-int64_t pieceBoundary(int64_t p, int64_t pieces, int64_t total) {
-  return (total / pieces) * p + std::min(p, total % pieces);
-}
-
 // part(span, offset, count) for the pieces of every span within
 // [begin, end) of the spans laid end to end.
 template <typename Span, typename Part>
@@ -54,20 +46,15 @@ void applyGlobalRange(const std::vector<Span>& spans, const std::vector<int64_t>
   }
 }
 
-// A few pieces per thread so a thread slowed by a neighbour process hands
-// work to the others; more would only add scheduling overhead.
-constexpr int64_t kPiecesPerThread = 4;
-
 // The body of updateSpans and updateSpansMulti: checks the counts and ops
 // (kSkip and kCopyRaw are run above the kernels: the Averager drops skipped
-// tensors, the pipeline memcpys raw copies), cuts the
-// spans laid end to end into pieces of at least minGrain elements spread
-// over the pool's threads and the caller, and runs part on each. One
-// splitter for both so the single- and multi-profile paths balance alike.
+// tensors, the pipeline memcpys raw copies), then runs part on the elements
+// [begin, end) of the spans laid end to end. One body for both so the
+// single- and multi-profile paths split alike.
 template <typename Span, typename Part>
-void splitOverPool(const char* who, const std::vector<Span>& spans, ParallelRunner* pool,
-                   int64_t minGrain, const Part& part) {
-  TORCH_CHECK_VALUE(minGrain >= 1, "shardema::", who, ": minGrain must be >= 1, got ", minGrain);
+void applyRange(const char* who, const std::vector<Span>& spans, int64_t begin, int64_t end,
+                const Part& part) {
+  TORCH_CHECK_VALUE(begin >= 0, "shardema::", who, ": begin must be >= 0, got ", begin);
   std::vector<int64_t> starts;
   starts.reserve(spans.size());
   int64_t total = 0;
@@ -79,20 +66,16 @@ void splitOverPool(const char* who, const std::vector<Span>& spans, ParallelRunn
     starts.push_back(total);
     total += span.count;
   }
-  if (total == 0) {
-    return;
-  }
-  const int64_t threads = pool == nullptr ? 1 : pool->size() + 1;
-  const int64_t pieces =
-      threads == 1 ? 1 : std::clamp<int64_t>(total / minGrain, 1, threads * kPiecesPerThread);
-  if (pieces == 1) {
-    applyGlobalRange(spans, starts, 0, total, part);
-    return;
-  }
-  pool->parallelFor(pieces, [&](int64_t p) {
-    applyGlobalRange(spans, starts, pieceBoundary(p, pieces, total),
-                     pieceBoundary(p + 1, pieces, total), part);
-  });
+  end = std::min(end, total);
+  if (begin >= end) return;
+  applyGlobalRange(spans, starts, begin, end, part);
+}
+
+template <typename Span>
+int64_t sumOfCounts(const std::vector<Span>& spans) {
+  int64_t total = 0;
+  for (const Span& span : spans) total += span.count;
+  return total;
 }
 
 // Source elements converted per block by the multi-profile kernels: 8 KiB
@@ -138,9 +121,11 @@ void applyMultiPart(const MultiUpdateSpan& span, const float* weights, int64_t o
 
 int sourceTypeSize(SourceType type) { return type == SourceType::kFloat32 ? 4 : 2; }
 
-void updateSpans(const std::vector<UpdateSpan>& spans, float weight, ParallelRunner* pool,
-                 int64_t minGrain) {
-  splitOverPool("updateSpans", spans, pool, minGrain,
+int64_t totalElements(const std::vector<UpdateSpan>& spans) { return sumOfCounts(spans); }
+int64_t totalElements(const std::vector<MultiUpdateSpan>& spans) { return sumOfCounts(spans); }
+
+void updateSpans(const std::vector<UpdateSpan>& spans, float weight, int64_t begin, int64_t end) {
+  applyRange("updateSpans", spans, begin, end,
                 [weight](const UpdateSpan& span, int64_t offset, int64_t count) {
                   applyPart(span, offset, count, weight);
                 });
@@ -189,7 +174,7 @@ void copyRangeMulti(float* const* emas, int numEmas, const void* src, SourceType
 }
 
 void updateSpansMulti(const std::vector<MultiUpdateSpan>& spans, const std::vector<float>& weights,
-                      ParallelRunner* pool, int64_t minGrain) {
+                      int64_t begin, int64_t end) {
   const int numEmas = static_cast<int>(std::min<size_t>(weights.size(), kMaxProfiles + 1));
   TORCH_CHECK_VALUE(numEmas >= 1 && numEmas <= kMaxProfiles,
                     "shardema::updateSpansMulti: weights.size() must be in [1, ", kMaxProfiles,
@@ -199,7 +184,7 @@ void updateSpansMulti(const std::vector<MultiUpdateSpan>& spans, const std::vect
                       s, " has emas.size() ", spans[s].emas.size(), " but weights.size() is ",
                       weights.size());
   }
-  splitOverPool("updateSpansMulti", spans, pool, minGrain,
+  applyRange("updateSpansMulti", spans, begin, end,
                 [&weights](const MultiUpdateSpan& span, int64_t offset, int64_t count) {
                   applyMultiPart(span, weights.data(), offset, count);
                 });

@@ -177,7 +177,7 @@ bool Averager::update(int64_t step) {
   plan.ops.reserve(tracked_.size());
   for (const TrackedTensor& t : tracked_) plan.ops.push_back(opFor(t, firstCopy, weightIsOne));
   if (options_.refuseNonFinite) checkFinite(plan, step);
-  emaStore.update(tracked_, plan);
+  emaStore.update(plan);
   // Progress is recorded only once the update was accepted, so an update
   // refused on the caller can be retried at the same step.
   initialized_ = true;
@@ -266,6 +266,8 @@ void Averager::rebindSource(const std::string& name, const at::Tensor& source) {
                     source.scalar_type(), " tensor of shape ", source.sizes(), " on ",
                     source.device(), " but the EMA follows a ", old.scalar_type(),
                     " tensor of shape ", old.sizes(), " on ", old.device());
+  // No wait: an update in flight reads its own handles of the old source.
+  store("rebindSource").rebind(index, source);
   tracked_[index] = std::move(replacement);
 }
 
@@ -300,7 +302,7 @@ void Averager::copyTo() {
   settle("copyTo");
   // Writing into leaf parameters is only allowed outside autograd.
   c10::NoGradGuard noGrad;
-  store("copyTo").copyTo(tracked_);
+  store("copyTo").copyTo();
 }
 
 }  // namespace shardema

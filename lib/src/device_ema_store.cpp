@@ -18,7 +18,8 @@ DeviceEmaStore::DeviceEmaStore(const std::vector<TrackedTensor>& tracked, int nu
 // ema + w * (x - ema) in float32 with the three roundings of the CPU kernels
 // (sub, mul, add), so on CPU tensors it matches the pinned host store bit
 // for bit.
-void DeviceEmaStore::update(const std::vector<TrackedTensor>& tracked, const EmaUpdate& update) {
+void DeviceEmaStore::update(const EmaUpdate& update) {
+  const std::vector<TrackedTensor>& tracked = bound_;
   // Every tensor is checked before the first is written.
   for (size_t i = 0; i < tracked.size(); ++i) {
     const TrackedTensor& t = tracked[i];
@@ -46,8 +47,8 @@ void DeviceEmaStore::update(const std::vector<TrackedTensor>& tracked, const Ema
   }
 }
 
-void DeviceEmaStore::copyTo(const std::vector<TrackedTensor>& tracked) {
-  for (size_t i = 0; i < tracked.size(); ++i) tracked[i].source.detach().copy_(storage(i, 0));
+void DeviceEmaStore::copyTo() {
+  for (size_t i = 0; i < bound_.size(); ++i) bound_[i].source.detach().copy_(storage(i, 0));
 }
 
 }  // namespace shardema::detail

@@ -15,11 +15,11 @@ class DeviceEmaStore final : public EmaStore {
   /// Copies every source into storage on its own device.
   DeviceEmaStore(const std::vector<TrackedTensor>& tracked, int numProfiles);
 
-  void update(const std::vector<TrackedTensor>& tracked, const EmaUpdate& update) override;
+  void update(const EmaUpdate& update) override;
   void fence() override {}
   void wait() override {}
   bool sourcesReleased() const override { return true; }
-  void copyTo(const std::vector<TrackedTensor>& tracked) override;
+  void copyTo() override;
   offload::PipelineStats stats() const override { return {}; }
 };
 

@@ -13,6 +13,7 @@ const at::Tensor& EmaStore::storage(size_t index, int profile) const {
 
 void EmaStore::initStorage(const std::vector<TrackedTensor>& tracked, int numProfiles,
                            const Allocate& allocate) {
+  bound_ = tracked;
   storage_.reserve(tracked.size());
   for (const TrackedTensor& t : tracked) {
     TORCH_CHECK(

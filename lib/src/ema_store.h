@@ -4,9 +4,10 @@
 //   PinnedHostEmaStore  host memory, the asynchronous chunked pipeline
 //   DeviceEmaStore      the sources' device, synchronous ATen ops
 // The Averager keeps what both share (names, roles, step and progress, the
-// failure mark, the choice of what each due update does) and hands the
-// store the tracked tensors on every call; the store owns the EMA storage
-// and the update mechanics.
+// failure mark, the choice of what each due update does); the store is bound
+// to the tracked tensors once, at construction (rebind() follows a replaced
+// one), owns the EMA storage and the update mechanics, and is handed only
+// the decision of each update.
 //
 // Threads: the Averager's (one caller at a time, see averager.h). Errors
 // found on the caller (bad shape or dtype) throw before the EMA changes;
@@ -43,12 +44,11 @@ class EmaStore {
   EmaStore(const EmaStore&) = delete;
   EmaStore& operator=(const EmaStore&) = delete;
 
-  /// Applies `update` to the sources `tracked` (the ones the store was
-  /// built from, same order). Throws before anything is folded in for an
-  /// error found on the caller (the update may then be retried). Pinned
-  /// host: returns once the copies are queued; device: blocks until done.
-  /// The caller has waited for the previous update.
-  virtual void update(const std::vector<TrackedTensor>& tracked, const EmaUpdate& update) = 0;
+  /// Applies `update` to the bound sources. Throws before anything is
+  /// folded in for an error found on the caller (the update may then be
+  /// retried). Pinned host: returns once the copies are queued; device:
+  /// blocks until done. The caller has waited for the previous update.
+  virtual void update(const EmaUpdate& update) = 0;
   /// Blocks until the update in flight has read its sources. Never throws
   /// a background error.
   virtual void fence() = 0;
@@ -56,9 +56,12 @@ class EmaStore {
   virtual void wait() = 0;
   /// Whether fence() or wait() has run since the last update (or none ran).
   virtual bool sourcesReleased() const = 0;
-  /// Writes profile 0 into the sources (converted to their dtype and
+  /// Writes profile 0 into the bound sources (converted to their dtype and
   /// device). Blocks. The caller has waited and disabled autograd.
-  virtual void copyTo(const std::vector<TrackedTensor>& tracked) = 0;
+  virtual void copyTo() = 0;
+  /// Reads `source` for tracked tensor `index` from now on (the Averager
+  /// has checked it against the old one). The caller has waited.
+  void rebind(size_t index, const at::Tensor& source) { bound_[index].source = source; }
   /// The pipeline's counters (zero for the device store).
   virtual offload::PipelineStats stats() const = 0;
 
@@ -72,14 +75,17 @@ class EmaStore {
   /// Where one tensor's storage comes from: (sizes, dtype, source).
   using Allocate =
       std::function<at::Tensor(c10::IntArrayRef, at::ScalarType, const at::Tensor& source)>;
-  /// Allocates every tracked tensor's storage (numProfiles tensors for
-  /// averaging roles, one for copies) and copies the sources into it.
+  /// Binds the store to `tracked`, allocates every tracked tensor's storage
+  /// (numProfiles tensors for averaging roles, one for copies) and copies
+  /// the sources into it.
   void initStorage(const std::vector<TrackedTensor>& tracked, int numProfiles,
                    const Allocate& allocate);
 
   // Per tracked tensor, in construction order: one tensor per profile
   // (averaging roles) or one shared copy. Written by initStorage only.
   std::vector<std::vector<at::Tensor>> storage_;
+  // The tracked tensors, in construction order (rebind() replaces sources).
+  std::vector<TrackedTensor> bound_;
 };
 
 }  // namespace detail

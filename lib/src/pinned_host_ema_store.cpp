@@ -33,32 +33,24 @@ PinnedHostEmaStore::PinnedHostEmaStore(const std::vector<TrackedTensor>& tracked
               });
 }
 
-void PinnedHostEmaStore::update(const std::vector<TrackedTensor>& tracked,
-                                const EmaUpdate& update) {
-  // Shapes are checked before the first snapshot is written; each source's
-  // dtype and layout once, by the pipeline's submit().
-  for (size_t i = 0; i < tracked.size(); ++i) {
-    if (update.ops[i] == UpdateOp::kSkip) continue;
-    const at::Tensor& ema = storage(i, 0);
-    TORCH_CHECK_VALUE(tracked[i].source.sizes() == ema.sizes(), "Averager::update: tensor '",
-                      tracked[i].name, "' has shape ", tracked[i].source.sizes(),
-                      " but the EMA has shape ", ema.sizes());
-  }
+void PinnedHostEmaStore::update(const EmaUpdate& update) {
+  // One pass over the bound sources: each is checked here against its EMA
+  // (shape) and then by the pipeline's submit() (dtype, layout), once each,
+  // before anything is folded in.
   std::vector<offload::PipelineJob> jobs;
-  jobs.reserve(tracked.size());
-  for (size_t i = 0; i < tracked.size(); ++i) {
+  jobs.reserve(bound_.size());
+  for (size_t i = 0; i < bound_.size(); ++i) {
     const UpdateOp op = update.ops[i];
     if (op == UpdateOp::kSkip) continue;
-    const TrackedTensor& t = tracked[i];
     const std::vector<at::Tensor>& profiles = storage_[i];
-    offload::PipelineJob job{profiles.front(), at::Tensor(), op, t.name, {}};
+    offload::PipelineJob job{profiles.front(), at::Tensor(), op, bound_[i].name, {}};
     if (op == UpdateOp::kCopyRaw) {
       // Copies keep their dtype; a source that changed dtype is converted
       // (rare: a module cast after the Averager was built).
-      job.source = pipelineSource(i, t, job.ema.scalar_type());
+      job.source = pipelineSource(i, job.ema.scalar_type());
     } else {
       job.moreEmas.assign(profiles.begin() + 1, profiles.end());
-      job.source = pipelineSource(i, t, t.source.scalar_type());
+      job.source = pipelineSource(i, bound_[i].source.scalar_type());
     }
     jobs.push_back(std::move(job));
   }
@@ -70,8 +62,11 @@ void PinnedHostEmaStore::update(const std::vector<TrackedTensor>& tracked,
 // fence()); a synchronous host snapshot when it changes in forward()
 // (buffers: small, and the forward pass may start as soon as update()
 // returns) or needs a conversion.
-at::Tensor PinnedHostEmaStore::pipelineSource(size_t index, const TrackedTensor& t,
-                                              at::ScalarType dtype) {
+at::Tensor PinnedHostEmaStore::pipelineSource(size_t index, at::ScalarType dtype) {
+  const TrackedTensor& t = bound_[index];
+  TORCH_CHECK_VALUE(t.source.sizes() == storage_[index].front().sizes(),
+                    "Averager::update: tensor '", t.name, "' has shape ", t.source.sizes(),
+                    " but the EMA has shape ", storage_[index].front().sizes());
   if (!t.changesInForward) {
     // The common case hands the pipeline the source itself: it only reads
     // its bytes and version counter, so no detached alias is needed (one
@@ -92,11 +87,11 @@ at::Tensor PinnedHostEmaStore::pipelineSource(size_t index, const TrackedTensor&
   return snapshot;
 }
 
-void PinnedHostEmaStore::copyTo(const std::vector<TrackedTensor>& tracked) {
+void PinnedHostEmaStore::copyTo() {
   std::vector<offload::SwapJob> jobs;
-  jobs.reserve(tracked.size());
-  for (size_t i = 0; i < tracked.size(); ++i) {
-    jobs.push_back({storage(i, 0), tracked[i].source.detach(), tracked[i].name});
+  jobs.reserve(bound_.size());
+  for (size_t i = 0; i < bound_.size(); ++i) {
+    jobs.push_back({storage(i, 0), bound_[i].source.detach(), bound_[i].name});
   }
   pipeline_.copyTo(jobs);
 }

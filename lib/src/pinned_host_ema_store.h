@@ -24,16 +24,18 @@ class PinnedHostEmaStore final : public EmaStore {
   /// about) while the engine and the arena still exist.
   ~PinnedHostEmaStore() override = default;
 
-  void update(const std::vector<TrackedTensor>& tracked, const EmaUpdate& update) override;
+  void update(const EmaUpdate& update) override;
   void fence() override { pipeline_.fence(); }
   void wait() override { pipeline_.wait(); }
   bool sourcesReleased() const override { return pipeline_.sourcesReleased(); }
-  void copyTo(const std::vector<TrackedTensor>& tracked) override;
+  void copyTo() override;
   offload::PipelineStats stats() const override { return pipeline_.stats(); }
 
  private:
-  // What the pipeline reads for tracked tensor `index`, in `dtype`.
-  at::Tensor pipelineSource(size_t index, const TrackedTensor& t, at::ScalarType dtype);
+  // What the pipeline reads for tracked tensor `index`, in `dtype`;
+  // checks the source's shape against its EMA's (the store's one check of
+  // it: the pipeline validates the job it is handed, once).
+  at::Tensor pipelineSource(size_t index, at::ScalarType dtype);
 
   const bool fenceInUpdate_;
   // Members are destroyed in reverse order: the pipeline first (it waits

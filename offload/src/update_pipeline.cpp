@@ -22,6 +22,7 @@
 #include "shardema/core/failpoint.h"
 #include "shardema/core/tensor_update.h"
 #include "shardema/core/warning.h"
+#include "shardema/offload/parallel_update.h"
 #include "shardema/offload/pinned_arena.h"
 #include "shardema/offload/worker_pool.h"
 
@@ -98,7 +99,9 @@ UpdatePipeline::UpdatePipeline(UpdatePipelineOptions options) : options_(std::mo
   }
   slotChunk_.assign(options_.numSlots, -1);
   slotCopyError_.assign(options_.numSlots, std::string());
+  slotPartError_.assign(options_.numSlots, std::string());
   piecesLeft_ = std::make_unique<std::atomic<int>[]>(options_.numSlots);
+  partsLeft_ = std::make_unique<std::atomic<int>[]>(options_.numSlots);
   // A CUDA copy's completion says nothing about when the host thread bumped
   // a version (it runs ahead of the device); host-side engines copy on the
   // CPU's timeline, so a version read after landing is meaningful.
@@ -120,7 +123,15 @@ UpdatePipeline::~UpdatePipeline() {
 
 void UpdatePipeline::submit(std::vector<PipelineJob> jobs, std::vector<float> weights,
                             int64_t step) {
-  wait();
+  {
+    // The owner waits once, before submitting (the Averager's settle());
+    // waiting here again would hide a forgotten wait() and report the last
+    // update's error from a call about the next one.
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!inFlight_ && released_ && !firstError_, "UpdatePipeline::submit: the update of ",
+                "step ", step_, " has not been waited for; call wait() before submitting step ",
+                step);
+  }
   TORCH_CHECK_VALUE(!weights.empty() && weights.size() <= static_cast<size_t>(kMaxProfiles),
                     "UpdatePipeline::submit: ", weights.size(), " weights given; 1 to ",
                     kMaxProfiles, " profiles are supported");
@@ -214,20 +225,49 @@ void UpdatePipeline::onPieceLanded(int slot, std::exception_ptr error) {
   // acq_rel: the worker must see every piece's bytes, whichever callback
   // (or issuing thread) counted down last.
   if (piecesLeft_[slot].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-    pool_->post([this, slot] { runChunk(slot); });
+    // The chunk's math in flat parts, one task each: the pipeline owns the
+    // threads, so it spreads a landed chunk over the workers the other
+    // slots leave idle instead of a kernel reaching for them from inside a
+    // worker.
+    const int64_t chunk = chunkInSlot(slot);
+    const int parts = partsOf(chunk);
+    partsLeft_[slot].store(parts, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stats_.stagedParts += parts;
+    }
+    for (int part = 0; part < parts; ++part) {
+      pool_->post([this, slot, chunk, part, parts] { runChunkPart(slot, chunk, part, parts); });
+    }
   }
 }
 
-// Worker: the math of one landed chunk (or its failure), then the slot's
-// next chunk.
-void UpdatePipeline::runChunk(int slot) {
-  int64_t chunk = -1;
+int64_t UpdatePipeline::chunkInSlot(int slot) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return slotChunk_[slot];
+}
+
+// A staged chunk is cut into as many parts as there are workers per slot
+// (the others run other slots' chunks), none smaller than kDefaultMinGrain
+// elements: one part on a small pool, where every worker is busy anyway.
+int UpdatePipeline::partsOf(int64_t chunk) const {
+  int64_t elements = 0;
+  for (size_t p = chunks_[chunk].begin; p < chunks_[chunk].end; ++p) {
+    if (jobs_[pieces_[p].job].op != UpdateOp::kCopyRaw) elements += pieces_[p].count;
+  }
+  const int64_t perSlot = std::max<int64_t>(1, pool_->size() / options_.numSlots);
+  return static_cast<int>(std::clamp<int64_t>(elements / kDefaultMinGrain, 1, perSlot));
+}
+
+// Worker: the math of part `part` of `parts` of a landed chunk (or its
+// failure); the last part to finish ends the chunk and queues the slot's
+// next one.
+void UpdatePipeline::runChunkPart(int slot, int64_t chunk, int part, int parts) {
   std::string failure;
   bool skip = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    chunk = slotChunk_[slot];
-    failure = std::exchange(slotCopyError_[slot], std::string());
+    failure = slotCopyError_[slot];
     skip = failed_;
     // Check (b): the chunk's bytes have landed; a source written before now
     // and before fence() means they may be torn. Under mutex_ so that it
@@ -236,10 +276,21 @@ void UpdatePipeline::runChunk(int slot) {
   }
   if (failure.empty() && !skip) {
     try {
-      applyChunk(chunk, stagingData_[slot]);
+      applyChunk(chunk, stagingData_[slot], part, parts);
     } catch (...) {
       failure = describe(std::current_exception());
     }
+  }
+  if (!failure.empty()) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (slotPartError_[slot].empty()) slotPartError_[slot] = failure;
+  }
+  // acq_rel: the last part sees the others' EMA writes and failures.
+  if (partsLeft_[slot].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    slotCopyError_[slot].clear();
+    failure = std::exchange(slotPartError_[slot], std::string());
   }
   finishChunk(slot, failure.empty() ? nullptr : chunkError(chunk, failure));
 }
@@ -266,7 +317,7 @@ void UpdatePipeline::runDirectChunks(int64_t chunk, bool onWaiter) {
   for (;;) {
     if (failure.empty() && !skip) {
       try {
-        applyChunk(chunk, nullptr);
+        applyChunk(chunk, nullptr, 0, 1);
       } catch (...) {
         failure = describe(std::current_exception());
       }
@@ -333,14 +384,17 @@ bool UpdatePipeline::allDone() const {
   return directDone_ == directChunks_ && finished_ == claimed_ && queued_ == claimed_;
 }
 
-// Worker: the math of one landed chunk. One path for any number of
+// Worker: the math of part `part` of `parts` of one chunk, on this thread
+// (the kernels start no threads; the direct chunks are already one per
+// thread, a staged chunk's parts one task each). One path for any number of
 // profiles: with one, each span has one EMA and the kernels take their
-// single-profile loops (update_kernels.h).
-void UpdatePipeline::applyChunk(int64_t chunk, const char* staging) {
+// single-profile loops (update_kernels.h). Raw copies are part 0's.
+void UpdatePipeline::applyChunk(int64_t chunk, const char* staging, int part, int parts) {
   TORCH_CHECK(!failpoint::fires("offload.pipeline.chunk", step_, chunk),
               "injected fault (failpoint offload.pipeline.chunk) in chunk ", chunk, " of step ",
               step_);
   const Chunk& c = chunks_[chunk];
+  const bool copiesRaw = part == 0;
   if (weights_.size() == 1) {
     // One profile: flat spans, no per-piece allocation (what keeps a
     // thousand small tensors cheap; the kernels match the multi path's).
@@ -351,13 +405,18 @@ void UpdatePipeline::applyChunk(int64_t chunk, const char* staging) {
       const char* src = staging != nullptr ? staging + piece.stagingOffset : piece.src;
       const PipelineJob& job = jobs_[piece.job];
       if (job.op == UpdateOp::kCopyRaw) {
-        if (piece.bytes > 0) std::memcpy(piece.ema, src, static_cast<size_t>(piece.bytes));
+        if (copiesRaw && piece.bytes > 0) {
+          std::memcpy(piece.ema, src, static_cast<size_t>(piece.bytes));
+        }
         continue;
       }
       spans.push_back(
           UpdateSpan{reinterpret_cast<float*>(piece.ema), src, piece.type, piece.count, job.op});
     }
-    if (!spans.empty()) updateSpans(spans, weights_[0], pool_);
+    if (spans.empty()) return;
+    const int64_t total = totalElements(spans);
+    updateSpans(spans, weights_[0], pieceBegin(part, parts, total),
+                pieceBegin(part + 1, parts, total));
     return;
   }
   std::vector<MultiUpdateSpan> spans;
@@ -366,7 +425,9 @@ void UpdatePipeline::applyChunk(int64_t chunk, const char* staging) {
     const PipelineJob& job = jobs_[piece.job];
     const char* staged = staging != nullptr ? staging + piece.stagingOffset : piece.src;
     if (job.op == UpdateOp::kCopyRaw) {
-      if (piece.bytes > 0) std::memcpy(piece.ema, staged, static_cast<size_t>(piece.bytes));
+      if (copiesRaw && piece.bytes > 0) {
+        std::memcpy(piece.ema, staged, static_cast<size_t>(piece.bytes));
+      }
       continue;
     }
     // Every profile's piece sits at the same element offset as the first's.
@@ -384,7 +445,10 @@ void UpdatePipeline::applyChunk(int64_t chunk, const char* staging) {
     span.op = job.op;
     spans.push_back(std::move(span));
   }
-  if (!spans.empty()) updateSpansMulti(spans, weights_, pool_);
+  if (spans.empty()) return;
+  const int64_t total = totalElements(spans);
+  updateSpansMulti(spans, weights_, pieceBegin(part, parts, total),
+                   pieceBegin(part + 1, parts, total));
 }
 
 void UpdatePipeline::finishChunk(int slot, std::exception_ptr&& error) {

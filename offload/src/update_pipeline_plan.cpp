@@ -5,6 +5,7 @@
 
 #include "shardema/core/failpoint.h"
 #include "shardema/offload/update_pipeline.h"
+#include "shardema/offload/worker_pool.h"
 
 namespace shardema::offload {
 namespace {

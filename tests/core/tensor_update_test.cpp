@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "shardema/offload/parallel_update.h"
 #include "shardema/offload/worker_pool.h"
 
 namespace shardema {
@@ -50,14 +51,13 @@ TEST(TensorUpdateTest, SourceTypeOf) {
 // Same tolerance argument as update_kernels_test.cpp: one fp32 lerp is
 // within (1 + 4w) * 2^-24 * max(|ema|, |x|) of the exact value.
 TEST(TensorUpdateTest, LerpMatchesFloat64Reference) {
-  offload::WorkerPool pool(1);
   for (at::ScalarType dtype : kDtypes) {
     for (int64_t n : {0, 1, 7, 4097, 10000000}) {
       const at::Tensor source = randomTensor(n, 10 + n).to(dtype);
       const at::Tensor before = randomTensor(n, 20 + n);
       const double w = 0.001;
       at::Tensor ema = before.clone();
-      lerpInto(ema, source, w, &pool);
+      lerpInto(ema, source, w);
       const at::Tensor e = before.to(at::kDouble), x = source.to(at::kDouble);
       const at::Tensor exact = e + w * (x - e);
       const at::Tensor tol = (1.0 + 4.0 * w) * std::ldexp(1.0, -24) * at::max(e.abs(), x.abs());
@@ -112,7 +112,11 @@ TEST(TensorUpdateTest, ResultIndependentOfPoolSize) {
       updates.push_back({initial[i].clone(), sources[i],
                          i % 5 == 0 ? UpdateOp::kCopy : UpdateOp::kLerp, "t" + std::to_string(i)});
     }
-    applyTensorUpdates(updates, 0.25, pool.get());
+    if (pool) {
+      offload::updateOnPool(*pool, spansOf(updates, 0.25), 0.25f);
+    } else {
+      applyTensorUpdates(updates, 0.25);
+    }
     for (size_t i = 0; i < updates.size(); ++i) {
       if (threads < 0) {
         reference.push_back(updates[i].ema);

@@ -11,6 +11,7 @@
 
 #include "core/kernel_test_data.h"
 #include "shardema/core/update_kernels.h"
+#include "shardema/offload/parallel_update.h"
 #include "shardema/offload/worker_pool.h"
 #include "support/same_bytes.h"
 
@@ -139,13 +140,13 @@ TEST(UpdateKernelsMultiTest, UpdateSpansMultiMatchesSingleProfileSpans) {
     const std::vector<float> w = profileWeights(k);
     MultiSpanSet multi = makeMultiSpanSet(41, 40, k);
     MultiSpanSet separate = makeMultiSpanSet(41, 40, k);
-    updateSpansMulti(multi.spans, w, nullptr, 1);
+    updateSpansMulti(multi.spans, w);
     for (int p = 0; p < k; ++p) {
       std::vector<UpdateSpan> single;
       for (const MultiUpdateSpan& m : separate.spans) {
         single.push_back({m.emas[p], m.src, m.type, m.count, m.op});
       }
-      updateSpans(single, w[p], nullptr);
+      updateSpans(single, w[p]);
     }
     EXPECT_EQ(multi.emas, separate.emas) << "k " << k;
   }
@@ -155,11 +156,11 @@ TEST(UpdateKernelsMultiTest, UpdateSpansMultiIndependentOfThreadsAndGrain) {
   const int k = 5;
   const std::vector<float> w = profileWeights(k);
   MultiSpanSet serial = makeMultiSpanSet(51, 120, k);
-  updateSpansMulti(serial.spans, w, nullptr);
+  updateSpansMulti(serial.spans, w);
   offload::WorkerPool pool(2);
   for (int64_t grain : {int64_t{1}, int64_t{7}, int64_t{3000}, int64_t{1} << 15}) {
     MultiSpanSet split = makeMultiSpanSet(51, 120, k);
-    updateSpansMulti(split.spans, w, &pool, grain);
+    offload::updateOnPool(pool, split.spans, w, grain);
     for (size_t s = 0; s < split.emas.size(); ++s) {
       for (int p = 0; p < k; ++p) {
         ASSERT_TRUE(testing::sameBytes(split.emas[s][p].data(), serial.emas[s][p].data(),
@@ -191,16 +192,16 @@ TEST(UpdateKernelsMultiTest, MultiRejectsBadArguments) {
   span.emas = {ema.data(), ema2.data()};
   span.src = src.data();
   span.count = 4;
-  EXPECT_THROW(updateSpansMulti({span}, {0.5f}, nullptr), c10::ValueError);
-  EXPECT_THROW(updateSpansMulti({span}, {0.5f, 0.25f, 0.125f}, nullptr), c10::ValueError);
-  EXPECT_THROW(updateSpansMulti({}, {}, nullptr), c10::ValueError);
-  EXPECT_THROW(updateSpansMulti({span}, std::vector<float>(kMaxProfiles + 1, 0.5f), nullptr),
+  EXPECT_THROW(updateSpansMulti({span}, {0.5f}), c10::ValueError);
+  EXPECT_THROW(updateSpansMulti({span}, {0.5f, 0.25f, 0.125f}), c10::ValueError);
+  EXPECT_THROW(updateSpansMulti({}, {}), c10::ValueError);
+  EXPECT_THROW(updateSpansMulti({span}, std::vector<float>(kMaxProfiles + 1, 0.5f)),
                c10::ValueError);
-  EXPECT_THROW(updateSpansMulti({span}, {0.5f, 0.25f}, nullptr, 0), c10::ValueError);
+  EXPECT_THROW(updateSpansMulti({span}, {0.5f, 0.25f}, -1), c10::ValueError);
   span.count = -1;
-  EXPECT_THROW(updateSpansMulti({span}, {0.5f, 0.25f}, nullptr), c10::ValueError);
+  EXPECT_THROW(updateSpansMulti({span}, {0.5f, 0.25f}), c10::ValueError);
   span.count = 4;
-  updateSpansMulti({span}, {0.5f, 0.25f}, nullptr);  // the valid call goes through
+  updateSpansMulti({span}, {0.5f, 0.25f});  // the valid call goes through
   EXPECT_EQ(ema[0], 0.5f);
   EXPECT_EQ(ema2[0], 0.25f);
 }

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/kernel_test_data.h"
+#include "shardema/offload/parallel_update.h"
 #include "shardema/offload/worker_pool.h"
 #include "support/same_bytes.h"
 
@@ -87,13 +88,13 @@ TEST(UpdateKernelsTest, SkipAndRawCopySpansAreRefused) {
   const float src[4] = {9, 9, 9, 9};
   for (UpdateOp op : {UpdateOp::kSkip, UpdateOp::kCopyRaw}) {
     const std::vector<UpdateSpan> spans = {{ema, src, SourceType::kFloat32, 4, op}};
-    EXPECT_THROW(updateSpans(spans, 0.5f, nullptr), c10::ValueError);
+    EXPECT_THROW(updateSpans(spans, 0.5f), c10::ValueError);
     MultiUpdateSpan multi;
     multi.emas = {ema};
     multi.src = src;
     multi.count = 4;
     multi.op = op;
-    EXPECT_THROW(updateSpansMulti({multi}, {0.5f}, nullptr), c10::ValueError);
+    EXPECT_THROW(updateSpansMulti({multi}, {0.5f}), c10::ValueError);
   }
   EXPECT_EQ(ema[0], 1.0f);
   EXPECT_EQ(ema[3], 4.0f);
@@ -258,7 +259,7 @@ SpanSet makeSpanSet(uint64_t seed, int count) {
 TEST(UpdateKernelsTest, UpdateSpansMatchesPerSpanKernels) {
   SpanSet set = makeSpanSet(11, 60);
   SpanSet expected = makeSpanSet(11, 60);
-  updateSpans(set.spans, 0.3f, nullptr, 1);
+  updateSpans(set.spans, 0.3f);
   for (const UpdateSpan& s : expected.spans) {
     if (s.op == UpdateOp::kLerp) {
       lerpRange(s.ema, s.src, s.type, s.count, 0.3f);
@@ -271,12 +272,12 @@ TEST(UpdateKernelsTest, UpdateSpansMatchesPerSpanKernels) {
 
 TEST(UpdateKernelsTest, ResultIndependentOfThreadsAndGrain) {
   SpanSet serial = makeSpanSet(21, 200);
-  updateSpans(serial.spans, 0.01f, nullptr);
+  updateSpans(serial.spans, 0.01f);
   for (int threads : {0, 1, 3}) {
     offload::WorkerPool pool(threads);
     for (int64_t grain : {int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{1} << 15}) {
       SpanSet split = makeSpanSet(21, 200);
-      updateSpans(split.spans, 0.01f, &pool, grain);
+      offload::updateOnPool(pool, split.spans, 0.01f, grain);
       // Bitwise, NaN-safe: vectors of float compare with ==, but the data
       // has no NaNs, so == is bit equality up to the sign of zero; memcmp
       // closes that gap.
@@ -289,18 +290,41 @@ TEST(UpdateKernelsTest, ResultIndependentOfThreadsAndGrain) {
   }
 }
 
+// Threads handed disjoint ranges of the spans laid end to end share one
+// call's work; any cut gives the serial result bit for bit.
+TEST(UpdateKernelsTest, RangesOfTheSpansAddUpToTheWholeUpdate) {
+  SpanSet serial = makeSpanSet(31, 80);
+  updateSpans(serial.spans, 0.01f);
+  const int64_t total = totalElements(serial.spans);
+  for (int64_t cuts : {int64_t{2}, int64_t{3}, int64_t{17}}) {
+    SpanSet split = makeSpanSet(31, 80);
+    // Ranges beyond the end are clipped: the last one says kAllElements.
+    for (int64_t c = 0; c < cuts; ++c) {
+      updateSpans(split.spans, 0.01f, total * c / cuts,
+                  c + 1 == cuts ? kAllElements : total * (c + 1) / cuts);
+    }
+    for (size_t i = 0; i < split.emas.size(); ++i) {
+      ASSERT_TRUE(testing::sameBytes(split.emas[i].data(), serial.emas[i].data(),
+                                     split.emas[i].size() * sizeof(float)))
+          << cuts << " cuts, span " << i;
+    }
+  }
+}
+
 TEST(UpdateKernelsTest, UpdateSpansEmptyInputs) {
-  updateSpans({}, 0.5f, nullptr);
+  updateSpans({}, 0.5f);
   std::vector<UpdateSpan> zeros(5);  // null pointers, count 0: never touched
   offload::WorkerPool pool(2);
-  updateSpans(zeros, 0.5f, &pool, 1);
+  offload::updateOnPool(pool, zeros, 0.5f, 1);
 }
 
 TEST(UpdateKernelsTest, UpdateSpansRejectsBadArguments) {
   std::vector<UpdateSpan> spans(1);
-  EXPECT_THROW(updateSpans(spans, 0.5f, nullptr, 0), c10::ValueError);
+  EXPECT_THROW(updateSpans(spans, 0.5f, -1), c10::ValueError);
+  offload::WorkerPool pool(1);
+  EXPECT_THROW(offload::updateOnPool(pool, spans, 0.5f, 0), c10::ValueError);
   spans[0].count = -1;
-  EXPECT_THROW(updateSpans(spans, 0.5f, nullptr), c10::ValueError);
+  EXPECT_THROW(updateSpans(spans, 0.5f), c10::ValueError);
 }
 
 }  // namespace

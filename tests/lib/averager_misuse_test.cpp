@@ -80,6 +80,7 @@ void expectRefusedThenRecovers(offload::UpdatePipeline& pipeline, const at::Tens
   EXPECT_NE(message.find(kAdvice), std::string::npos) << message;
   EXPECT_TRUE(at::equal(ema, at::zeros({640}))) << "a refused chunk is not folded in";
   for (int64_t step = 10; step < 60; ++step) {
+    pipeline.wait();  // the owner's one wait before each update
     pipeline.submit(lerpJob(ema, source, "enc.w"), {0.5f}, step);
     pipeline.fence();
     source.add_(1.0f);
@@ -262,10 +263,11 @@ TEST(AveragerMisuseTest, TheWorkerRefusesADirectChunkWhoseSourceWasWrittenBefore
   expectRefusedThenRecovers(pipeline, ema, source, message);
 }
 
-// Forgotten fence on the direct path: the next submit() completes the
-// update first and reports the write, naming tensor and step; with fence()
+// Forgotten fence on the direct path: the owner's wait() before the next
+// submit() reports the write, naming tensor and step; a submit() without
+// that wait is refused, naming the step not waited for; with fence()
 // between the same calls nothing fails.
-TEST(AveragerMisuseTest, ADirectUpdateWrittenBeforeFenceFailsAtTheNextSubmit) {
+TEST(AveragerMisuseTest, ADirectUpdateWrittenBeforeFenceFailsAtTheNextWait) {
   offload::WorkerPool pool(1);
   testing::FakeCopyEngine engine;
   offload::UpdatePipeline pipeline(
@@ -276,8 +278,13 @@ TEST(AveragerMisuseTest, ADirectUpdateWrittenBeforeFenceFailsAtTheNextSubmit) {
   pipeline.submit(lerpJob(ema, source, "dec.b"), {0.5f}, 4);
   source.mul_(2.0f);  // the optimizer step, without fence()
   held.release();
-  const std::string message =
+  const std::string unwaited =
       errorOf([&] { pipeline.submit(lerpJob(ema, source, "dec.b"), {0.5f}, 5); });
+  EXPECT_NE(unwaited.find("the update of step 4 has not been waited for; call wait() before "
+                          "submitting step 5"),
+            std::string::npos)
+      << unwaited;
+  const std::string message = errorOf([&] { pipeline.wait(); });
   EXPECT_NE(message.find("step 4"), std::string::npos) << message;
   EXPECT_NE(message.find("'dec.b'"), std::string::npos) << message;
   EXPECT_NE(message.find(kAdvice), std::string::npos) << message;

@@ -110,6 +110,7 @@ TEST(UpdatePipelineProfilesTest, OnePassEqualsEachProfileAlone) {
         raw.name = "raw" + std::to_string(t);
         jobs.push_back(raw);
       }
+      pipeline.wait();  // the owner's one wait before each update
       pipeline.submit(jobs, weights, step);
       pipeline.fence();  // sources are rewritten at the next step
     }

@@ -158,6 +158,9 @@ void orderingSweep(Path path, uint32_t seed) {
         applyReference(t, op, weight);
         jobs.push_back(PipelineJob{t.ema, t.source, t.raw ? UpdateOp::kCopyRaw : op, t.name, {}});
       }
+      // The owner's one wait before the next update (the Averager's
+      // settle()); the sources were free since the last fence() anyway.
+      pipeline.wait();
       pipeline.submit(std::move(jobs), {weight}, step);
       pipeline.fence();
       // The optimizer step: a read after the fence would fold NaN in.
@@ -282,7 +285,9 @@ TEST_P(UpdatePipelinePathTest, InjectedFaultIsRethrownFromWaitWithNameAndStep) {
                                     {emaB, b, UpdateOp::kCopy, "layer.b", {}}};
   };
   pipeline.submit(jobs(), {1.0f}, 1);
+  pipeline.wait();
   pipeline.submit(jobs(), {1.0f}, 2);
+  pipeline.wait();
   pipeline.submit(jobs(), {1.0f}, 3);
   pipeline.fence();  // never throws: the sources are free either way
   try {

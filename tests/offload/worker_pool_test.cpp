@@ -1,5 +1,6 @@
 // offload::WorkerPool and the parallel update kernels. Also run under ThreadSanitizer:
 // worker threads touch only raw memory and std types, never ATen.
+#include "shardema/offload/parallel_update.h"
 #include "shardema/offload/worker_pool.h"
 
 #include <c10/util/Exception.h>
@@ -199,11 +200,11 @@ Buffers makeBuffers(uint64_t seed, int count) {
 
 TEST(WorkerPoolTest, ParallelUpdateSpansBitEqualToSerial) {
   Buffers serial = makeBuffers(5, 400);
-  updateSpans(serial.spans, 0.001f, nullptr);
+  updateSpans(serial.spans, 0.001f);
   offload::WorkerPool pool(3);
   for (int64_t grain : {int64_t{1}, int64_t{333}, int64_t{4096}, int64_t{1} << 15}) {
     Buffers parallel = makeBuffers(5, 400);
-    updateSpans(parallel.spans, 0.001f, &pool, grain);
+    offload::updateOnPool(pool, parallel.spans, 0.001f, grain);
     for (size_t i = 0; i < parallel.emas.size(); ++i) {
       ASSERT_TRUE(testing::sameBytes(parallel.emas[i].data(), serial.emas[i].data(),
                                      parallel.emas[i].size() * sizeof(float)))
@@ -215,12 +216,12 @@ TEST(WorkerPoolTest, ParallelUpdateSpansBitEqualToSerial) {
 // Two threads update disjoint span sets through one pool at the same time.
 TEST(WorkerPoolTest, ConcurrentUpdateSpansCallers) {
   Buffers expectA = makeBuffers(7, 150), expectB = makeBuffers(8, 150);
-  updateSpans(expectA.spans, 0.5f, nullptr);
-  updateSpans(expectB.spans, 0.5f, nullptr);
+  updateSpans(expectA.spans, 0.5f);
+  updateSpans(expectB.spans, 0.5f);
   Buffers a = makeBuffers(7, 150), b = makeBuffers(8, 150);
   offload::WorkerPool pool(2);
-  std::thread other([&] { updateSpans(b.spans, 0.5f, &pool, 1000); });
-  updateSpans(a.spans, 0.5f, &pool, 1000);
+  std::thread other([&] { offload::updateOnPool(pool, b.spans, 0.5f, 1000); });
+  offload::updateOnPool(pool, a.spans, 0.5f, 1000);
   other.join();
   EXPECT_EQ(a.emas, expectA.emas);
   EXPECT_EQ(b.emas, expectB.emas);

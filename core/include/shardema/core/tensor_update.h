@@ -10,8 +10,6 @@
 
 namespace shardema {
 
-class ParallelRunner;
-
 /// One EMA tensor and the source it follows.
 struct TensorUpdate {
   /// float32, contiguous, CPU. Updated in place.
@@ -35,15 +33,18 @@ SourceType sourceTypeOf(const at::Tensor& source, const std::string& name);
 /// ema = lerp(ema, source, weight) for kLerp, ema = source for kCopy, for
 /// every entry. weight = 1 - decay, in [0, 1] (c10::ValueError otherwise).
 /// Validates all entries before touching any (two entries whose emas share
-/// memory are refused too: they would race). Blocks; uses pool (nullptr =
-/// caller only). Writes through the raw memory: autograd version counters
-/// are not bumped.
-void applyTensorUpdates(const std::vector<TensorUpdate>& updates, double weight,
-                        ParallelRunner* pool = nullptr);
+/// memory are refused too: they would race). Runs on the calling thread
+/// (offload::updateOnPool(pool, spansOf(updates, weight), weight) spreads
+/// the same work over a pool). Writes through the raw memory: autograd
+/// version counters are not bumped.
+void applyTensorUpdates(const std::vector<TensorUpdate>& updates, double weight);
+
+/// The raw spans of `updates` after the checks of applyTensorUpdates (same
+/// errors); the tensors must outlive the spans.
+std::vector<UpdateSpan> spansOf(const std::vector<TensorUpdate>& updates, double weight);
 
 /// Convenience forms for one tensor.
-void lerpInto(const at::Tensor& ema, const at::Tensor& source, double weight,
-              ParallelRunner* pool = nullptr);
-void copyInto(const at::Tensor& ema, const at::Tensor& source, ParallelRunner* pool = nullptr);
+void lerpInto(const at::Tensor& ema, const at::Tensor& source, double weight);
+void copyInto(const at::Tensor& ema, const at::Tensor& source);
 
 }  // namespace shardema

@@ -1,14 +1,14 @@
 #pragma once
 // Raw update kernels: fused fp32 EMA <- fp32/bf16/fp16 source, no torch, no
-// temporaries. Single-threaded per call; updateSpans() spreads work over a
-// ParallelRunner (offload::WorkerPool). Memory bound by design: one read of
+// temporaries. Every call runs on the calling thread and starts none: the
+// layer that owns threads (offload) hands each one its part, a range of the
+// spans' elements (offload/parallel_update.h; the pipeline's chunks), so
+// work can never nest inside a worker. Memory bound by design: one read of
 // the source, one read and one write of the EMA per element.
 #include <cstdint>
 #include <vector>
 
 namespace shardema {
-
-class ParallelRunner;
 
 /// Element type of an update source (the EMA is always float32).
 enum class SourceType { kFloat32, kBFloat16, kFloat16 };
@@ -50,16 +50,17 @@ struct UpdateSpan {
   UpdateOp op = UpdateOp::kLerp;
 };
 
-/// Applies every span with the lerp weight `weight` (ignored by kCopy). The
-/// total work is cut into pieces of at least `minGrain` elements balanced
-/// over the pool's threads and the caller, so one huge tensor and a thousand
-/// small ones both use every core. pool == nullptr runs on the caller.
-/// Blocks until done. Results do not depend on the split (no FMA contraction).
-/// c10::ValueError for minGrain < 1, a negative count or an op other than
-/// kLerp or kCopy. Spans must not
-/// overlap each other's ema.
-void updateSpans(const std::vector<UpdateSpan>& spans, float weight, ParallelRunner* pool,
-                 int64_t minGrain = 1 << 15);
+/// Every element of the spans laid end to end.
+constexpr int64_t kAllElements = INT64_MAX;
+
+/// Applies the spans with the lerp weight `weight` (ignored by kCopy), on
+/// the calling thread: the elements [begin, end) of the spans laid end to
+/// end (every element by default), so that threads given disjoint ranges
+/// share one call's work. Results do not depend on the split (no FMA
+/// contraction). c10::ValueError for a negative count, an op other than
+/// kLerp or kCopy, or begin < 0. Spans must not overlap each other's ema.
+void updateSpans(const std::vector<UpdateSpan>& spans, float weight, int64_t begin = 0,
+                 int64_t end = kAllElements);
 
 // --- Several EMA profiles of one source in one pass (post-hoc EMA) -------
 // Post-hoc EMA keeps one EMA per sigma_rel of the same weights. Updating
@@ -90,13 +91,16 @@ struct MultiUpdateSpan {
 };
 
 /// updateSpans for several profiles: profile p of every span is lerped with
-/// weights[p] (kCopy ignores the weights). Split over the pool exactly like
-/// updateSpans, by source elements (minGrain counts source elements, each
-/// updating every profile); the result does not depend on the split.
-/// c10::ValueError for minGrain < 1, a negative count, an op other than
-/// kLerp or kCopy, weights.size() not in [1, kMaxProfiles], or a span whose
-/// emas.size() != weights.size().
+/// weights[p] (kCopy ignores the weights), over the source elements
+/// [begin, end) of the spans laid end to end (each updating every profile);
+/// the result does not depend on the split. c10::ValueError for a negative
+/// count, an op other than kLerp or kCopy, weights.size() not in [1,
+/// kMaxProfiles], a span whose emas.size() != weights.size(), or begin < 0.
 void updateSpansMulti(const std::vector<MultiUpdateSpan>& spans, const std::vector<float>& weights,
-                      ParallelRunner* pool, int64_t minGrain = 1 << 15);
+                      int64_t begin = 0, int64_t end = kAllElements);
+
+/// Elements of the spans laid end to end (what the ranges above index).
+int64_t totalElements(const std::vector<UpdateSpan>& spans);
+int64_t totalElements(const std::vector<MultiUpdateSpan>& spans);
 
 }  // namespace shardema

@@ -25,6 +25,11 @@ struct PipelineStats {
   /// skipped after a failure): the part of the EMA that was not hidden
   /// behind the training step (0 when the step is longer than the update).
   int64_t waiterChunks = 0;
+  /// Worker tasks the staged chunks' math ran as: a landed chunk is cut
+  /// into as many parts as there are workers per staging slot (at least
+  /// 32Ki elements each), so this exceeds the staged chunks when workers
+  /// would otherwise sit idle.
+  int64_t stagedParts = 0;
   /// Seconds the last fence() blocked.
   double lastFenceWaitSeconds = 0.0;
   /// Staging memory held for the pipeline's life: numSlots x chunkBytes.

@@ -8,9 +8,10 @@
 //     element (read source and EMA, write EMA), 10 per bf16/fp16 element.
 //   - Staged (sources on a device, or every source with stageHostSources):
 //     the copy engine copies chunk k into a free staging slot and, when it
-//     has landed, a worker folds it into the host EMA and frees the slot.
-//     The worker that frees a slot is the one that queues the next chunk's
-//     copy into it, so neither the user's thread nor the engine's callback
+//     has landed, the workers fold it into the host EMA, in as many parts
+//     as there are workers per slot (one task each, PipelineStats::
+//     stagedParts), and free the slot. The worker that finishes a slot's
+//     last part is the one that queues the next chunk's copy into it, so neither the user's thread nor the engine's callback
 //     ever waits for a slot: the copy of chunk k+1 overlaps the math of
 //     chunk k. A host source staged this way moves 20 bytes per fp32
 //     element (the copy reads 4 and writes 4 more), 14 per bf16 element.
@@ -19,7 +20,8 @@
 // fence() waits for) finish early.
 //
 // Threads: submit/fence/wait/copyTo are for one user thread
-// (the training loop); the math runs on the WorkerPool, copy completions on
+// (the training loop); the math runs on the WorkerPool, each chunk or part
+// on one thread (the kernels start none, so no work nests in a worker), copy completions on
 // the engine's thread. A thread blocked in fence() or wait() runs the direct
 // chunks no worker has claimed yet instead of sleeping (counted in
 // PipelineStats::waiterChunks). No user code runs on either. The engine's
@@ -164,10 +166,11 @@ class UpdatePipeline {
   /// (1 - decay) of every job's ema, weights[p] that of its moreEmas[p - 1]:
   /// one profile is submit(jobs, {weight}, step). 1 to kMaxProfiles weights,
   /// each in [0, 1]; every non-raw job has weights.size() - 1 moreEmas.
-  /// An update still in flight is completed first (wait(), which may throw:
-  /// then nothing new starts; a no-op when the caller has waited). Each job
-  /// is validated once, here, before anything starts (c10::ValueError /
-  /// TypeError naming the tensor); the copies and the math trust it.
+  /// The previous update must have been waited for (wait(); c10::Error
+  /// naming its step otherwise): the pipeline's owner waits once, and
+  /// submit() never waits behind its back. Each job is validated once,
+  /// here, before anything starts (c10::ValueError / TypeError naming the
+  /// tensor); the copies and the math trust it.
   void submit(std::vector<PipelineJob> jobs, std::vector<float> weights, int64_t step);
   /// Blocks until every chunk of the update in flight has been read out of
   /// its source: a direct chunk once its math is done (the direct chunks no
@@ -225,15 +228,19 @@ class UpdatePipeline {
   bool readsInPlace(const PipelineJob& job, size_t index) const;
   void issueChunk(int64_t chunk, int slot);
   void onPieceLanded(int slot, std::exception_ptr error);
-  void runChunk(int slot);
+  int64_t chunkInSlot(int slot) const;
+  // How many parts (one worker task each) a landed staged chunk's math takes.
+  int partsOf(int64_t chunk) const;
+  void runChunkPart(int slot, int64_t chunk, int part, int parts);
   // Worker (onWaiter: the thread in fence()/wait()): direct chunk `chunk`,
   // then the next unclaimed ones in order.
   void runDirectChunks(int64_t chunk, bool onWaiter);
   // fence()/wait(): runs the direct chunks no worker has claimed yet.
   void helpWithDirectChunks();
-  // The math of one chunk; staging == nullptr for a direct chunk (its
-  // pieces read their sources in place).
-  void applyChunk(int64_t chunk, const char* staging);
+  // The math of part `part` of `parts` of one chunk, on this thread;
+  // staging == nullptr for a direct chunk (its pieces read their sources in
+  // place).
+  void applyChunk(int64_t chunk, const char* staging, int part, int parts);
   void finishChunk(int slot, std::exception_ptr&& error);
   // The failure of chunk `chunk`, naming its tensors and the step.
   std::exception_ptr chunkError(int64_t chunk, const std::string& failure) const;
@@ -275,6 +282,7 @@ class UpdatePipeline {
   // All guarded by mutex_.
   std::vector<int64_t> slotChunk_;          // chunk held by each slot, -1 if free
   std::vector<std::string> slotCopyError_;  // engine error per slot, "" if none
+  std::vector<std::string> slotPartError_;  // first failed part's error per slot
   int64_t claimed_ = 0;                     // staged chunks given a slot (chunk directChunks_ + k)
   int64_t queued_ = 0;                      // staged chunks whose copies the engine has
   int64_t finished_ = 0;                    // staged chunks whose math is done or skipped
@@ -292,6 +300,9 @@ class UpdatePipeline {
   bool released_ = true;         // guarded by mutex_: sources checked and free
   // Copies of the slot's chunk not yet landed; counted down by the engine.
   std::unique_ptr<std::atomic<int>[]> piecesLeft_;
+  // Math parts of the slot's landed chunk not yet done; counted down by the
+  // workers, the last one finishes the chunk.
+  std::unique_ptr<std::atomic<int>[]> partsLeft_;
 };
 
 }  // namespace offload

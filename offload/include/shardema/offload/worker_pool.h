@@ -2,27 +2,26 @@
 // WorkerPool: a fixed set of threads (Boost.Asio thread_pool) that run our
 // own kernels. No user code ever runs on it. It lives in offload/ because the
 // pipeline's asynchronous math is what needs background threads; core's
-// kernels only see it as a ParallelRunner.
+// kernels never see it (they run the range they are handed; see
+// parallel_update.h and the pipeline).
 #include <cstdint>
 #include <functional>
 #include <memory>
 
-#include "shardema/core/parallel_runner.h"
-
 namespace shardema::offload {
 
-class WorkerPool final : public ParallelRunner {
+class WorkerPool final {
  public:
   /// Starts numThreads workers (>= 0; c10::ValueError otherwise). With 0
   /// every job runs on the caller.
   explicit WorkerPool(int numThreads);
   /// Joins the workers; jobs still queued are finished first.
-  ~WorkerPool() override;
+  ~WorkerPool();
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
 
   /// Number of worker threads (not counting callers).
-  int size() const override { return numThreads_; }
+  int size() const { return numThreads_; }
 
   /// Runs task(i) for every i in [0, numTasks) on the workers and the
   /// calling thread, and blocks until all have finished. If tasks throw, the
@@ -30,7 +29,7 @@ class WorkerPool final : public ParallelRunner {
   /// started when one throws are skipped). Thread-safe: several callers may
   /// use one pool at once, and a task may itself call parallelFor; the
   /// caller takes tasks too, so it finishes alone when every worker is busy.
-  void parallelFor(int64_t numTasks, const std::function<void(int64_t)>& task) override;
+  void parallelFor(int64_t numTasks, const std::function<void(int64_t)>& task);
 
   /// Queues fn to run on a worker and returns at once (for the async
   /// pipeline); with no workers it runs fn on the caller before returning.
