@@ -57,13 +57,21 @@ void EmaCallback::onFitStart(torch::nn::Module& module) {
   queuedState_.reset();
 }
 
+bool optimizerStepped(int64_t batchIdx, int64_t accumulateGradBatches, bool isLastBatch) {
+  TORCH_CHECK_VALUE(accumulateGradBatches >= 1,
+                    "accumulateGradBatches (the trainer's accumulate_grad_batches) must be >= 1, "
+                    "got ",
+                    accumulateGradBatches);
+  TORCH_CHECK_VALUE(batchIdx >= 0, "batchIdx (the batch's index in its epoch) must be >= 0, got ",
+                    batchIdx);
+  return (batchIdx + 1) % accumulateGradBatches == 0 || isLastBatch;
+}
+
 bool EmaCallback::onTrainBatchEnd(int64_t globalStep, int64_t batchIdx,
                                   int64_t accumulateGradBatches, bool isLastBatch) {
-  TORCH_CHECK_VALUE(accumulateGradBatches >= 1,
-                    "EmaCallback::onTrainBatchEnd: accumulateGradBatches must be >= 1, got ",
-                    accumulateGradBatches);
-  TORCH_CHECK_VALUE(batchIdx >= 0, "EmaCallback::onTrainBatchEnd: batchIdx must be >= 0, got ",
-                    batchIdx);
+  // Checked before the state: a bad argument is a ValueError even before
+  // onFitStart.
+  const bool stepped = optimizerStepped(batchIdx, accumulateGradBatches, isLastBatch);
   // Before onFitStart there is no EMA to fold this step into; returning
   // false would let a loop that forgot onFitStart train without one.
   TORCH_CHECK(averager_ != nullptr, "EmaCallback::onTrainBatchEnd: called before onFitStart; ",
@@ -71,11 +79,7 @@ bool EmaCallback::onTrainBatchEnd(int64_t globalStep, int64_t batchIdx,
   TORCH_CHECK(!emaSwappedIn(),
               "EmaCallback::onTrainBatchEnd: called while the EMA weights are "
               "swapped in; call onValidationEnd() first");
-  // Micro-batches inside an accumulation window did not step the
-  // optimizer; averaging them would decay the EMA too fast. The epoch's last
-  // batch flushes a partial window, so that step counts.
-  const bool windowIncomplete = (batchIdx + 1) % accumulateGradBatches != 0;
-  if (windowIncomplete && !isLastBatch) return false;
+  if (!stepped) return false;
   // A global step that did not advance (manual optimisation that skipped a
   // step, a trainer whose counter was reset) is not an optimizer step to
   // fold in; the seed would average it again, we skip it instead of

@@ -10,7 +10,6 @@
 #include <cstdlib>
 #include <filesystem>
 #include <set>
-#include <sstream>
 #include <unordered_map>
 
 #include "sharded_internal.h"
@@ -19,7 +18,7 @@
 #include "shardema/core/power_function.h"
 #include "shardema/core/tensor_file.h"
 #include "shardema/core/update_kernels.h"
-#include "shardema/core/warning.h"
+#include "shardema/ema_callback.h"
 #include "shardema/shard/communicator.h"
 
 namespace shardema {
@@ -176,15 +175,40 @@ void PostHocCallback::onFitStart(std::vector<TrackedTensor> full) {
   build(std::move(shards), std::move(full));
 }
 
-void PostHocCallback::onFitStart(std::vector<LocalShard> shards) {
+void PostHocCallback::onFitStart(std::vector<LocalShard> shards,
+                                 std::vector<TrackedTensor> wholeReplicated) {
   TORCH_CHECK_VALUE(options_.layout == PostHocLayout::kSharded, kApi,
                     "::onFitStart(shards) is for the sharded layout; kRankZero takes "
                     "the module");
-  std::vector<TrackedTensor> targets;
-  for (const LocalShard& s : shards) {
-    targets.push_back(TrackedTensor{s.spec.name, s.local, s.role, s.changesInForward});
+  std::unordered_map<std::string, TrackedTensor> whole;
+  for (TrackedTensor& t : wholeReplicated) {
+    const std::string name = t.name;
+    TORCH_CHECK_VALUE(whole.emplace(name, std::move(t)).second, kApi,
+                      "::onFitStart: wholeReplicated lists '", name, "' twice");
   }
+  std::vector<TrackedTensor> targets;
+  std::vector<std::string> gathered;
+  for (const LocalShard& s : shards) {
+    const auto found = whole.find(s.spec.name);
+    if (found == whole.end()) {
+      targets.push_back(TrackedTensor{s.spec.name, s.local, s.role, s.changesInForward});
+      continue;
+    }
+    TORCH_CHECK_VALUE(s.spec.kind == shard::LayoutKind::kReplicated, kApi, "::onFitStart: '",
+                      s.spec.name, "' is in wholeReplicated but its shard is ",
+                      shard::layoutKindName(s.spec.kind), ", not replicated");
+    TORCH_CHECK_VALUE(found->second.source.numel() == s.spec.numel(), kApi, "::onFitStart: '",
+                      s.spec.name, "' in wholeReplicated has ", found->second.source.numel(),
+                      " elements, its shard spec ", s.spec.numel());
+    targets.push_back(std::move(found->second));
+    gathered.push_back(s.spec.name);
+    whole.erase(found);
+  }
+  TORCH_CHECK_VALUE(whole.empty(), kApi, "::onFitStart: wholeReplicated holds '",
+                    whole.empty() ? std::string() : whole.begin()->first,
+                    "', which no shard has");
   build(std::move(shards), std::move(targets));
+  gatheredForSwap_ = std::move(gathered);
 }
 
 void PostHocCallback::build(std::vector<LocalShard> shards, std::vector<TrackedTensor> targets) {
@@ -207,18 +231,12 @@ void PostHocCallback::build(std::vector<LocalShard> shards, std::vector<TrackedT
 
 bool PostHocCallback::onTrainBatchEnd(int64_t globalStep, int64_t batchIdx,
                                       int64_t accumulateGradBatches, bool isLastBatch) {
-  TORCH_CHECK_VALUE(accumulateGradBatches >= 1, kApi,
-                    "::onTrainBatchEnd: accumulateGradBatches must be >= 1, got ",
-                    accumulateGradBatches);
-  TORCH_CHECK_VALUE(batchIdx >= 0, kApi, "::onTrainBatchEnd: batchIdx must be >= 0, got ",
-                    batchIdx);
+  const bool stepped = optimizerStepped(batchIdx, accumulateGradBatches, isLastBatch);
   TORCH_CHECK(averager_ != nullptr, kApi, "::onTrainBatchEnd: called before onFitStart");
   TORCH_CHECK(!emaSwappedIn(), kApi,
               "::onTrainBatchEnd: called while the synthesized EMA is swapped in; call "
               "onValidationEnd() first");
-  // Micro-batches inside an accumulation window did not step the optimizer.
-  const bool windowIncomplete = (batchIdx + 1) % accumulateGradBatches != 0;
-  if (windowIncomplete && !isLastBatch) return false;
+  if (!stepped) return false;  // a micro-batch inside an accumulation window
   // A global step that did not advance is not another optimizer step.
   if (globalStep <= lastGlobalStep_) return false;
   lastGlobalStep_ = globalStep;
@@ -263,7 +281,16 @@ void PostHocCallback::writeSnapshots() {
     newestSnapshot_ = calls_;
     return;
   }
-  const std::string folder = snapshotFolder();
+  writeProfiles(snapshotFolder());
+  // Only now: a failed write must leave the step without snapshots on record.
+  newestSnapshot_ = calls_;
+}
+
+std::string PostHocCallback::resumeFolder() const {
+  return detail::joinPath(snapshotFolder(), "resume");
+}
+
+void PostHocCallback::writeProfiles(const std::string& folder) {
   detail::ensureDirectory(folder, kApi);
   const Averager& averager = averager_->averager();
   const bool sharded = options_.layout == PostHocLayout::kSharded;
@@ -284,8 +311,6 @@ void PostHocCallback::writeSnapshots() {
     }
     writeSnapshot(detail::joinPath(folder, snapshotFileName(p, calls_)), tensors, info);
   }
-  // Only now: a failed write must leave the step without snapshots on record.
-  newestSnapshot_ = calls_;
 }
 
 std::string PostHocCallback::outputFolderOf(const PostHocCallbackOptions& options) {
@@ -299,13 +324,14 @@ std::string PostHocCallback::outputFolderOf(const PostHocCallbackOptions& option
   return snapshots.has_parent_path() ? snapshots.parent_path().string() : ".";
 }
 
-void PostHocCallback::onSaveCheckpoint(TrainingCheckpoint& checkpoint) const {
-  if (calls_ > 0 && calls_ != newestSnapshot_) {
-    std::ostringstream message;
-    message << kApi << ": checkpoint saved at call " << calls_
-            << ", which has no snapshot (they are written every " << options_.checkpointEvery
-            << " calls); resuming from it will fail";
-    detail::warn(message.str());
+void PostHocCallback::onSaveCheckpoint(TrainingCheckpoint& checkpoint) {
+  if (calls_ > 0 && calls_ != newestSnapshot_ && averager_ != nullptr && holdsEma()) {
+    // Between snapshot calls: the EMAs of this call, kept apart from the
+    // snapshots (the synthesis must not see them), so a resume from this
+    // checkpoint goes on from exactly these values. The file names carry
+    // the call, so each checkpoint has its own.
+    averager_->wait();
+    writeProfiles(resumeFolder());
   }
   checkpoint.metadata[kCallsKey] = std::to_string(calls_);
 }
@@ -332,11 +358,17 @@ void PostHocCallback::resumeAt(int64_t calls) {
     const bool sharded = options_.layout == PostHocLayout::kSharded;
     const std::string layoutJson = sharded ? averager_->layout().toJson() : std::string();
     for (int p = 0; p < averager.numProfiles(); ++p) {
-      const std::string path = detail::joinPath(snapshotFolder(), snapshotFileName(p, calls));
-      TORCH_CHECK_VALUE(std::filesystem::exists(path), kApi, ": cannot resume at call ", calls,
-                        ": snapshot ", path, " is missing (snapshots are written every ",
-                        options_.checkpointEvery,
-                        " calls, so a resume must land on one of those steps)");
+      // The snapshot at that call, else the resume state its checkpoint
+      // wrote (a save between snapshot calls).
+      const std::string snapshot = detail::joinPath(snapshotFolder(), snapshotFileName(p, calls));
+      const std::string resume = detail::joinPath(resumeFolder(), snapshotFileName(p, calls));
+      const bool atSnapshot = std::filesystem::exists(snapshot);
+      const std::string path = atSnapshot ? snapshot : resume;
+      TORCH_CHECK_VALUE(atSnapshot || std::filesystem::exists(resume), kApi,
+                        ": cannot resume at call ", calls, ": neither the snapshot ", snapshot,
+                        " nor the resume state ", resume,
+                        " exists (the checkpoint's save writes one of them; were they moved "
+                        "or deleted?)");
       const SnapshotInfo info = readSnapshotInfo(path);
       TORCH_CHECK_VALUE(info.gamma == averager.schedule(p).gamma(), kApi, ": ", path,
                         " holds sigma_rel ", info.sigmaRel, " but profile ", p, " tracks ",
@@ -363,7 +395,15 @@ void PostHocCallback::resumeAt(int64_t calls) {
     averager.restoreProgress(calls, /*initialized=*/true);
   }
   calls_ = calls;
-  newestSnapshot_ = calls;
+  // The newest snapshot call at or before `calls` (what the validation
+  // swap synthesizes at), as in the run that saved the checkpoint: a call
+  // on the snapshot grid, or `calls` itself when its snapshot exists (the
+  // final one onTrainEnd writes off the grid).
+  newestSnapshot_ = calls - calls % options_.checkpointEvery;
+  if (calls > 0 && holdsEma() &&
+      std::filesystem::exists(detail::joinPath(snapshotFolder(), snapshotFileName(0, calls)))) {
+    newestSnapshot_ = calls;
+  }
 }
 
 }  // namespace shardema

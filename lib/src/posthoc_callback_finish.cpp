@@ -175,8 +175,33 @@ bool PostHocCallback::swapInSharded() {
     agreeOnSolves(*ranks_.comm, synth ? &synth->weights : nullptr, ownError, request);
   }
   if (!swapWholeTensors_) {
-    // Real shards (FSDP locals): each rank swaps what it holds.
-    swapInValues(byName(synth->tensors));
+    // Real shards (FSDP locals): each rank swaps what it holds, and the
+    // tensors every rank holds whole (buffers beside FSDP2 parameters)
+    // take their gathered EMA, so the ranks agree on them.
+    std::unordered_map<std::string, at::Tensor> values = byName(synth->tensors);
+    if (!gatheredForSwap_.empty()) {
+      shard::ShardLayout replicated;
+      std::vector<at::Tensor> replicatedPieces;
+      const shard::ShardLayout& layout = averager_->layout();
+      for (const std::string& name : gatheredForSwap_) {
+        for (size_t i = 0; i < layout.specs.size(); ++i) {
+          if (layout.specs[i].name != name) continue;
+          replicated.specs.push_back(layout.specs[i]);
+          replicatedPieces.push_back(pieces[i]);
+        }
+      }
+      std::vector<std::pair<std::string, at::Tensor>> whole;
+      if (collective) {
+        shard::GatherOptions gather;
+        gather.root = -1;
+        gather.bufferBytes = options_.bufferBytes;
+        whole = shard::gatherFull(*ranks_.comm, replicated, replicatedPieces, gather);
+      } else {
+        whole = wholeFromPieces(replicated, replicatedPieces);
+      }
+      for (auto& [name, tensor] : whole) values[name] = tensor;
+    }
+    swapInValues(values);
     return true;
   }
   // A replicated module: every rank needs the whole EMA, not just its rows.

@@ -5,10 +5,14 @@ the model's and the optimizer's in one DCP state dict (say under "ema"),
 and DCP reshards it when the world size changes, because each EMA tensor
 says where its rows lie in the full tensor:
 
-- a DTensor with Shard(0) over the group's 1-D mesh ("rows"), when ranks
-  hold torch.chunk rows of dim 0: FSDP2 parameters (the parameter's mesh),
-  replicated buffers and DDP's replicated layout (each rank averages its
-  rows);
+- a DTensor ("placed"): for a DTensor parameter, its own mesh and
+  placements (FSDP2's Shard(0), HSDP's (Replicate(), Shard(0)) on a 2-D
+  mesh, tensor parallelism's Shard(d)); for what every rank of the
+  collectives' group holds whole (buffers, plain parameters beside
+  DTensors, Replicate() DTensors, DDP's replicated layout), the rows each
+  rank averages: Shard(0) over the mesh's last dimension (the group's),
+  Replicate() over the first (HSDP's replicas). DCP writes a chunk that
+  replicas share once (it dedupes equal chunks), so one copy is stored;
 - a plain full tensor on every rank ("whole") with one process;
 - a plain full tensor on rank 0 only ("rank0"): layout="rank0", and the
   0-dim tensors of the other layouts, which rank 0 keeps.
@@ -26,7 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ._model import is_dtensor, module_tensors
+from ._model import _fsdp2_local, dtensor_split, is_dtensor, module_tensors
 
 FORMAT = "shardema.EMA/1"
 
@@ -43,11 +47,15 @@ _PROGRESS = {
 @dataclass
 class _Piece:
     """How one EMA tensor appears on this rank."""
-    owner: str  # "rows", "whole" or "rank0"
+    owner: str  # "placed", "whole" or "rank0"
     global_shape: Tuple[int, ...]
     local_shape: Tuple[int, ...]  # of the engine's piece on this rank
     local_dtype: torch.dtype
-    mesh: Any = None  # "rows": the mesh of the DTensor
+    # "placed": the DTensor's mesh, placements and local shape (to_local()'s;
+    # the engine's piece has the same elements in the same order)
+    mesh: Any = None
+    placements: Tuple[Any, ...] = ()
+    placed_shape: Tuple[int, ...] = ()
 
 
 @dataclass
@@ -79,23 +87,25 @@ def _contiguous_stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:
 
 
 def _checked_mesh(mesh: Any, layout: "_Layout", device_type: str) -> Any:
-    """`mesh` as the EMA's rows need it: 1-D, this EMA's ranks in order, on
+    """`mesh` as the EMA's DTensors need it: its last dimension this EMA's
+    ranks in order (the first dimension of a 2-D mesh: HSDP's replicas), on
     the device the EMA is on (a DTensor moves its local tensor to its
     mesh's device, and the EMA of a GPU model stays in host memory; DCP
     reads only the mesh's coordinates)."""
-    if mesh.ndim != 1:
-        raise ValueError(f"shardema.EMA.state_dict: the parameters' mesh {mesh} is "
-                         f"{mesh.ndim}-D (HSDP); a DCP state dict of the EMA maps 1-D meshes "
-                         "only so far (use save_checkpoint())")
-    if mesh.size() != layout.world or \
-            list(mesh.get_coordinate() or ()) != [layout.rank]:
-        raise ValueError(f"shardema.EMA.state_dict: the mesh {mesh} does not list this EMA's "
-                         f"{layout.world} ranks in order (rank {layout.rank} here); a DCP "
-                         "state dict needs the EMA's group to be the mesh's")
+    last = mesh.ndim - 1
+    coordinate = list(mesh.get_coordinate() or ())
+    if mesh.size(last) != layout.world or coordinate[last:] != [layout.rank]:
+        raise ValueError(f"shardema.EMA.state_dict: the last dimension of the mesh {mesh} does "
+                         f"not list this EMA's {layout.world} ranks in order (rank "
+                         f"{layout.rank} here); a DCP state dict needs the EMA's group to be "
+                         "that dimension's")
     if mesh.device_type == device_type:
         return mesh
     from torch.distributed.device_mesh import DeviceMesh
-    return DeviceMesh.from_group(mesh.get_group(), device_type)
+    if mesh.ndim == 1:
+        return DeviceMesh.from_group(mesh.get_group(), device_type)
+    return DeviceMesh.from_group([mesh.get_group(d) for d in range(mesh.ndim)], device_type,
+                                 mesh=mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
 
 
 def _default_group_mesh(ema: Any, device_type: str) -> Any:
@@ -152,18 +162,26 @@ def _layout(ema: Any, raw: Optional[Dict[str, Any]] = None) -> _Layout:
                 else _default_group_mesh(ema, device_type)
         return meshes[id(mesh)]
 
+    from torch.distributed.tensor import Replicate, Shard
     for name, local in raw["tensors"].items():
         source = sources.get(name)
         shape = tuple(source.shape) if source is not None else tuple(local.shape)
         piece = _Piece("whole", shape, tuple(local.shape), local.dtype)
-        if source is not None and is_dtensor(source) or out.world > 1 and shape:
-            if ema.layout == "rank0":
-                piece.owner = "rank0"
+        placed = source is not None and is_dtensor(source) or out.world > 1
+        if placed and (ema.layout == "rank0" or not shape):
+            piece.owner = "rank0"  # a 0-dim tensor: rank 0 keeps it
+        elif placed:
+            piece.owner = "placed"
+            piece.mesh = rows_mesh(source, local.device.type)
+            split = dtensor_split(name, source) if is_dtensor(source) else "replicated"
+            if split == "replicated":
+                # every rank holds it whole and averages its rows
+                begin, end = _row_range(shape[0], out.rank, out.world)
+                piece.placements = (Replicate(),) * (piece.mesh.ndim - 1) + (Shard(0),)
+                piece.placed_shape = (end - begin,) + shape[1:]
             else:
-                piece.owner = "rows"
-                piece.mesh = rows_mesh(source, local.device.type)
-        elif out.world > 1:  # a 0-dim tensor: rank 0 keeps it
-            piece.owner = "rank0"
+                piece.placements = tuple(source.placements)
+                piece.placed_shape = tuple(_fsdp2_local(name, source).shape)
         out.pieces[name] = piece
     _LAYOUTS[ema] = out
     return out
@@ -172,16 +190,15 @@ def _layout(ema: Any, raw: Optional[Dict[str, Any]] = None) -> _Layout:
 def state_dict(ema: Any) -> Dict[str, Any]:
     """{"weights": {name: DTensor or tensor}, "progress": {...}}: fresh
     tensors (DCP may load into them), nothing shared with the engine."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
     raw = ema._engine.state_dict()  # clones of this rank's pieces
     layout = _layout(ema, raw)
     weights: Dict[str, Any] = {}
     for name, local in raw["tensors"].items():
         piece = layout.pieces[name]
-        if piece.owner == "rows":
-            begin, end = _row_range(piece.global_shape[0], layout.rank, layout.world)
-            rows = local.reshape((end - begin,) + piece.global_shape[1:])
-            weights[name] = DTensor.from_local(rows, piece.mesh, [Shard(0)], run_check=False,
+        if piece.owner == "placed":
+            weights[name] = DTensor.from_local(local.reshape(piece.placed_shape), piece.mesh,
+                                               piece.placements, run_check=False,
                                                shape=torch.Size(piece.global_shape),
                                                stride=_contiguous_stride(piece.global_shape))
         elif piece.owner == "whole" or layout.rank == 0:
@@ -214,14 +231,19 @@ def _progress_metadata(progress: Any) -> Dict[str, str]:
 
 
 def _local_piece(name: str, value: Any, piece: _Piece, layout: _Layout) -> torch.Tensor:
-    """This rank's piece of `value` (a DTensor: its local rows; a plain
-    tensor: the full tensor, cut as the engine splits it)."""
+    """This rank's piece of `value`: a DTensor placed as this EMA's piece
+    (what state_dict() made, DCP loaded into it) gives its to_local(); any
+    other tensor is taken whole (full_tensor() of another DTensor: a
+    collective) and cut as this rank's piece is."""
     where = f"shardema.EMA.load_state_dict: tensor '{name}'"
     if is_dtensor(value):
         if tuple(value.shape) != piece.global_shape:
             raise ValueError(f"{where} has shape {tuple(value.shape)} in the state but "
                              f"{piece.global_shape} here")
-        return value.to_local()
+        if piece.owner == "placed" and tuple(value.placements) == piece.placements and \
+                tuple(value.device_mesh.shape) == tuple(piece.mesh.shape):
+            return value.to_local()
+        value = value.full_tensor()
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{where} is a {type(value).__name__}, not a tensor")
     if piece.owner == "whole":
@@ -231,8 +253,22 @@ def _local_piece(name: str, value: Any, piece: _Piece, layout: _Layout) -> torch
                          f"{piece.global_shape} here")
     if piece.owner == "rank0":
         return value if layout.rank == 0 else value.reshape(-1)[:0]
-    begin, end = _row_range(piece.global_shape[0], layout.rank, layout.world)
-    return value[begin:end]
+    return _cut(value, piece)
+
+
+def _cut(value: torch.Tensor, piece: _Piece) -> torch.Tensor:
+    """This rank's part of full tensor `value` under the piece's placements:
+    torch.chunk along each sharded dim, as DTensor splits (trailing ranks
+    may get none)."""
+    coordinate = piece.mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(piece.placements):
+        if not placement.is_shard():
+            continue
+        dim = placement.dim % value.dim()
+        chunks = torch.chunk(value, piece.mesh.size(mesh_dim), dim=dim)
+        index = coordinate[mesh_dim]
+        value = chunks[index] if index < len(chunks) else value.narrow(dim, 0, 0)
+    return value.contiguous()
 
 
 def _pieces_of(values: Dict[str, Any], layout: _Layout) -> Dict[str, torch.Tensor]:

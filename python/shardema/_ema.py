@@ -9,9 +9,10 @@ import torch
 
 from . import _C
 from ._model import Plan, checked_group, is_dtensor, module_tensors, named_tensors, plan_layout, \
-    unwrap, write_on_first_replica
+    refuse_tensor_parallel, unwrap, write_on_first_replica
 from ._selection import select
 from ._shards import as_local_shard
+from . import _ema_values
 from ._view import copy_model_into_ema, materialize, model_values, reshard_fsdp
 
 
@@ -128,6 +129,10 @@ class EMA:
         self._hooks: list = []
         self._watched = plan.watched
         self._replicas = plan.replicas  # HSDP: only the first replica writes files
+        self._timeout_s = _seconds(timeout)  # HSDP's waiting replicas honour it too
+        # Shard(d > 0) DTensors by name: gathered with DTensor collectives,
+        # kept out of the engine's files (_tensor_parallel.py).
+        self._tensor_parallel = plan.tensor_parallel
         self._schedule = schedule
         self._more_schedules = list(more_schedules)
         # The parameters whose requires_grad decides, at each update, whether
@@ -144,6 +149,9 @@ class EMA:
                               list(more_schedules), bool(copy_on_first_update), storage,
                               chunk_bytes, int(num_slots), bool(fence_in_update),
                               engine, plan.layout, plan.owners, bool(refuse_non_finite))
+        # How this rank holds each tracked tensor, for ema_tensors() and
+        # load_ema_values().
+        self._held = _ema_values.held_of(plan)
 
     # --- stepping -------------------------------------------------------
     def update(self, step: Optional[int] = None) -> bool:
@@ -255,14 +263,36 @@ class EMA:
         the raw ones back on exit, also on exceptions. Collective for a
         replicated model on several ranks. An FSDP2 model is resharded on
         entry and exit, so that forwards see what the shards hold."""
-        self._check_model(model, "swap")
-        reshard_fsdp(self._model)
-        self._engine.swap_in()
+        self.swap_in(model)
         try:
             yield
         finally:
-            self._engine.swap_out()
-            reshard_fsdp(self._model)
+            self.swap_out()
+
+    @property
+    def swapped(self) -> bool:
+        """Whether the EMA is swapped into the model (swap_in(), or inside
+        swap())."""
+        return self._engine.swapped
+
+    def swap_in(self, model: Any = None) -> None:
+        """swap()'s entry, for hooks that cannot hold a with-block (a
+        trainer's validation start and end): the EMA weights into the model
+        (its local shards), the raw ones kept for swap_out(). A failure (a
+        gather that times out) puts the raw weights back before it raises.
+        RuntimeError when already swapped in (swaps do not nest). Collective
+        for a replicated model on several ranks. FSDP2 modules are resharded
+        first, so that forwards see what the shards hold."""
+        self._check_model(model, "swap_in")
+        reshard_fsdp(self._model)
+        self._engine.swap_in()
+
+    def swap_out(self, model: Any = None) -> None:
+        """swap()'s exit: the raw weights back (nothing to do when not
+        swapped in), then FSDP2 modules resharded. No communication."""
+        self._check_model(model, "swap_out")
+        self._engine.swap_out()
+        reshard_fsdp(self._model)
 
     def copy_to(self, model: Any = None) -> None:
         """Writes the EMA weights into the model for good."""
@@ -290,7 +320,18 @@ class EMA:
         if self._model is None:
             raise ValueError("EMA.module: this EMA was built from named tensors or local shards, "
                              "not a model; read it with full_state_dict() or local_ema()")
+        self._refuse_fsdp1("module")
         return materialize(self, self._model, device, into)
+
+    def _refuse_fsdp1(self, api: str) -> None:
+        # Under FSDP1 a rank's EMA of a parameter is a range of a flattened
+        # FlatParameter shard: neither a DTensor (state_dict) nor a module
+        # sharded like the model (module, copy_from) can describe it.
+        if self.layout == "fsdp1":
+            raise ValueError(f"EMA.{api} is not supported for an FSDP1 model "
+                             "(FullyShardedDataParallel: each rank's EMA is a range of a "
+                             "flattened parameter); use save_checkpoint() / load_checkpoint(), "
+                             "export_weights(), full_state_dict() or swap()")
 
     def copy_from(self, model: Any = None) -> None:
         """The EMA of every tracked tensor becomes its current value (ema-
@@ -301,7 +342,8 @@ class EMA:
         only, no communication. Refused inside swap() (the model holds the
         EMA there) and with more_schedules (one profile would move)."""
         self._check_model(model, "copy_from")
-        if self._engine.swapped:
+        self._refuse_fsdp1("copy_from")
+        if self.swapped:
             raise RuntimeError("EMA.copy_from: the EMA is swapped into the model; leave swap() "
                                "first (the model holds the EMA weights inside it)")
         if self._more_schedules:
@@ -314,7 +356,7 @@ class EMA:
             local = [(n, t.to_local()) for n, t in self._given if is_dtensor(t)]
         else:
             full, local = [], [(s.spec.name, s.local) for s in self._local_shards]
-        copy_model_into_ema(self._engine, full, local)
+        copy_model_into_ema(self, full, local)
 
     # --- state ----------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -324,6 +366,7 @@ class EMA:
         so DCP reshards them on another world size. The progress is plain
         values, equal on every rank. See docs/python.md, "Checkpoints with
         torch.distributed.checkpoint"."""
+        self._refuse_fsdp1("state_dict")
         from . import _dcp
         return _dcp.state_dict(self)
 
@@ -338,23 +381,29 @@ class EMA:
         if "tensors" in state and "metadata" in state:
             self._engine.load_state_dict(state)
             return
+        self._refuse_fsdp1("load_state_dict")
         from . import _dcp
         _dcp.load_state_dict(self, state)
 
     def save_checkpoint(self, folder: str) -> None:
         """Collective: this rank's file and (rank 0) the manifest in `folder`."""
-        write_on_first_replica(self._replicas, lambda: self._engine.save_checkpoint(str(folder)))
+        refuse_tensor_parallel(self._tensor_parallel, "save_checkpoint")
+        write_on_first_replica(self._replicas, lambda: self._engine.save_checkpoint(str(folder)),
+                               self._timeout_s, "save_checkpoint")
 
     def load_checkpoint(self, folder: str) -> None:
         """Collective: every rank loads its file of a checkpoint of the same
         layout; if one rank fails, every rank raises and none changed."""
+        refuse_tensor_parallel(self._tensor_parallel, "load_checkpoint")
         self._engine.load_checkpoint(str(folder))
 
     def export_weights(self, path: str, dtype: torch.dtype = torch.float32) -> None:
         """Collective: rank 0 writes deployable safetensors of the full
         tensors (floating ones as `dtype`)."""
+        refuse_tensor_parallel(self._tensor_parallel, "export_weights")
         write_on_first_replica(self._replicas,
-                               lambda: self._engine.export_weights(str(path), dtype))
+                               lambda: self._engine.export_weights(str(path), dtype),
+                               self._timeout_s, "export_weights")
 
     def full_state_dict(self, rank0_only: bool = True,
                         names: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:
@@ -363,11 +412,40 @@ class EMA:
         rank): just those, else all. For small models and tests;
         export_weights() streams large ones."""
         chosen = None if names is None else [str(n) for n in names]
+        if self._tensor_parallel:
+            from . import _tensor_parallel
+            return _tensor_parallel.full_state_dict(self, self._tensor_parallel, rank0_only,
+                                                    chosen)
         return dict(self._engine.full_state_dict(rank0_only, chosen))
 
     def local_ema(self) -> Dict[str, torch.Tensor]:
         """This rank's EMA pieces (1-D clones), the elements it owns."""
         return dict(self._engine.local_ema())
+
+    def ema_tensors(self, names: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:
+        """The EMA of each tracked tensor (`names`, the same on every rank;
+        else all) in the shape this rank holds the tensor in: a DTensor's
+        to_local() (its rows under Shard(0), the whole under Replicate()),
+        the whole of a plain tensor. Fresh copies (float32 where averaged)
+        where the EMA lives (host memory by default), gathered ones on the
+        CPU. Collective where this rank holds the whole of a tensor
+        whose EMA the ranks split (a plain tensor under DDP or
+        layout="rank0", a Replicate() DTensor): those are gathered, so every
+        rank calls it. Waits for the update in flight."""
+        return _ema_values.ema_tensors(self, self._held, names)
+
+    def load_ema_values(self, values: Dict[str, Any], strict: bool = True) -> None:
+        """The EMA of each named tensor becomes the value given (converted to
+        the EMA's dtype): a DTensor, or a tensor shaped as ema_tensors()
+        gives it, stands for what this rank holds (each rank keeps its rows
+        of a whole); a plain tensor of a DTensor's full shape is the whole,
+        of which this rank takes its part (a checkpoint every rank reads
+        whole). The step and the schedule are unchanged. strict: every
+        tracked name must be given (else the others keep their EMA). One
+        ValueError lists every missing, unexpected and misshapen name, and
+        then nothing was loaded. No communication; waits for the update in
+        flight."""
+        _ema_values.load_ema_values(self, self._held, values, bool(strict))
 
     def offload_stats(self) -> Dict[str, Any]:
         """What the background pipeline has done so far, all updates:

@@ -2,7 +2,7 @@
 how they are split over ranks (the layout). Pure bookkeeping over
 PyTorch's public attributes; the roles come from the C++ policy."""
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -23,6 +23,10 @@ class Tracked:
     # tensors, nothing to watch).
     container: Optional[dict] = None
     key: Optional[str] = None
+    # FSDP1: (this rank's LocalShard of the member, unit path, unit), a view
+    # into the FlatParameter's local shard (_fsdp1.py); `tensor` is then the
+    # parameter whose requires_grad decides the role at each update.
+    piece: Any = None
 
 
 @dataclass
@@ -43,6 +47,11 @@ class Plan:
     # mesh's replicate dimension). Only the replica holding global rank 0
     # writes files; None: no replicas.
     replicas: Any = None
+    # Tensor parallelism: the DTensors split along a dim other than 0
+    # (Shard(d > 0)), by name. Each rank keeps the EMA of its to_local() as
+    # laid out there; the engine's files, which describe rows of dim 0,
+    # cannot hold them (see refuse_tensor_parallel).
+    tensor_parallel: Dict[str, Any] = field(default_factory=dict)
 
 
 def unwrap(model: Any) -> Any:
@@ -61,7 +70,12 @@ def _is_floating(t: Any) -> bool:
 def module_tensors(module: torch.nn.Module, policy: str) -> List[Tracked]:
     """Parameters and buffers in state_dict order (each module's own
     parameters, its buffers, then its children), shared tensors once, with
-    the role `policy` gives each."""
+    the role `policy` gives each. A model holding FSDP1 units: their
+    FlatParameters' members by clean name (_fsdp1.py)."""
+    from ._fsdp1 import fsdp1_tensors
+    fsdp1 = fsdp1_tensors(module, policy)
+    if fsdp1 is not None:
+        return fsdp1
     batch_norm = torch.nn.modules.batchnorm._BatchNorm
     seen = set()
     out: List[Tracked] = []
@@ -150,36 +164,80 @@ def _rank_and_size(group: Any) -> Tuple[int, int]:
 
 def dtensor_split(name: str, t: Any) -> str:
     """How DTensor `t` is split over the last dimension of its mesh, the one
-    shardema's collectives run over: "fsdp2" (Shard(0): torch.chunk's rows,
-    as fully_shard leaves them; on a 2-D mesh, HSDP, the first dimension
-    replicates them) or "replicated" (Replicate() on every dimension: each
-    rank holds the whole tensor, and keeps the EMA of its rows of it, as
-    under DDP). ValueError naming the tensor otherwise."""
+    shardema's collectives run over (on a 2-D mesh the first dimension must
+    replicate: HSDP's replicas):
+    - "fsdp2": Shard(0), torch.chunk's rows (fully_shard, ColwiseParallel);
+    - "tensor_parallel": Shard(d) with d > 0 (RowwiseParallel's weight,
+      distribute_tensor(..., [Shard(1)])): each rank keeps the EMA of its
+      to_local() as it is laid out;
+    - "replicated": Replicate() on every dimension: each rank holds the
+      whole tensor and keeps the EMA of its rows of it, as under DDP.
+    ValueError naming the tensor and its placements otherwise."""
     mesh = t.device_mesh
     placements = tuple(t.placements)
     if mesh.ndim > 2:
         raise ValueError(f"'{name}': a {mesh.ndim}-D device mesh is not supported; shardema.EMA "
-                         "follows FSDP2 on a 1-D mesh and HSDP on a 2-D one (or use "
-                         "EMA.from_local_shards)")
+                         "follows a 1-D mesh (FSDP2, tensor parallelism) and a 2-D one whose "
+                         "first dimension replicates (HSDP) (or use EMA.from_local_shards)")
     if all(p.is_replicate() for p in placements):
         return "replicated"
-    if placements[-1].is_shard(0) and all(p.is_replicate() for p in placements[:-1]):
-        return "fsdp2"
+    last = placements[-1]
+    # _StridedShard (FSDP2 over tensor parallelism) is a Shard too, with a
+    # split factor: its pieces are not torch.chunk's.
+    plain_shard = last.is_shard() and getattr(last, "split_factor", 1) == 1
+    if plain_shard and all(p.is_replicate() for p in placements[:-1]) and t.dim() > 0:
+        return "fsdp2" if last.dim % t.dim() == 0 else "tensor_parallel"
     raise ValueError(f"'{name}': placements {placements} on a {mesh.ndim}-D mesh are not "
-                     "supported; shardema.EMA follows Shard(0) (FSDP2, or HSDP's (Replicate(), "
-                     "Shard(0))) and Replicate(). Another split (tensor parallelism's Shard(1), "
-                     "a shard of a shard) gives a rank pieces that are not one range of the "
-                     "flattened tensor")
+                     "supported; shardema.EMA follows Shard(d) on the mesh's last dimension "
+                     "(FSDP2's Shard(0), tensor parallelism's Shard(1), ...) with Replicate() "
+                     "on the first one (HSDP), and Replicate(). Another split (a shard of a "
+                     "shard, a sharded first dimension) is not one torch.chunk piece per rank "
+                     "of the collectives' group")
 
 
 def _fsdp2_local(name: str, t: Any) -> torch.Tensor:
     """The local tensor of DTensor `t` (validated by dtensor_split)."""
-    dtensor_split(name, t)
+    split = dtensor_split(name, t)
     local = getattr(t, "_local_tensor", None)
     if local is None:
         with torch.no_grad():
             local = t.to_local()
+    if split == "tensor_parallel" and not local.is_contiguous():
+        # The engine reads and writes the piece as one flat run of memory.
+        raise ValueError(f"'{name}': its local tensor (placements {tuple(t.placements)}) is not "
+                         "contiguous; shardema tracks contiguous pieces")
     return local
+
+
+def tensor_parallel_spec(name: str, t: Any, local: torch.Tensor, world: int) -> Any:
+    """The engine's spec of this rank's Shard(d) piece, d > 0: the dim-0 rows
+    of the tensor with dim d moved first. torch.chunk along d gives each rank
+    the same number of elements as those rows, so the ranges are right for
+    what the engine does with them (average, copy, swap this rank's piece);
+    the order of the elements inside a piece is to_local()'s, which only a
+    gather would misread, and shardema gathers these with DTensor
+    collectives instead (_tensor_parallel.py)."""
+    shape = list(t.shape)
+    dim = tuple(t.placements)[-1].dim % len(shape)
+    moved = [shape[dim]] + shape[:dim] + shape[dim + 1:]
+    return layout_spec(name, moved, local.dtype, "fsdp2", world)
+
+
+def refuse_tensor_parallel(tensor_parallel: Dict[str, Any], api: str) -> None:
+    """ValueError naming the Shard(d > 0) tensors, for `api` (a call that
+    writes or reads the engine's sharded files, whose ShardSpec describes
+    each rank's part as rows of dim 0)."""
+    if not tensor_parallel:
+        return
+    name, t = next(iter(tensor_parallel.items()))
+    others = [repr(n) for n in tensor_parallel][1:]
+    also = f" (also {', '.join(others[:5])}{' ...' if len(others) > 5 else ''})" if others else ""
+    raise ValueError(f"shardema.EMA.{api}: '{name}' has placements {tuple(t.placements)}{also} "
+                     "(tensor parallelism): shardema's sharded files describe each rank's "
+                     "part as rows of dim 0 and cannot hold this split. Save the EMA with "
+                     "torch.distributed.checkpoint instead, dcp.save({'ema': "
+                     "ema.state_dict(), ...}) (it reshards at load), or read it with "
+                     "full_state_dict()")
 
 
 def plan_layout(tracked: List[Tracked], layout: str, process_group: Any) -> Plan:
@@ -189,6 +247,9 @@ def plan_layout(tracked: List[Tracked], layout: str, process_group: Any) -> Plan
     if layout not in _LAYOUTS:
         raise ValueError(f"layout must be one of {_LAYOUTS}, got '{layout}'")
     checked_group(process_group)
+    if any(t.piece is not None for t in tracked):
+        from ._fsdp1 import plan_fsdp1
+        return plan_fsdp1(tracked, layout, process_group)
     dtensors = [t for t in tracked if is_dtensor(t.tensor)]
     if dtensors or layout == "fsdp2":
         return _plan_fsdp2(tracked, dtensors, layout, process_group)
@@ -239,6 +300,7 @@ def _plan_fsdp2(tracked: List[Tracked], dtensors: List[Tracked], layout: str,
         group = process_group
     rank, world = _rank_and_size(group)
     shards, whole, owners = [], [], []
+    tensor_parallel: Dict[str, Any] = {}
     for t in tracked:
         if is_dtensor(t.tensor):
             local = _fsdp2_local(t.name, t.tensor)
@@ -249,8 +311,12 @@ def _plan_fsdp2(tracked: List[Tracked], dtensors: List[Tracked], layout: str,
             if not local.is_contiguous():
                 raise ValueError(f"'{t.name}': the tensor is not contiguous; shardema tracks "
                                  "contiguous parameters and buffers")
-        if is_dtensor(t.tensor) and splits[id(t)] == "fsdp2":
-            spec = layout_spec(t.name, list(t.tensor.shape), local.dtype, "fsdp2", world)
+        if is_dtensor(t.tensor) and splits[id(t)] in ("fsdp2", "tensor_parallel"):
+            if splits[id(t)] == "fsdp2":
+                spec = layout_spec(t.name, list(t.tensor.shape), local.dtype, "fsdp2", world)
+            else:
+                spec = tensor_parallel_spec(t.name, t.tensor, local, world)
+                tensor_parallel[t.name] = t.tensor
             shards.append(LocalShard(local, spec, t.role, t.is_buffer))
             # requires_grad is the DTensor's: the engine asks it at each update.
             owners.append((None, None, t.tensor))
@@ -265,31 +331,71 @@ def _plan_fsdp2(tracked: List[Tracked], dtensors: List[Tracked], layout: str,
         # itself); a plain tensor is, as under DDP.
         owners.append((None, None, t.tensor) if is_dtensor(t.tensor)
                       else (t.tensor, "replicated", t.tensor))
-    return Plan("fsdp2", group, shards, whole, owners, watched_of(tracked), replicas)
+    return Plan("fsdp2", group, shards, whole, owners, watched_of(tracked), replicas,
+                tensor_parallel)
 
 
-def write_on_first_replica(replicas: Any, write: Callable[[], None]) -> None:
+def write_on_first_replica(replicas: Any, write: Callable[[], None], timeout_s: float,
+                           api: str) -> None:
     """Runs `write` (a collective of the shard group that writes files:
     save_checkpoint, export_weights) on the first replica only, the mesh's
     first index of its replicate dimension (global rank 0's under
     init_device_mesh). HSDP's replicas hold the same EMA: one set of files,
     not one per replica racing for the same names. The other replicas wait
     for their peer on the first replica and raise its error, so the call
-    returns on every rank once the files are complete or failed."""
+    returns on every rank once the files are complete or failed. Every wait
+    is bounded by the EMA's timeout (`timeout_s`), not the process group's
+    (30 minutes by default): a writer that never comes fails the waiters
+    as a peer that never comes fails the engine's own collectives."""
     if replicas is None:
         write()
         return
     import torch.distributed as dist
-    failure: List[Optional[str]] = [None]
+    writer = dist.get_global_rank(replicas, 0)
+    message = b""
     raised: Optional[BaseException] = None
     if dist.get_rank(replicas) == 0:
         try:
             write()
         except Exception as error:  # every replica learns it below
             raised = error
-            failure[0] = f"{type(error).__name__}: {error}"
-    dist.broadcast_object_list(failure, src=dist.get_global_rank(replicas, 0), group=replicas)
+            message = f"{type(error).__name__}: {error}".encode()
+    device = _collective_device(replicas)
+    length = torch.tensor([len(message)], dtype=torch.int64, device=device)
+    _broadcast_within(length, writer, replicas, timeout_s, api)
     if raised is not None:
+        _broadcast_within(torch.tensor(list(message), dtype=torch.uint8, device=device), writer,
+                          replicas, timeout_s, api)
         raise raised
-    if failure[0] is not None:
-        raise RuntimeError(f"the first HSDP replica, which writes the files, failed: {failure[0]}")
+    if int(length.item()):
+        text = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+        _broadcast_within(text, writer, replicas, timeout_s, api)
+        raise RuntimeError(f"shardema.EMA.{api}: the first HSDP replica, which writes the files, "
+                           f"failed: {bytes(text.cpu().tolist()).decode(errors='replace')}")
+
+
+def _collective_device(group: Any) -> torch.device:
+    """Where `group`'s backend takes tensors: the host for Gloo (also a
+    "cpu:gloo,cuda:nccl" group), the current GPU for NCCL alone."""
+    import torch.distributed as dist
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _broadcast_within(tensor: torch.Tensor, source: int, group: Any, timeout_s: float,
+                      api: str) -> None:
+    """dist.broadcast of `tensor` from global rank `source` over `group`,
+    waiting at most `timeout_s` (Work.wait's own bound; the group's
+    timeout would apply otherwise). RuntimeError saying who did not come."""
+    import torch.distributed as dist
+    from datetime import timedelta
+    work = dist.broadcast(tensor, src=source, group=group, async_op=True)
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as error:
+        raise RuntimeError(f"shardema.EMA.{api}: waited {timeout_s:g} s (the EMA's timeout) for "
+                           f"the first HSDP replica (global rank {source}), which writes the "
+                           "files, and it did not report back: a rank of it is gone or out of "
+                           f"step ({error})") from error

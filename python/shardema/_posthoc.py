@@ -4,12 +4,13 @@ follow ema-pytorch's PostHocEMA."""
 import os
 import tempfile
 from datetime import timedelta
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
 from . import _C
-from ._model import _default_group, module_tensors, unwrap
+from ._model import (Plan, Tracked, _default_group, is_dtensor, module_tensors, plan_layout,
+                     unwrap)
 
 
 def read_tensor_file(path: str) -> Dict[str, Any]:
@@ -38,19 +39,51 @@ def synthesize_snapshot_folder(folder: str, sigma_rel: float, step: Optional[int
         return dict(read_tensor_file(out)["tensors"])
 
 
+def _sharded_plan(tracked: List[Tracked], layout: str, process_group: Any) -> Plan:
+    """This rank's rows of a model with DTensor parameters (FSDP2): the
+    post-hoc profiles of each DTensor's to_local(), and of this rank's rows
+    of the tensors every rank holds whole (buffers). ValueError naming what
+    the post-hoc snapshots cannot hold."""
+    first = next(t.name for t in tracked if is_dtensor(t.tensor))
+    if layout != "sharded":
+        raise ValueError(f"layout='{layout}' keeps full EMAs on rank 0, but '{first}' is a "
+                         "DTensor (fully_shard): each rank holds only its rows. Use "
+                         "layout='sharded', where each rank keeps the profiles of its rows")
+    plan = plan_layout(tracked, "fsdp2", process_group)
+    if plan.replicas is not None:
+        raise ValueError(f"'{first}' lives on a 2-D device mesh (HSDP): the post-hoc EMA "
+                         "writes one snapshot folder per rank of one shard group and does not "
+                         "support replicas of it; use a 1-D mesh (fully_shard)")
+    for name, t in plan.tensor_parallel.items():
+        raise ValueError(f"'{name}' has placements {tuple(t.placements)} (tensor "
+                         "parallelism): the sharded post-hoc snapshots describe each rank's "
+                         "part as rows of dim 0 and cannot hold this split")
+    return plan
+
+
 def start_engine(model: torch.nn.Module, *, sigma_rels: Sequence[float], update_every: int,
                  checkpoint_every: int, folder: str, start_iter: int, default_sigma: float,
                  step_size_correction: bool, layout: str, policy: str,
-                 output_dtype: torch.dtype, group: Any, seconds: float) -> Any:
+                 output_dtype: torch.dtype, process_group: Any, seconds: float) -> Any:
     """The C++ post-hoc engine (the PostHocCallback) over `model`'s tensors,
-    started: what PostHocEMA and DDPPostHocEMACallback share."""
+    started: what PostHocEMA and DDPPostHocEMACallback share. A model with
+    DTensor parameters runs over its mesh's group (unless `process_group`
+    names one), each rank on its own rows."""
+    tracked = module_tensors(model, policy)
+    plan = None
+    group = process_group if process_group is not None else _default_group()
+    if any(is_dtensor(t.tensor) for t in tracked):
+        plan = _sharded_plan(tracked, layout, process_group)
+        group = plan.group
     engine = _C.PostHoc(
         [float(s) for s in sigma_rels], int(update_every), int(checkpoint_every), str(folder),
         int(start_iter), float(default_sigma), bool(step_size_correction), layout, policy, "",
         "shardema_ema_final", output_dtype, group, float(seconds))
-    tracked = module_tensors(model, policy)
-    engine.on_fit_start([(t.name, t.tensor) for t in tracked], [t.role for t in tracked],
-                        [t.is_buffer for t in tracked])
+    if plan is not None:
+        engine.on_fit_start(plan.shards, plan.whole)
+    else:
+        engine.on_fit_start([(t.name, t.tensor) for t in tracked], [t.role for t in tracked],
+                            [t.is_buffer for t in tracked])
     return engine
 
 
@@ -58,7 +91,9 @@ class PostHocEMA:
     """Post-hoc EMA of a model: one power-function EMA per sigma_rel, updated
     in one pass, snapshotted every checkpoint_every_num_steps updates into
     checkpoint_folder. layout "rank0" (rank 0 keeps full EMAs, as under
-    DDP) or "sharded" (every rank its FSDP2-style rows).
+    DDP) or "sharded" (every rank its FSDP2-style rows; a model under
+    fully_shard needs it, and each rank then keeps the profiles of its
+    DTensors' to_local() rows, over the mesh's group).
 
     update() after optimizer.step() (returns at once) and fence() before the
     next one; synthesize(sigma_rel) for any profile afterwards.
@@ -74,7 +109,6 @@ class PostHocEMA:
         model = unwrap(model)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"PostHocEMA: model must be an nn.Module, got {type(model).__name__}")
-        group = process_group if process_group is not None else _default_group()
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         self.checkpoint_folder = str(checkpoint_folder)
         self._engine = start_engine(
@@ -82,7 +116,7 @@ class PostHocEMA:
             checkpoint_every=checkpoint_every_num_steps, folder=self.checkpoint_folder,
             start_iter=0, default_sigma=float(sigma_rels[0]) if sigma_rels else 0.05,
             step_size_correction=step_size_correction, layout=layout, policy=policy,
-            output_dtype=output_dtype, group=group, seconds=seconds)
+            output_dtype=output_dtype, process_group=process_group, seconds=seconds)
         self.sigma_rels = tuple(float(s) for s in sigma_rels)
 
     def update(self) -> bool:

@@ -1,7 +1,7 @@
 """What EMA.module() and EMA.copy_from() do with a model: a module holding
 the EMA weights, built beside the training model, and the model's weights
 written into the EMA. Pure PyTorch bookkeeping; the values come from the
-engine (ema(), full_state_dict(), load_full_values(), load_local_values())."""
+EMA (ema_tensors()) and the engine (load_full_values(), load_local_values())."""
 import copy
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -35,7 +35,10 @@ def reshard_fsdp(module: Any) -> None:
     no backward follows (evaluation), and the next forward then uses those
     full copies as they are: without this, a forward inside swap() would not
     see the EMA of the root's parameters, one after it would still see it,
-    and module(into=) / copy_from() would meet plain tensors."""
+    and module(into=) / copy_from() would meet plain tensors. FSDP1 keeps
+    its root unit's gathered FlatParameter the same way (_fsdp1.py)."""
+    from ._fsdp1 import reshard_fsdp1
+    reshard_fsdp1(module)
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch without FSDP2
@@ -94,13 +97,13 @@ def materialize(ema: Any, model: torch.nn.Module, device: Any, into: Any) -> tor
 
 
 def _write(ema: Any, targets: List[Tuple[str, Any, Any]]) -> None:
-    """Each target takes the EMA of its name (its local rows for a DTensor,
-    the full tensor otherwise, gathered when the layout splits it), or the
-    model's own value for a name the EMA does not track."""
-    engine = ema._engine
-    tracked = set(engine.names())
-    split = engine.world_size > 1  # plain tensors' rows are spread over ranks
-    to_gather: List[Tuple[str, torch.Tensor]] = []
+    """Each target takes the EMA of its name in the shape it holds the
+    tensor in (EMA.ema_tensors(): a DTensor's to_local(), the whole of a
+    plain tensor, gathered where the ranks split it), or the model's own
+    value for a name the EMA does not track."""
+    tracked = set(ema._engine.names())
+    batch: List[Tuple[str, torch.Tensor]] = []
+    size = 0
     with torch.no_grad():
         for name, target, source in targets:
             local = _local(name, target)
@@ -108,26 +111,24 @@ def _write(ema: Any, targets: List[Tuple[str, Any, Any]]) -> None:
                 mine = _local(name, source)
                 _check_size(name, local, mine)
                 local.copy_(mine.reshape(local.shape))
-            elif is_dtensor(target) or not split:
-                value = engine.ema(name)
-                _check_size(name, local, value)
-                local.copy_(value.reshape(local.shape))
-            else:
-                to_gather.append((name, local))
-        # Every rank walks the same names in the same order: the gathers match.
-        batch: List[Tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, local in to_gather + [("", None)]:
-            if batch and (local is None or size + 4 * local.numel() > _GATHER_BATCH_BYTES):
-                full = dict(engine.full_state_dict(False, [n for n, _ in batch]))
-                for n, t in batch:
-                    value = full[n]
-                    _check_size(n, t, value)
-                    t.copy_(value.reshape(t.shape))
+                continue
+            # Every rank walks the same names in the same order and sizes
+            # the batches by the full tensors (a DTensor's numel() is its
+            # global one): the gathers inside ema_tensors() match.
+            if batch and size + 4 * source.numel() > _GATHER_BATCH_BYTES:
+                _write_batch(ema, batch)
                 batch, size = [], 0
-            if local is not None:
-                batch.append((name, local))
-                size += 4 * local.numel()
+            batch.append((name, local))
+            size += 4 * source.numel()
+        if batch:
+            _write_batch(ema, batch)
+
+
+def _write_batch(ema: Any, batch: List[Tuple[str, torch.Tensor]]) -> None:
+    values = ema.ema_tensors([name for name, _ in batch])
+    for name, target in batch:
+        _check_size(name, target, values[name])
+        target.copy_(values[name].reshape(target.shape))
 
 
 def _check_size(name: str, target: torch.Tensor, value: torch.Tensor) -> None:
@@ -137,26 +138,21 @@ def _check_size(name: str, target: torch.Tensor, value: torch.Tensor) -> None:
                          "sharded like the model")
 
 
-def copy_model_into_ema(engine: Any, full: List[Tuple[str, Any]],
+def copy_model_into_ema(ema: Any, full: List[Tuple[str, Any]],
                         local: List[Tuple[str, Any]]) -> None:
     """EMA.copy_from(): every tracked tensor's EMA becomes its current value,
-    from `full` tensors (each rank keeps its own range of them) or `local`
-    pieces (this rank's rows, as a DTensor's to_local()). Tracked names
-    given by neither are a ValueError naming them, before anything
-    changes. No communication."""
-    tracked = engine.names()
+    from `full` tensors or `local` pieces (what this rank holds, as a
+    DTensor's to_local()), through EMA.load_ema_values(), which knows what
+    this rank keeps of each. Tracked names given by neither are a
+    ValueError naming them, before anything changes. No communication."""
+    tracked = ema._engine.names()
     given = {n for n, _ in full} | {n for n, _ in local}
     absent = [n for n in tracked if n not in given]
     if absent:
         raise ValueError(f"EMA.copy_from: the model no longer holds {absent[:5]}, which the EMA "
                          "tracks")
     keep = set(tracked)
-    full = [(n, t.detach()) for n, t in full if n in keep]
-    local = [(n, t.detach()) for n, t in local if n in keep]
-    if full:
-        engine.load_full_values(full)
-    if local:
-        engine.load_local_values(local)
+    ema.load_ema_values({n: t.detach() for n, t in full + local if n in keep})
 
 
 def model_values(model: torch.nn.Module) -> Tuple[List[Tuple[str, Any]], List[Tuple[str, Any]]]:

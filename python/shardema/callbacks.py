@@ -16,7 +16,7 @@ import torch
 
 from . import _C
 from ._ema import EMA
-from ._model import _default_group, is_dtensor, module_tensors, unwrap
+from ._model import is_dtensor, module_tensors, unwrap
 from ._posthoc import start_engine
 
 
@@ -44,10 +44,10 @@ _CALLBACK_BASES = _callback_bases()
 
 
 def _optimizer_stepped(trainer: Any, batch_idx: int) -> bool:
-    # An optimizer step ends every accumulation window, and Lightning also
-    # steps on the epoch's last batch when the window is cut short there.
-    window_done = (batch_idx + 1) % int(trainer.accumulate_grad_batches) == 0
-    return window_done or bool(trainer.is_last_batch)
+    """The C++ callbacks' rule (optimizerStepped, ema_callback.h): the end of
+    an accumulation window, or the epoch's last batch."""
+    return _C.optimizer_stepped(int(batch_idx), int(trainer.accumulate_grad_batches),
+                                bool(trainer.is_last_batch))
 
 
 def _reshard(module: Any) -> None:
@@ -72,6 +72,32 @@ def _full_to_rows(value: torch.Tensor, like: Any) -> Any:
     from torch.distributed.tensor import distribute_tensor
     value = value.to(device=like.to_local().device, dtype=like.dtype)
     return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def _raw_differences(raw: Dict[str, Any], names: Dict[str, str],
+                     tracked: Dict[str, Any]) -> str:
+    """Every way the checkpoint's raw weights (`raw`, by checkpoint key)
+    differ from the model's tracked tensors (`names`: key -> tracked name),
+    in one line; empty when they match. Full shapes: a DTensor's is the
+    global one."""
+    missing = sorted(set(names) - set(raw))
+    unexpected = sorted(set(raw) - set(names))
+    shapes, dtypes = [], []
+    for key in sorted(set(raw) & set(names)):
+        value, like = raw[key], tracked[names[key]]
+        if tuple(value.shape) != tuple(like.shape):
+            shapes.append(f"'{key}' {tuple(value.shape)} in the checkpoint, "
+                          f"{tuple(like.shape)} in the model")
+        if value.dtype != like.dtype:
+            dtypes.append(f"'{key}' {value.dtype} in the checkpoint, {like.dtype} in the model")
+    if not (missing or unexpected or shapes or dtypes):
+        return ""
+    parts = [f"missing {missing}, unexpected {unexpected}"]
+    if shapes:
+        parts.append("shape differs: " + "; ".join(shapes))
+    if dtypes:
+        parts.append("dtype differs: " + "; ".join(dtypes))
+    return ", ".join(parts)
 
 
 class EMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
@@ -196,7 +222,7 @@ class EMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Dict[str, Any]) -> None:
         if self.ema is None:
             return
-        if self.ema._engine.swapped:
+        if self.ema.swapped:
             raise RuntimeError("EMACallback.on_save_checkpoint: the EMA is swapped in for "
                                "validation; save outside validation so the raw weights are kept")
         state = checkpoint.setdefault("state_dict", {})
@@ -218,6 +244,11 @@ class EMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
         gather = [name for name, sharded in tracked.items() if not (distributed and sharded)]
         rank0_only = not distributed and any(tracked.values())
         full = self.ema.full_state_dict(rank0_only=rank0_only, names=gather) if gather else {}
+        # A DTensor entry's EMA in its to_local() shape: this rank's rows of
+        # a Shard(0) one, the whole of a Replicate() one (gathered, so every
+        # rank asks for the same names).
+        held = self.ema.ema_tensors([name for name, sharded in tracked.items() if sharded]) \
+            if distributed else {}
         raw: Dict[str, Any] = {}
         kept: Dict[str, Any] = {}
         for name, key in keys.items():
@@ -229,7 +260,7 @@ class EMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
             # later step.
             raw[key] = value.clone()
             if is_dtensor(value):
-                rows = self.ema._engine.ema(name)
+                rows = held[name]
                 ema = value.clone()  # same mesh and placements, own storage
                 with torch.no_grad():
                     ema.to_local().copy_(rows.view(ema.to_local().shape))
@@ -274,14 +305,13 @@ class EMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
         if record.get("raw_in_state_dict"):
             raw, kept = self._entries_of_distributed(trainer, tracked, record, state)
         raw = raw or {}
-        missing = sorted(set(names) - set(raw))
-        unexpected = sorted(set(raw) - set(names))
-        if missing or unexpected:
+        differences = _raw_differences(raw, names, tracked)
+        if differences:
             raise ValueError(
                 f"EMACallback.on_load_checkpoint: the checkpoint's raw weights "
                 f"({self.RAW_STATE_KEY}) are not those of this model"
-                f"{f' attribute {self.attribute!r}' if self.attribute else ''}: missing "
-                f"{missing}, unexpected {unexpected}")
+                f"{f' attribute {self.attribute!r}' if self.attribute else ''}: "
+                f"{differences}; nothing was loaded")
         # The EMA: its float32 copy, else the state_dict's entry, else what
         # Lightning loaded from the state_dict into the model before this
         # hook. Read before the raw weights go into the model.
@@ -353,32 +383,31 @@ class EMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
         """The EMA from a checkpoint's values: DTensors hold this rank's
         rows, plain tensors the full EMA; every tensor must be taken."""
         assert self.ema is not None
-        engine = self.ema._engine
-        rows = engine.load_local_values(
-            [(name, value.to_local()) for name, value in values.items() if is_dtensor(value)])
-        whole = engine.load_full_values(
-            [(name, value) for name, value in values.items() if not is_dtensor(value)])
-        unexpected = sorted(set(rows.unexpected) | set(whole.unexpected))
-        missing = sorted(set(rows.missing) & set(whole.missing) & set(values))
-        if unexpected or missing:
+        try:
+            # Not strict: the EMA also tracks non-persistent buffers, which
+            # no checkpoint holds; they keep the EMA built from the model.
+            self.ema.load_ema_values(values, strict=False)
+        except ValueError as error:
             raise ValueError(f"EMACallback: the checkpoint's EMA does not match the tracked "
-                             f"tensors: missing {missing}, unexpected {unexpected}")
+                             f"tensors: {error}") from None
 
     # --- validation -------------------------------------------------------
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.ema is not None and not self.ema._engine.swapped:
+        # swap_in() reshards the averaged module; an FSDP2 root above it
+        # (the LightningModule, with attribute=) is resharded here.
+        if self.ema is not None and not self.ema.swapped:
             _reshard(pl_module)
-            self.ema._engine.swap_in()
+            self.ema.swap_in()
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self.ema is not None:
-            self.ema._engine.swap_out()
+            self.ema.swap_out()
             _reshard(pl_module)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # Lightning skips on_validation_end when validation raises.
         if self.ema is not None:
-            self.ema._engine.swap_out()
+            self.ema.swap_out()
             _reshard(pl_module)
 
 
@@ -387,7 +416,13 @@ class DDPPostHocEMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
     one full EMA per sigma_rel (layout="rank0"), or every rank its rows
     (layout="sharded"); snapshots every checkpoint_every optimizer steps;
     default_output_sigma synthesized for validation and at the end of
-    training (its path in `output_path` on rank 0)."""
+    training (its path in `output_path` on rank 0). attribute: average
+    that submodule of the LightningModule (e.g. "policy"), as EMACallback's
+    attribute; snapshot names are then the submodule's own. A model under
+    fully_shard (ModelParallelStrategy) needs layout="sharded": each rank
+    keeps the profiles of its rows. A checkpoint saved between snapshot
+    steps writes each rank's profiles to its snapshot folder's resume/
+    subfolder, so a resume from it goes on exactly as the run would have."""
 
     STATE_KEY = "shardema_posthoc"
 
@@ -395,8 +430,10 @@ class DDPPostHocEMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
                  checkpoint_every: int = 5000, checkpoint_folder: Optional[str] = None,
                  start_iter: int = 0, default_output_sigma: float = 0.05,
                  step_size_correction: bool = True, layout: str = "rank0",
-                 process_group: Any = None, output_dtype: torch.dtype = torch.float32) -> None:
+                 process_group: Any = None, output_dtype: torch.dtype = torch.float32,
+                 attribute: Optional[str] = None) -> None:
         super().__init__()
+        self.attribute = attribute
         self.sigma_rels = tuple(float(s) for s in sigma_rels)
         self.update_every = max(1, int(update_every))
         self.checkpoint_every = max(1, int(checkpoint_every))
@@ -417,14 +454,25 @@ class DDPPostHocEMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
         root = getattr(trainer, "default_root_dir", None) or os.getcwd()
         return os.path.join(str(root), "posthoc_ema")
 
+    def _target(self, pl_module: Any) -> torch.nn.Module:
+        module = unwrap(pl_module)
+        if not self.attribute:
+            return module
+        target = getattr(module, self.attribute, None)
+        if not isinstance(target, torch.nn.Module):
+            raise ValueError(f"DDPPostHocEMACallback: attribute {self.attribute!r} of "
+                             f"{type(module).__name__} is not an nn.Module (got "
+                             f"{type(target).__name__})")
+        return target
+
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        group = self._process_group if self._process_group is not None else _default_group()
         self._engine = start_engine(
-            unwrap(pl_module), sigma_rels=self.sigma_rels, update_every=self.update_every,
+            self._target(pl_module), sigma_rels=self.sigma_rels, update_every=self.update_every,
             checkpoint_every=self.checkpoint_every, folder=self._folder(trainer),
             start_iter=self.start_iter, default_sigma=self.default_output_sigma,
             step_size_correction=self.step_size_correction, layout=self.layout,
-            policy="ema_pytorch", output_dtype=self._output_dtype, group=group, seconds=300.0)
+            policy="ema_pytorch", output_dtype=self._output_dtype,
+            process_group=self._process_group, seconds=300.0)
         if self._queued_state is not None:
             self._engine.on_load_checkpoint(self._queued_state)
             self._queued_state = None

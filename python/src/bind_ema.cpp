@@ -19,6 +19,7 @@
 #include "process_group.h"
 #include "python_ema.h"
 #include "python_warnings.h"
+#include "shardema/ema_callback.h"
 #include "shardema/offload/engine_choice.h"
 #include "shardema/offload/update_pipeline.h"
 
@@ -48,6 +49,12 @@ void bindEma(py::module_& m) {
   // engine's instead of numbers of its own.
   m.attr("default_chunk_bytes") = offload::kDefaultChunkBytes;
   m.attr("default_num_slots") = offload::kDefaultNumSlots;
+  // The callbacks' optimizer-step rule, the C++ callbacks' own, so that
+  // shardema.callbacks has no copy of it.
+  m.def("optimizer_stepped", &optimizerStepped, py::arg("batch_idx"),
+        py::arg("accumulate_grad_batches"), py::arg("is_last_batch"),
+        "Whether the batch ended with an optimizer step (end of an accumulation window, or the "
+        "epoch's last batch)");
   py::class_<LoadReport>(m, "LoadReport", "Which names a load did not match")
       .def_readonly("missing", &LoadReport::missing, "tracked here, absent in what was loaded")
       .def_readonly("unexpected", &LoadReport::unexpected, "loaded, not tracked here")

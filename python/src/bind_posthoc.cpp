@@ -85,12 +85,19 @@ void bindPostHoc(py::module_& m) {
           py::arg("tensors"), py::arg("roles"), py::arg("changes_in_forward"))
       .def(
           "on_fit_start",
-          [](PythonPostHoc& p, std::vector<LocalShard> shards) {
+          [](PythonPostHoc& p, std::vector<LocalShard> shards,
+             const std::vector<std::pair<std::string, at::Tensor>>& wholeReplicated) {
+            // Only the name and the tensor matter to the validation swap.
+            std::vector<TrackedTensor> whole;
+            for (const auto& [name, tensor] : wholeReplicated) {
+              whole.push_back({name, tensor, TrackRole::kAverage, false});
+            }
             PythonWarnings warnings;
             py::gil_scoped_release release;
-            p.callback->onFitStart(std::move(shards));
+            p.callback->onFitStart(std::move(shards), std::move(whole));
           },
-          py::arg("shards"))
+          py::arg("shards"),
+          py::arg("whole_replicated") = std::vector<std::pair<std::string, at::Tensor>>{})
       .def(
           "on_train_batch_end",
           [](PythonPostHoc& p, int64_t globalStep, int64_t batchIdx, int64_t accumulate,
@@ -105,9 +112,15 @@ void bindPostHoc(py::module_& m) {
       .def(
           "wait", [](PythonPostHoc& p) { p.callback->wait(); }, Release())
       .def("on_save_checkpoint",
-           [](const PythonPostHoc& p) {
+           [](PythonPostHoc& p) {
+             // Between snapshot calls it waits for the math and writes the
+             // resume state: without the GIL.
              TrainingCheckpoint checkpoint;
-             p.callback->onSaveCheckpoint(checkpoint);
+             {
+               PythonWarnings warnings;
+               py::gil_scoped_release release;
+               p.callback->onSaveCheckpoint(checkpoint);
+             }
              return checkpoint.metadata;
            })
       .def(

@@ -36,6 +36,25 @@ TEST(EmaCallbackTest, UpdatesOnlyWhenTheOptimizerStepped) {
   EXPECT_DOUBLE_EQ(callback.decay(), versatilDecay(3));
 }
 
+// The one optimizer-step rule, written out case by case: the end of each
+// window of `accumulate` batches, and the last batch of the epoch whatever
+// window it ends.
+TEST(EmaCallbackTest, OptimizerSteppedAtWindowEndsAndTheEpochsLastBatch) {
+  struct Case {
+    int64_t batchIdx, accumulate;
+    bool isLast, stepped;
+  };
+  const Case cases[] = {{0, 1, false, true},  {0, 3, false, false}, {1, 3, false, false},
+                        {2, 3, false, true},  {5, 3, false, true},  {6, 3, true, true},
+                        {6, 3, false, false}, {3, 4, true, true},   {0, 4, true, true}};
+  for (const Case& c : cases) {
+    EXPECT_EQ(optimizerStepped(c.batchIdx, c.accumulate, c.isLast), c.stepped)
+        << "batch " << c.batchIdx << ", accumulate " << c.accumulate << ", last " << c.isLast;
+  }
+  EXPECT_THROW(optimizerStepped(0, 0, false), c10::ValueError);
+  EXPECT_THROW(optimizerStepped(-1, 1, true), c10::ValueError);
+}
+
 TEST(EmaCallbackTest, AveragesTrainableWeightsAndCopiesTheRest) {
   TrainingRun run(1);
   run.fitStart();

@@ -106,15 +106,45 @@ std::string resumeError(PostHocRun& run, const PostHocCallbackOptions& options,
   });
 }
 
-TEST(PostHocResumeTest, ResumeOffASnapshotStepNamesTheMissingFile) {
+// A checkpoint between snapshot steps (call 6, snapshots every 4) writes a
+// resume state of the profiles; a resume from it goes on bit for bit as
+// the uninterrupted run (12 calls, two epochs of 6).
+TEST(PostHocResumeTest, ResumeBetweenSnapshotStepsGoesOnBitForBit) {
+  TempDir straight;
+  TempDir resumed;
+  {
+    PostHocRun run(kSeed, smallOptions(straight.path(), 4));
+    run.fit(2, 6);
+    ASSERT_EQ(run.callback().calls(), 12);
+  }
+  PostHocRun run(kSeed, smallOptions(resumed.path(), 4));
+  run.fitStart();
+  run.epoch(0, stepEveryBatch(6));
+  TrainingCheckpoint checkpoint;
+  run.callback().onSaveCheckpoint(checkpoint);
+  ASSERT_EQ(checkpoint.metadata.at("shardema.posthoc.calls"), "6");
+  EXPECT_TRUE(std::filesystem::exists(run.callback().resumeFolder() + "/0.6.safetensors"));
+  run.replaceCallback(smallOptions(resumed.path(), 4));
+  run.callback().onLoadCheckpoint(checkpoint);
+  run.fitStart();
+  EXPECT_EQ(run.callback().calls(), 6);
+  run.epoch(1, stepEveryBatch(6));
+  for (const char* name : {"0.8.safetensors", "1.8.safetensors", "0.12.safetensors",
+                           "1.12.safetensors"}) {
+    expectSameFile(straight.file(name), resumed.file(name));
+  }
+}
+
+// Neither a snapshot nor a resume state at the saved call: the error names
+// the file it looked for.
+TEST(PostHocResumeTest, ResumeWithoutItsResumeStateNamesTheMissingFile) {
   TempDir dir;
   PostHocRun run(kSeed, smallOptions(dir.path(), 4));
   run.fitStart();
   run.epoch(0, stepEveryBatch(6));
   TrainingCheckpoint checkpoint;
   run.callback().onSaveCheckpoint(checkpoint);
-  ASSERT_EQ(checkpoint.metadata.at("shardema.posthoc.calls"), "6");
-  // Only the snapshots at 4 exist: no EMA to resume at call 6.
+  std::filesystem::remove_all(run.callback().resumeFolder());
   const std::string message = resumeError(run, smallOptions(dir.path(), 4), checkpoint);
   EXPECT_NE(message.find(".6.safetensors"), std::string::npos) << message;
 }

@@ -285,6 +285,43 @@ def test_resume_refuses_raw_weights_of_another_model(tmp_path):
         EMACallback(attribute="policy").on_load_checkpoint(trainer2, module2, saved)
 
 
+def test_resume_names_every_raw_weight_that_does_not_match(tmp_path):
+    """A resume whose raw weights are not this model's names each one that
+    differs, all at once (missing, unexpected, shape, dtype), and changes
+    nothing: not the first mismatch alone, nor a half-loaded model."""
+    module, optimizer, trainer = fresh(str(tmp_path))
+    callback = EMACallback(attribute="policy")
+    callback.on_fit_start(trainer, module)
+    run_epochs(module, callback, trainer, optimizer, range(1))
+    saved = checkpoint_of(module, callback, trainer)
+    raw = saved[EMACallback.RAW_STATE_KEY]
+    raw["policy.0.weight"] = raw["policy.0.weight"][:, :5].clone()  # (8, 6) in the model
+    raw["policy.3.weight"] = raw["policy.3.weight"].t().clone()  # (2, 8) in the model
+    raw["policy.3.bias"] = raw["policy.3.bias"].double()  # float32 in the model
+
+    def refused(checkpoint):
+        module2, _, trainer2 = fresh(str(tmp_path))
+        module2.load_state_dict(checkpoint["state_dict"])
+        before = {k: v.clone() for k, v in module2.state_dict().items()}
+        with pytest.raises(ValueError) as error:
+            EMACallback(attribute="policy").on_load_checkpoint(trainer2, module2, checkpoint)
+        after = module2.state_dict()
+        assert [k for k in before if not torch.equal(before[k], after[k])] == []
+        return str(error.value)
+
+    mismatched = ["'policy.0.weight' (8, 5) in the checkpoint, (8, 6) in the model",
+                  "'policy.3.weight' (8, 2) in the checkpoint, (2, 8) in the model",
+                  "'policy.3.bias' torch.float64 in the checkpoint, torch.float32 in the model"]
+    message = refused(saved)  # shapes and dtype only
+    for text in mismatched:
+        assert text in message, message
+    raw.pop("policy.0.bias")
+    raw["policy.7.weight"] = torch.zeros(2)
+    message = refused(saved)  # and a missing and an unexpected name
+    for text in mismatched + ["missing ['policy.0.bias']", "unexpected ['policy.7.weight']"]:
+        assert text in message, message
+
+
 def test_constant_schedule_copying_at_its_first_update_resumes_bit_identical(tmp_path):
     """EMAWeightAveraging's settings (constant decay, an update every 2nd
     step from step 2 on, the first update a copy): the resumed average has

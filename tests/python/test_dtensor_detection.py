@@ -66,6 +66,8 @@ def test_a_buffer_beside_dtensor_parameters_is_replicated(one_rank_group):
     ((Replicate(),), (1,)),                 # each rank holds the whole tensor
     ((Replicate(), Shard(0)), (1, 1)),      # HSDP
     ((Replicate(), Replicate()), (1, 1)),
+    ((Shard(1),), (1,)),                    # tensor parallelism's column split
+    ((Replicate(), Shard(1)), (1, 1)),
 ])
 def test_supported_dtensor_layouts_follow_the_tensor(one_rank_group, placements, mesh_shape):
     p = dtensor(torch.arange(6.0).reshape(3, 2), placements, init_device_mesh("cpu", mesh_shape))
@@ -78,9 +80,7 @@ def test_supported_dtensor_layouts_follow_the_tensor(one_rank_group, placements,
 
 
 @pytest.mark.parametrize("placements, mesh_shape, message", [
-    ((Shard(1),), (1,), r"Shard\(dim=1\)"),  # tensor parallelism's column split
     ((Shard(0), Shard(0)), (1, 1), r"Shard\(dim=0\), Shard\(dim=0\)"),
-    ((Replicate(), Shard(1)), (1, 1), r"Shard\(dim=1\)"),
     ((Shard(0), Replicate()), (1, 1), r"Shard\(dim=0\), Replicate"),
     ((Replicate(), Replicate(), Shard(0)), (1, 1, 1), "3-D"),
 ])

@@ -1,8 +1,9 @@
 """Every ```python block of README.md and docs/python.md runs as a test,
-each in a fresh folder, as a user would paste it: the FSDP2 block on two
-processes with a real fully_shard model, the Lightning block in a real
-Trainer. A leading "# ranks: N" comment starts a block on N processes with
-torchrun's environment (Gloo on loopback)."""
+each in a fresh folder, as a user would paste it: the FSDP2 blocks on two
+processes with a real fully_shard model (one in a Lightning Trainer with
+ModelParallelStrategy), the Lightning block in a real Trainer. A leading
+"# ranks: N" comment starts a block on N processes with torchrun's
+environment (Gloo on loopback)."""
 import os
 import pathlib
 import re
@@ -35,9 +36,9 @@ BLOCKS = doc_blocks()
 
 
 def test_the_documents_have_their_blocks():
-    # README: the tour; docs/python.md: one process, DDP, FSDP2, FSDP1,
-    # post-hoc, Lightning
-    assert len(BLOCKS) == 7
+    # README: the tour, FSDP2 in a Lightning Trainer (2 ranks); docs/python.md:
+    # one process, DDP, FSDP2, FSDP1, post-hoc, Lightning
+    assert len(BLOCKS) == 8
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))

@@ -39,6 +39,16 @@ struct EmaCallbackOptions {
   AveragerOffloadOptions offload;
 };
 
+/// Whether the training batch `batchIdx` (0-based in its epoch) ended with an
+/// optimizer step: at the end of an accumulation window ((batchIdx + 1) %
+/// accumulateGradBatches == 0) or on the epoch's last batch, where Lightning
+/// steps on a window cut short. The one rule of EmaCallback, PostHocCallback
+/// and the Python callbacks (shardema._C.optimizer_stepped): micro-batches
+/// inside a window did not change the weights, and averaging them would
+/// decay the EMA too fast. c10::ValueError when accumulateGradBatches < 1
+/// or batchIdx < 0.
+bool optimizerStepped(int64_t batchIdx, int64_t accumulateGradBatches, bool isLastBatch);
+
 class EmaCallback {
  public:
   /// Called with (global step, decay); runs on the training thread.

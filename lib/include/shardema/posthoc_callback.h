@@ -65,7 +65,8 @@ struct PostHocCallbackOptions {
   /// Snapshot when calls % checkpointEvery == 0. Default 5000. Larger:
   /// fewer snapshot files (each one full EMA per profile, written with the
   /// training paused for its copy) but a coarser grid of (step, gamma) for
-  /// the synthesis, and resuming is only possible from a snapshot call.
+  /// the synthesis. A checkpoint saved between snapshot calls writes a
+  /// resume state (see onSaveCheckpoint).
   int64_t checkpointEvery = 5000;
   /// Where the snapshots go (created if missing). Required: the seed's
   /// default is derived from its trainer's output folder, which we do not
@@ -141,7 +142,13 @@ class PostHocCallback {
   void onFitStart(std::vector<TrackedTensor> moduleTensors);
   /// kSharded only: this rank's live local shards (every spec for
   /// ranks.worldSize; e.g. views of FSDP1 flat shards or FSDP2 locals).
-  void onFitStart(std::vector<LocalShard> shards);
+  /// `wholeReplicated`: for each kReplicated shard (a tensor every rank
+  /// holds whole, such as a buffer beside FSDP2 parameters), that whole
+  /// tensor under the shard's name; the validation swap gathers the EMA
+  /// rows of those into it, so every rank swaps in the same full values
+  /// (without it, each rank would swap only its own rows).
+  void onFitStart(std::vector<LocalShard> shards,
+                  std::vector<TrackedTensor> wholeReplicated = {});
 
   /// After each training batch; acts only when an optimizer step just
   /// happened (end of an accumulation window or the epoch's last batch, as
@@ -160,13 +167,19 @@ class PostHocCallback {
   void wait();
 
   /// The callback's resume state: metadata "shardema.posthoc.calls" (the
-  /// seed's {"calls"}). The EMAs themselves are the snapshots on disk.
-  void onSaveCheckpoint(TrainingCheckpoint& checkpoint) const;
+  /// seed's {"calls"}). The EMAs themselves are on disk: the snapshots at
+  /// calls(), or, when calls() has none (a save between snapshot calls),
+  /// a resume state this call writes (it waits for the math first): each
+  /// rank that holds an EMA writes its profiles to
+  /// `{snapshotFolder()}/resume/{i}.{calls}.safetensors`, a folder the
+  /// synthesis does not read. Every rank calls it (each writes its own).
+  /// A resume file per checkpoint stays until removed with its checkpoint.
+  void onSaveCheckpoint(TrainingCheckpoint& checkpoint);
   /// Reads the calls back. Before onFitStart it is queued; after it the
-  /// snapshots are reloaded at once. A resume must land on a snapshot step
-  /// (calls % checkpointEvery == 0, or 0): each profile's snapshot at that
-  /// step is loaded, and a missing or mismatched one (another sigma_rel,
-  /// world size or shard layout) is a c10::ValueError naming the file.
+  /// EMAs are reloaded at once: each profile's snapshot at that call, else
+  /// its resume file, so training goes on bit for bit as if it had not
+  /// stopped. A missing or mismatched file (another sigma_rel, world size
+  /// or shard layout) is a c10::ValueError naming it.
   void onLoadCheckpoint(const TrainingCheckpoint& checkpoint);
 
   /// Collective when worldSize > 1. Synthesizes defaultOutputSigma at the
@@ -202,6 +215,8 @@ class PostHocCallback {
   /// Where this rank's snapshots go: checkpointFolder, or its rank_NNNNN
   /// subfolder for kSharded.
   std::string snapshotFolder() const;
+  /// Where this rank's resume states go: snapshotFolder()/resume.
+  std::string resumeFolder() const;
 
   /// "{prefix}_sigma_0p05_step_000012345.safetensors" (the sigma printed
   /// as Python's str() would, '.' replaced by 'p').
@@ -211,6 +226,7 @@ class PostHocCallback {
   void build(std::vector<LocalShard> shards, std::vector<TrackedTensor> full);
   void resumeAt(int64_t calls);
   void writeSnapshots();
+  void writeProfiles(const std::string& folder);
   bool swapInRankZero();
   bool swapInSharded();
   void keepRawForValidation();
@@ -238,6 +254,9 @@ class PostHocCallback {
   // (kSharded built from LocalShards).
   std::vector<TrackedTensor> swapTargets_;
   bool swapWholeTensors_ = false;
+  // kSharded from LocalShards: the kReplicated shards whose whole tensors
+  // (in swapTargets_) take gathered values in the validation swap.
+  std::vector<std::string> gatheredForSwap_;
   NamedTensors rawDuringValidation_;
 };
 

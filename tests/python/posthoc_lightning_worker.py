@@ -1,0 +1,185 @@
+"""Real Lightning Trainers with shardema's DDPPostHocEMACallback, for
+test_lightning_posthoc.py.
+
+The single-device runs are called in the test's process; the 2-process
+ones (DDPStrategy with layout "rank0", ModelParallelStrategy with FSDP2 and
+layout "sharded", both on CPU over Gloo) start this file once per rank
+through rank_launch.py, which passes the rank on the command line; the
+rank is put in the environment as torchrun would, before Lightning is
+imported:
+
+    posthoc_lightning_worker.py SCENARIO RANK WORLD PORT OUT
+
+Each scenario runs, on every rank:
+  A: 4 epochs (8 optimizer steps, accumulate_grad_batches 2), snapshots
+     every 3 steps, validation each epoch (the synthesized EMA swapped in),
+     checkpoints after epochs 1 and 3. At the start of epoch 2 (after the
+     checkpoint of step 4 was written) it copies its snapshot folder: the
+     folder as a run that crashed right after that checkpoint left it.
+  C: resumed from A's checkpoint of step 4 (between the snapshots of steps
+     3 and 6) in that copy, to the end of epoch 3.
+Per rank it writes {name}.rank{r}.pt: the policy's raw weights after each
+optimizer step (full tensors), the final raw weights, what the policy held
+in each validation, and where the callback put its files."""
+import os
+import shutil
+import sys
+
+EPOCHS = 4
+CHECKPOINT_EVERY = 3
+SIGMA_RELS = (0.05, 0.1)
+
+
+def _modules(L):
+    import torch
+
+    from lightning_worker import Policy, forward_with, full_state
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.policy = Policy()
+            self.trace = []
+            self.validation_seen = []
+            self.problems = []
+
+        def _check(self, stage, x, out, state):
+            """The forward ran on `state` (full tensors): FSDP2 all-gathers
+            before a forward, so what the shards hold may not be what ran."""
+            if not torch.equal(out.detach(), forward_with(state, x)):
+                self.problems.append(f"{stage} at step {self.trainer.global_step}: the forward "
+                                     "did not run on the weights the policy holds")
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            with torch.no_grad():
+                self.policy.updates += 1  # a buffer the profiles average too
+            out = self.policy(x)
+            # The raw weights (validation swapped the EMA out again).
+            self._check("training", x, out, full_state(self.policy))
+            return torch.nn.functional.mse_loss(out, y)
+
+        def validation_step(self, batch, batch_idx):
+            # What the policy holds during validation, gathered (every rank
+            # runs this step, so full_tensor's collective is matched).
+            seen = {}
+            for name, value in [*self.policy.named_parameters(), *self.policy.named_buffers()]:
+                seen[name] = (value.full_tensor() if hasattr(value, "full_tensor")
+                              else value).detach().clone()
+            self.validation_seen.append((int(self.trainer.global_step), seen))
+            self._check("validation", batch[0], self.policy(batch[0]), seen)
+
+        def on_fit_start(self):
+            self.trace = [(int(self.trainer.global_step), full_state(self.policy))]
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            if self.trainer.global_step > self.trace[-1][0]:
+                self.trace.append((int(self.trainer.global_step), full_state(self.policy)))
+
+        def configure_optimizers(self):
+            # Momentum: a resume that lost the optimizer state would differ.
+            return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+
+    class ShardedModule(Module):
+        """`inp` its own fully_shard unit, the root (`policy`) holding
+        `out` (3 rows over 2 ranks: uneven) and the buffers."""
+
+        def configure_model(self):
+            from torch.distributed.fsdp import FSDPModule, fully_shard
+            if isinstance(self.policy, FSDPModule):
+                return
+            mesh = self.device_mesh["data_parallel"]
+            fully_shard(self.policy.inp, mesh=mesh)
+            fully_shard(self.policy, mesh=mesh)
+
+    return Module, ShardedModule
+
+
+def _copy_folder_at_epoch(L, callback, destination, epoch):
+    """A callback that copies this rank's part of `callback`'s snapshot
+    folder (its files and resume states) to `destination` when `epoch`
+    starts."""
+    class CopyFolder(L.Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.current_epoch != epoch:
+                return
+            source = callback._engine.snapshot_folder
+            if not os.path.isdir(source):
+                return  # a rank-0 layout's other ranks keep nothing
+            relative = os.path.relpath(source, callback.checkpoint_folder)
+            shutil.copytree(source, os.path.join(destination, relative), dirs_exist_ok=True)
+    return CopyFolder()
+
+
+def snapshot_folder(out, name):
+    return os.path.join(out, name, "posthoc")
+
+
+def fit(L, name, out, *, world, strategy, layout, sharded, resume=None, crash_copy=None):
+    import torch
+
+    from lightning_worker import full_state, loader
+    from shardema.callbacks import DDPPostHocEMACallback
+
+    Module, ShardedModule = _modules(L)
+    module = (ShardedModule if sharded else Module)()
+    callback = DDPPostHocEMACallback(
+        sigma_rels=SIGMA_RELS, checkpoint_every=CHECKPOINT_EVERY,
+        checkpoint_folder=snapshot_folder(out, name), layout=layout, attribute="policy")
+    callbacks = [callback, L.callbacks.ModelCheckpoint(
+        dirpath=os.path.join(out, name), filename="{epoch}", save_top_k=-1, every_n_epochs=2)]
+    if crash_copy is not None:
+        callbacks.append(_copy_folder_at_epoch(L, callback, crash_copy, epoch=2))
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=EPOCHS,
+                        accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=callbacks, default_root_dir=out, limit_val_batches=1)
+    trainer.fit(module, loader(world, 1, 3), loader(world, 2, 1), ckpt_path=resume)
+    result = {"raw": full_state(module.policy), "trace": module.trace,
+              "validation_seen": module.validation_seen, "problems": module.problems,
+              "global_step": int(trainer.global_step),
+              "calls": callback.calls, "output_path": callback.output_path,
+              "folder": callback.checkpoint_folder}
+    torch.save(result, os.path.join(out, f"{name}.rank{trainer.global_rank}.pt"))
+    return result
+
+
+def checkpoint_of_epoch(out, name, epoch):
+    return os.path.join(out, name, f"epoch={epoch}.ckpt")
+
+
+def posthoc_runs(L, out, *, world=1, strategy=lambda: "auto", layout="rank0", sharded=False):
+    common = dict(world=world, layout=layout, sharded=sharded)
+    crashed = snapshot_folder(out, "C")
+    fit(L, "A", out, strategy=strategy(), crash_copy=crashed, **common)
+    fit(L, "C", out, strategy=strategy(), resume=checkpoint_of_epoch(out, "A", 1), **common)
+
+
+def run(scenario, out, world):
+    import lightning.pytorch as L
+    if scenario == "ddp":
+        posthoc_runs(L, out, world=world, strategy=lambda: "ddp", layout="rank0")
+    elif scenario == "model_parallel":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+        posthoc_runs(L, out, world=world, layout="sharded", sharded=True,
+                     strategy=lambda: ModelParallelStrategy(data_parallel_size=world,
+                                                            tensor_parallel_size=1))
+    else:
+        raise ValueError(scenario)
+
+
+def main():
+    scenario, rank, world, port, out = sys.argv[1:6]
+    # As torchrun would: Lightning reads the ranks from the environment.
+    os.environ.update(LOCAL_RANK=rank, NODE_RANK="0", WORLD_SIZE=world,
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from rank_errors import errors_reported
+    with errors_reported(int(rank), out):
+        run(scenario, out, int(world))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,370 @@
+"""One rank of test_tensor_parallel.py: shardema.EMA over tensor-parallel
+DTensors (parallelize_module's ColwiseParallel / RowwiseParallel, and
+distribute_tensor with Shard(1)) and over HSDP, on CPU/Gloo, with DCP saves
+loaded back at other world sizes. Every rank checks the EMA against a
+float64 EMA of the full tensors (full_tensor()) it recomputes itself
+(fsdp2_worker.Float64Ema). Checkpoints and results go to the parent of OUT,
+shared by the launches of one test module.
+
+Usage: tensor_parallel_worker.py SCENARIO[,SCENARIO...] RANK WORLD PORT OUT
+A scenario that fails writes error{rank}_{scenario}.txt and ends the
+process (exit 3); one that passes writes done{rank}_{scenario}."""
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import shardema
+from fsdp2_worker import Float64Ema, close, decay_at, full_value, inputs, rows_of, schedule, \
+    versatil_averaged
+from rank_errors import errors_reported  # noqa: E402
+
+STEPS = 3
+# Seconds the process group waits in a collective: far more than the EMA's
+# timeout in hsdp_missing_writer, so that the EMA's is the one seen.
+GROUP_TIMEOUT = 60
+
+
+def tp_model(seed, mesh):
+    """Linear(4, 6) column-parallel (Shard(0) weight and bias), Linear(6, 3)
+    row-parallel (Shard(1) weight, Replicate() bias), a plain LayerNorm
+    (the same on every rank), and two parameters the forward does not use,
+    stepped by hand: a (2, 5, 3) Shard(1) one (3 + 2 columns, so each
+    rank's piece is strided in the full tensor) and a (3, 1) Shard(1) one
+    (rank 1's piece is empty). With mesh=None: the same model, plain."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3), nn.LayerNorm(3))
+    inner = torch.randn(2, 5, 3)
+    narrow = torch.randn(3, 1)
+    if mesh is None:
+        model.register_parameter("inner", nn.Parameter(inner))
+        model.register_parameter("narrow", nn.Parameter(narrow))
+        return model
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    model.register_parameter("inner", nn.Parameter(distribute_tensor(inner, mesh, [Shard(1)])))
+    model.register_parameter("narrow", nn.Parameter(distribute_tensor(narrow, mesh, [Shard(1)])))
+    return model
+
+
+def piece_of(value, t, shard_rank, shard_world):
+    """What a rank holds of full tensor `value` for tensor `t`: torch.chunk
+    along a DTensor's sharded dim (its to_local()), else the rows shardema
+    gives each rank of what all hold whole (Replicate(), plain tensors)."""
+    if isinstance(t, DTensor) and t.placements[-1].is_shard():
+        dim = t.placements[-1].dim % value.dim()
+        chunks = value.chunk(shard_world, dim=dim)
+        return chunks[shard_rank] if shard_rank < len(chunks) else value.narrow(dim, 0, 0)
+    return rows_of(value, shard_rank, shard_world)
+
+
+def module_tensors(module):
+    return dict(list(module.named_parameters()) + list(module.named_buffers()))
+
+
+class Checker:
+    """shardema's full tensors (on every rank, and on rank 0 only) and this
+    rank's pieces against the float64 EMA; DTensors' to_local() against
+    the full tensors, so the pieces expected are the ones held."""
+
+    def __init__(self, ema, reference, tensors, shard_rank, shard_world):
+        self.ema, self.reference, self.tensors = ema, reference, tensors
+        self.shard_rank, self.shard_world = shard_rank, shard_world
+
+    def __call__(self, where):
+        self.ema.wait()
+        want = self.reference.ema
+        full = self.ema.full_state_dict(rank0_only=False)
+        assert sorted(full) == sorted(want), f"{where}: names {sorted(full)} != {sorted(want)}"
+        first = self.ema.full_state_dict()
+        assert sorted(first) == (sorted(want) if self.shard_rank == 0 else []), \
+            f"{where}: rank0_only gave {sorted(first)}"
+        local = self.ema.local_ema()
+        for name, value in want.items():
+            t = self.tensors[name]
+            assert full[name].shape == value.shape, f"{where}: '{name}' {full[name].shape}"
+            # the EMA stays fp32 (an integer buffer is copied as it is)
+            assert full[name].dtype == torch.float32 or not value.is_floating_point(), \
+                f"{where}: '{name}' is {full[name].dtype}"
+            close(full[name], value, f"{where}: full '{name}'")
+            if self.shard_rank == 0:
+                assert torch.equal(first[name], full[name]), f"{where}: rank-0 '{name}'"
+            if isinstance(t, DTensor):  # a Replicate() one holds it whole
+                whole = full_value(t)
+                held = piece_of(whole, t, self.shard_rank, self.shard_world) \
+                    if t.placements[-1].is_shard() else whole
+                assert torch.equal(full_value(t.to_local()), held), f"'{name}': to_local()"
+            mine = piece_of(value, t, self.shard_rank, self.shard_world).reshape(-1)
+            close(local[name], mine, f"{where}: local '{name}' of rank {self.shard_rank}")
+        return full
+
+
+def tp_step(model, optimizer, ema, step):
+    """One SGD step on inputs equal on every rank (tensor parallelism's
+    replicated input), the unused parameters moved by hand, each rank its
+    own piece."""
+    model(inputs(4, 100 * step)).square().mean().backward()
+    ema.fence()
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        for p in (model.inner, model.narrow):
+            local = p.to_local()
+            local.mul_(0.8).add_(torch.cos(torch.arange(local.numel(), dtype=torch.float32)
+                                           * step + dist.get_rank()).reshape(local.shape))
+    ema.update()
+
+
+def refused_everywhere(ema, folder):
+    """The engine's sharded files cannot hold a Shard(1) piece: each call
+    that writes or reads them names the parameter and points to DCP."""
+    calls = {"save_checkpoint": lambda: ema.save_checkpoint(os.path.join(folder, "ckpt")),
+             "load_checkpoint": lambda: ema.load_checkpoint(os.path.join(folder, "ckpt")),
+             "export_weights": lambda: ema.export_weights(os.path.join(folder, "w.safetensors"))}
+    for api, call in calls.items():
+        try:
+            call()
+        except ValueError as error:
+            text = str(error)
+            named = all(f"'{n}'" in text for n in ("inner", "narrow", "2.weight"))
+            assert api in text and named and "Shard(dim=1)" in text and \
+                "state_dict()" in text and "torch.distributed.checkpoint" in text, text
+        else:
+            raise AssertionError(f"{api} wrote engine files of a Shard(1) parameter")
+    assert not os.path.exists(os.path.join(folder, "ckpt"))
+    assert not os.path.exists(os.path.join(folder, "w.safetensors"))
+
+
+def tp_train(rank, world, out):
+    """parallelize_module on a 1-D mesh: update, local_ema, full_state_dict,
+    swap and copy_to against the float64 EMA; the engine's files refused;
+    a DCP save (state_dict() keeps each parameter's placements, fp32) read
+    back by a fresh EMA at the same world size. test_tensor_parallel.py
+    reads it at W = 1."""
+    base = os.path.dirname(out)
+    mesh = init_device_mesh("cpu", (world,))
+    model = tp_model(0, mesh)
+    tensors = module_tensors(model)
+    assert tensors["2.weight"].placements == (Shard(1),), tensors["2.weight"].placements
+    ema = shardema.EMA(model, schedule=schedule(), timeout=60)
+    assert (ema.layout, ema.rank, ema.world_size) == ("fsdp2", rank, world)
+    reference = Float64Ema(lambda: tensors, lambda: versatil_averaged(model))
+    check = Checker(ema, reference, tensors, rank, world)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    for step in range(1, STEPS + 1):
+        tp_step(model, optimizer, ema, step)
+        reference.update(step)
+        assert abs(ema.last_decay - decay_at(step)) < 1e-12
+        full = check(f"step {step}")
+    only = ema.full_state_dict(rank0_only=False, names=["inner", "3.bias"])
+    assert sorted(only) == ["3.bias", "inner"] and torch.equal(only["inner"], full["inner"])
+
+    raw = {n: full_value(t) for n, t in tensors.items()}
+    with ema.swap(model):
+        for name, t in tensors.items():
+            assert torch.equal(full_value(t), full[name].double()), f"swapped '{name}'"
+    for name, t in tensors.items():
+        assert torch.equal(full_value(t), raw[name]), f"'{name}' after swap"
+
+    refused_everywhere(ema, out)
+
+    state = ema.state_dict()
+    local = ema.local_ema()
+    for name, t in tensors.items():
+        saved = state["weights"][name]
+        assert saved.dtype == torch.float32, (name, saved.dtype)
+        assert isinstance(saved, DTensor) and tuple(saved.shape) == tuple(t.shape), name
+        if isinstance(t, DTensor):
+            assert saved.device_mesh == t.device_mesh, name
+        if isinstance(t, DTensor) and t.placements[-1].is_shard():  # the parameter's own
+            assert saved.placements == t.placements, (name, saved.placements)
+        else:  # held whole (Replicate(), LayerNorm's): the rows this rank averages
+            assert saved.placements == (Shard(0),), (name, saved.placements)
+        assert torch.equal(saved.to_local().reshape(-1), local[name]), name
+    dcp.save({"model": model.state_dict(), "ema": state},
+             checkpoint_id=os.path.join(base, "tp_dcp"))
+    if rank == 0:
+        torch.save({"full": full, "step": ema.step}, os.path.join(base, "tp_saved.pt"))
+
+    # A fresh EMA of another model, the same split, loads it back exactly.
+    other = shardema.EMA(tp_model(5, mesh), timeout=60)
+    loaded = {"ema": other.state_dict()}
+    dcp.load(loaded, checkpoint_id=os.path.join(base, "tp_dcp"))
+    other.load_state_dict(loaded["ema"])
+    assert other.step == STEPS
+    for name, value in other.local_ema().items():
+        assert torch.equal(value, local[name]), f"'{name}' loaded at W = {world}"
+
+    # module(into=): another model split the same way takes the EMA
+    view = module_tensors(ema.module(into=tp_model(6, mesh)))
+    for name, value in full.items():
+        assert torch.equal(full_value(view[name]), value.double()), f"module(into=) '{name}'"
+
+    ema.copy_to(model)
+    for name, t in tensors.items():
+        assert torch.equal(full_value(t), full[name].double()), f"'{name}' after copy_to"
+
+
+def tp_load_one(rank, world, out):
+    """W = 1: the W = 2 Shard(1) checkpoint, resharded by DCP, into the EMA
+    of the plain model and into that of the same model on a one-rank
+    tensor-parallel mesh: exactly the EMA saved."""
+    base = os.path.dirname(out)
+    saved = torch.load(os.path.join(base, "tp_saved.pt"))
+    for mesh in (None, init_device_mesh("cpu", (1,))):
+        ema = shardema.EMA(tp_model(7, mesh), timeout=60)
+        state = {"ema": ema.state_dict()}
+        dcp.load(state, checkpoint_id=os.path.join(base, "tp_dcp"))
+        ema.load_state_dict(state["ema"])
+        assert ema.step == saved["step"]
+        full = ema.full_state_dict()
+        assert sorted(full) == sorted(saved["full"])
+        for name, value in saved["full"].items():
+            assert torch.equal(full[name], value), f"'{name}' at W = 1 (mesh {mesh})"
+
+
+def hsdp_model(seed, mesh):
+    """fully_shard on a 2-D (replicate, shard) mesh, or a 1-D one (FSDP2);
+    the BatchNorm's buffers are plain tensors (a 0-dim one among them)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2), nn.BatchNorm1d(2))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def hsdp_dcp(rank, world, out):
+    """HSDP (2 x 2): state_dict() holds fp32 DTensors on the 2-D mesh with
+    the parameters' placements (and (Replicate(), Shard(0)) rows for the
+    buffers); DCP stores each chunk once, not once per replica; loading it
+    back at W = 4 restores the EMA exactly. test_tensor_parallel.py reads it
+    at W = 2 under plain FSDP2."""
+    base = os.path.dirname(out)
+    folder = os.path.join(base, "hsdp_dcp")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    shard_rank = mesh.get_local_rank("shard")
+    model = hsdp_model(3, mesh)
+    ema = shardema.EMA(model, schedule=schedule(), timeout=60)
+    tensors = module_tensors(model)
+    reference = Float64Ema(lambda: tensors, lambda: versatil_averaged(model))
+    check = Checker(ema, reference, tensors, shard_rank, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    for step in range(1, STEPS + 1):
+        # the same inputs everywhere: BatchNorm's buffers equal on replicas
+        model(inputs(3, 100 * step)).square().mean().backward()
+        ema.fence()
+        optimizer.step()
+        optimizer.zero_grad()
+        ema.update()
+        reference.update(step)
+        full = check(f"step {step}")
+
+    state = ema.state_dict()
+    for name, value in state["weights"].items():
+        t = tensors[name]
+        if name == "2.num_batches_tracked":  # 0-dim: shard rank 0 of each replica
+            assert not isinstance(value, DTensor), name
+            continue
+        assert isinstance(value, DTensor) and value.device_mesh == mesh, name
+        assert value.dtype == torch.float32, (name, value.dtype)
+        placements = t.placements if isinstance(t, DTensor) else (Replicate(), Shard(0))
+        assert value.placements == tuple(placements), (name, value.placements)
+    saved_local = ema.local_ema()
+    dcp.save({"model": model.state_dict(), "ema": state}, checkpoint_id=folder)
+    if rank == 0:
+        torch.save({"full": full, "step": ema.step}, os.path.join(base, "hsdp_saved.pt"))
+        chunks = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+        # 5 rows over 2 shard ranks: 2 chunks, each stored once
+        assert len(chunks["ema.weights.0.weight"].chunks) == 2, chunks["ema.weights.0.weight"]
+
+    model(inputs(3, 999)).square().mean().backward()  # the EMA moves on
+    ema.fence()
+    optimizer.step()
+    ema.update()
+    ema.wait()
+    assert any(not torch.equal(v, saved_local[k]) for k, v in ema.local_ema().items())
+    loaded = {"ema": ema.state_dict()}
+    dcp.load(loaded, checkpoint_id=folder)
+    ema.load_state_dict(loaded["ema"])
+    assert ema.step == STEPS
+    for name, value in ema.local_ema().items():
+        assert torch.equal(value, saved_local[name]), f"'{name}' loaded back at 2 x 2"
+
+
+def hsdp_load_fsdp2(rank, world, out):
+    """W = 2: the 2 x 2 HSDP checkpoint into plain FSDP2 (a 1-D mesh of 2)."""
+    base = os.path.dirname(out)
+    saved = torch.load(os.path.join(base, "hsdp_saved.pt"))
+    ema = shardema.EMA(hsdp_model(4, init_device_mesh("cpu", (world,))), timeout=60)
+    state = {"ema": ema.state_dict()}
+    dcp.load(state, checkpoint_id=os.path.join(base, "hsdp_dcp"))
+    ema.load_state_dict(state["ema"])
+    assert ema.step == saved["step"]
+    full = ema.full_state_dict(rank0_only=False)
+    for name, value in saved["full"].items():
+        assert torch.equal(full[name], value), f"'{name}' at W = {world}"
+
+
+def hsdp_missing_writer(rank, world, out):
+    """HSDP, EMA timeout 2 s, the process group's 60 s: the first replica
+    (global ranks 0 and 1), which writes the files, never calls
+    save_checkpoint. The other replica's ranks fail within the EMA's
+    timeout, naming it, instead of the group's. The writers wait until the
+    waiters have reported, so no rank leaves while a peer still waits."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    ema = shardema.EMA(hsdp_model(6, mesh), timeout=2.0)
+    replica = mesh.get_local_rank("replicate")
+    flags = [os.path.join(out, f"waited{r}") for r in (2, 3)]
+    if replica == 0:
+        deadline = time.monotonic() + GROUP_TIMEOUT
+        while not all(os.path.exists(f) for f in flags):
+            assert time.monotonic() < deadline, "the waiting replica never reported"
+            time.sleep(0.05)
+        return
+    start = time.monotonic()
+    try:
+        ema.save_checkpoint(os.path.join(out, "never_written"))
+    except RuntimeError as error:
+        took = time.monotonic() - start
+        text = str(error)
+        # its writer: the first replica's rank at the same shard coordinate
+        assert "EMA's timeout" in text and f"global rank {rank - 2}" in text, text
+        # the EMA's 2 s, not the group's 60 s (and well under it: no hang)
+        assert 1.5 <= took < 15, f"failed after {took:.1f} s: {text}"
+    else:
+        raise AssertionError("save_checkpoint returned without its writer")
+    finally:
+        open(flags[rank - 2], "w").close()
+
+
+SCENARIOS = {"tp_train": tp_train, "tp_load_one": tp_load_one, "hsdp_dcp": hsdp_dcp,
+             "hsdp_load_fsdp2": hsdp_load_fsdp2, "hsdp_missing_writer": hsdp_missing_writer}
+# Scenarios after which the group is out of step (a collective abandoned).
+LAST_ONLY = {"hsdp_missing_writer"}
+
+
+def main():
+    scenarios, rank, world, port, out = sys.argv[1].split(","), int(sys.argv[2]), \
+        int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world,
+                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT))
+    for scenario in scenarios:
+        with errors_reported(rank, out, scenario):
+            SCENARIOS[scenario](rank, world, out)
+            if scenario not in LAST_ONLY:
+                dist.barrier()
+        open(os.path.join(out, f"done{rank}_{scenario}"), "w").close()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""shardema.callbacks.DDPPostHocEMACallback in real Lightning 2.6 Trainers
+on CPU: the default strategy (in this process), DDPStrategy on 2 processes
+(layout "rank0") and ModelParallelStrategy with FSDP2 on 2 processes
+(layout "sharded": each rank keeps the profiles of its DTensors' rows),
+with attribute="policy", accumulate_grad_batches 2 and a resume from a
+checkpoint taken between two snapshot steps (posthoc_lightning_worker.py).
+
+Checked against references the test computes itself, in float64, from the
+raw weights recorded after every optimizer step: each snapshot profile (the
+power-function EMA of its sigma_rel), and the synthesis, a least-squares
+solve over the snapshots' profiles (Karras et al., Algorithm 3), both for
+shardema.synthesize_snapshot_folder and for what validation saw. The
+resumed run must equal the uninterrupted one bit for bit: raw weights,
+snapshot files, validation weights, deployable weights."""
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import posthoc_lightning_worker as worker  # noqa: E402
+from rank_launch import launch  # noqa: E402
+
+import shardema  # noqa: E402
+
+WORLD = 2
+STEPS = 8  # 4 epochs of 2 optimizer steps
+SNAPSHOT_STEPS = (3, 6, 8)  # every 3rd step, and the final one at train end
+TRACKED = ("inp.weight", "inp.bias", "out.weight", "out.bias", "offset", "updates")
+
+
+# --- float64 references ------------------------------------------------------
+def gamma_of(sigma_rel):
+    """The power-function exponent of a relative width: the largest root of
+    (g + 2)^2 (g + 3) = sigma_rel^-2 (g + 1) (Karras et al., Eq. 123)."""
+    q = sigma_rel ** -2
+    roots = np.roots([1.0, 7.0, 16.0 - q, 12.0 - q])
+    return float(max(r.real for r in roots if abs(r.imag) < 1e-9))
+
+
+def profile_decay(gamma, n):
+    """nitrous' beta at call n, (1 - 1/(n + 1))^(gamma + 1), with its step
+    size correction for an update every call: the geometric mean of the
+    betas of n and n + 1."""
+    def beta(m):
+        return (1.0 - 1.0 / (m + 1.0)) ** (gamma + 1.0)
+    return math.sqrt(beta(n) * beta(n + 1))
+
+
+def reference_profiles(trace, sigma_rel):
+    """{step: {name: float64 EMA}}: the first call copies the weights, call
+    n >= 2 lerps with profile_decay(n); the trace holds the weights after
+    each optimizer step (step 0: fit start)."""
+    gamma = gamma_of(sigma_rel)
+    ema, out = None, {}
+    for step, weights in trace[1:]:
+        if ema is None:
+            ema = {k: weights[k].double().clone() for k in TRACKED}
+        else:
+            d = profile_decay(gamma, step)
+            ema = {k: ema[k] * d + weights[k].double() * (1.0 - d) for k in TRACKED}
+        out[step] = ema
+    return out
+
+
+def p_dot_p(t_a, g_a, t_b, g_b):
+    """Inner product of two power-function EMA profiles (Algorithm 3)."""
+    exponent = g_b if t_a < t_b else -g_a
+    return ((g_a + 1) * (g_b + 1) * (t_a / t_b) ** exponent) / ((g_a + g_b + 1) * max(t_a, t_b))
+
+
+def reference_synthesis(profiles, steps, sigma_rel, at):
+    """float64 least-squares synthesis of `sigma_rel` at step `at` from the
+    reference profiles' snapshots at `steps`."""
+    basis = [(t, gamma_of(s), profiles[s][t]) for t in steps for s in worker.SIGMA_RELS]
+    a = torch.tensor([[p_dot_p(ti, gi, tj, gj) for tj, gj, _ in basis] for ti, gi, _ in basis],
+                     dtype=torch.float64)
+    b = torch.tensor([p_dot_p(ti, gi, at, gamma_of(sigma_rel)) for ti, gi, _ in basis],
+                     dtype=torch.float64)
+    weights = torch.linalg.solve(a, b)
+    return {k: sum(w * values[k] for w, (_, _, values) in zip(weights.tolist(), basis))
+            for k in TRACKED}
+
+
+# --- the checks ---------------------------------------------------------------
+def load(out, name, rank=0):
+    return torch.load(os.path.join(out, f"{name}.rank{rank}.pt"), weights_only=False)
+
+
+def snapshot_files(folder):
+    """{relative path: (tensors, metadata)} of the snapshots (resume states
+    left out: they are not snapshots)."""
+    found = {}
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if d != "resume"]
+        for f in files:
+            if f.endswith(".safetensors"):
+                path = os.path.join(root, f)
+                read = shardema.read_tensor_file(path)
+                found[os.path.relpath(path, folder)] = (read["tensors"], read["metadata"])
+    return found
+
+
+def assert_same(a, b, what):
+    assert sorted(a) == sorted(b), what
+    differ = [k for k in a if not (a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))]
+    assert differ == [], f"{what}: {differ} differ"
+
+
+def close(actual, expected, what, scale=1.0):
+    torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-6 * scale, msg=what)
+
+
+def rows_of(full, rank, world):
+    """This rank's FSDP2 rows of a full tensor (torch.chunk along dim 0; a
+    0-d tensor is one row), flattened."""
+    rows = full.shape[0] if full.dim() else 1
+    size = -(-rows // world)
+    start, end = min(rank * size, rows), min((rank + 1) * size, rows)
+    per_row = full.numel() // rows
+    return full.reshape(-1)[start * per_row:end * per_row]
+
+
+def check_runs(out, world=1, sharded=False):
+    a, c = load(out, "A"), load(out, "C")
+    assert a["problems"] == [] and c["problems"] == [], (a["problems"], c["problems"])
+    trace = a["trace"]
+    assert [s for s, _ in trace] == list(range(STEPS + 1))  # optimizer steps only
+    assert a["calls"] == c["calls"] == a["global_step"] == c["global_step"] == STEPS
+
+    # Each snapshot profile is the float64 power-function EMA of its sigma_rel
+    # (names relative to attribute="policy"); sharded: each rank's file holds
+    # exactly its rows.
+    profiles = {s: reference_profiles(trace, s) for s in worker.SIGMA_RELS}
+    files = snapshot_files(a["folder"])
+    ranks = [f"rank_{r:05d}" for r in range(world)] if sharded else [""]
+    expected_names = sorted(os.path.join(r, f"{i}.{t}.safetensors") for r in ranks
+                            for i in range(len(worker.SIGMA_RELS)) for t in SNAPSHOT_STEPS)
+    assert sorted(files) == expected_names
+    for rank, prefix in enumerate(ranks):
+        for i, sigma in enumerate(worker.SIGMA_RELS):
+            for t in SNAPSHOT_STEPS:
+                tensors, _ = files[os.path.join(prefix, f"{i}.{t}.safetensors")]
+                assert sorted(tensors) == sorted(TRACKED)
+                for k in TRACKED:
+                    want = profiles[sigma][t][k]
+                    if sharded:
+                        want = rows_of(want, rank, world)
+                    close(tensors[k].reshape(want.shape), want, f"{prefix} profile {sigma} "
+                          f"step {t} '{k}'")
+
+    # The synthesis: offline over the folder, and what each validation saw
+    # (the synthesis at the newest snapshot then; none before step 3).
+    synthesized = shardema.synthesize_snapshot_folder(a["folder"], 0.05)
+    expected = reference_synthesis(profiles, SNAPSHOT_STEPS, 0.05, STEPS)
+    for k in TRACKED:
+        close(synthesized[k], expected[k], f"synthesized '{k}'")
+    assert [s for s, _ in a["validation_seen"]] == [2, 4, 6, 8]
+    for step, seen in a["validation_seen"]:
+        newest = max((t for t in SNAPSHOT_STEPS if t <= step and t % 3 == 0), default=None)
+        if newest is None:
+            assert_same(seen, {k: trace[step][1][k] for k in seen}, f"validation at {step}")
+            continue
+        want = reference_synthesis(profiles, [t for t in (3, 6) if t <= newest], 0.05, newest)
+        assert sorted(seen) == sorted(TRACKED)
+        for k in seen:
+            close(seen[k], want[k], f"validation at step {step}: '{k}'")
+            if k != "offset":  # a constant buffer: its EMA is itself
+                assert not torch.equal(seen[k], trace[step][1][k]), f"validation {step}: '{k}'"
+
+    # The resume from step 4 (between the snapshots of 3 and 6) goes on as
+    # the uninterrupted run, bit for bit.
+    assert_same(c["raw"], a["raw"], "resumed raw weights")
+    # (The trace's first entries: on_fit_start, before Lightning has
+    # restored global_step, and the restored step 4 seen after a
+    # micro-batch, whose forward already counted in `updates`.)
+    assert [s for s, _ in c["trace"][2:]] == list(range(5, STEPS + 1))
+    for (step, weights), (_, want) in zip(c["trace"][2:], trace[5:]):
+        assert_same(weights, want, f"resumed raw weights at step {step}")
+    assert [s for s, _ in c["validation_seen"]] == [6, 8]
+    for (step, seen), (_, want) in zip(c["validation_seen"], a["validation_seen"][2:]):
+        assert_same(seen, want, f"resumed validation at step {step}")
+    resumed_files = snapshot_files(c["folder"])
+    assert sorted(resumed_files) == sorted(files)
+    for name, (tensors, metadata) in files.items():
+        assert_same(resumed_files[name][0], tensors, f"resumed snapshot {name}")
+        assert resumed_files[name][1] == metadata, name
+    assert_same(shardema.synthesize_snapshot_folder(c["folder"], 0.05), synthesized,
+                "synthesis of the resumed run")
+    assert a["output_path"] and c["output_path"] and a["output_path"] != c["output_path"]
+    assert_same(shardema.read_tensor_file(c["output_path"])["tensors"],
+                shardema.read_tensor_file(a["output_path"])["tensors"], "deployable weights")
+    # The checkpoint of step 4 wrote each rank's resume state beside its
+    # snapshots, where the synthesis does not look.
+    for prefix in ranks:
+        resume = os.path.join(a["folder"], prefix, "resume")
+        assert {"0.4.safetensors", "1.4.safetensors"} <= set(os.listdir(resume))
+    return a, c
+
+
+def test_single_device(tmp_path):
+    import lightning.pytorch as L
+    worker.posthoc_runs(L, str(tmp_path))
+    check_runs(str(tmp_path))
+
+
+def test_ddp_two_processes_rank0_layout(tmp_path):
+    codes, errors = launch("posthoc_lightning_worker.py", "ddp", WORLD, tmp_path, timeout=120)
+    assert errors == {} and codes == [0] * WORLD, (codes, errors)
+    check_runs(str(tmp_path))
+    for name in "AC":  # every rank trained on the same raw weights
+        assert load(str(tmp_path), name, 1)["problems"] == []
+        assert_same(load(str(tmp_path), name, 1)["raw"], load(str(tmp_path), name)["raw"], name)
+
+
+def test_model_parallel_fsdp2_two_processes_sharded_layout(tmp_path):
+    codes, errors = launch("posthoc_lightning_worker.py", "model_parallel", WORLD, tmp_path,
+                           timeout=120)
+    assert errors == {} and codes == [0] * WORLD, (codes, errors)
+    check_runs(str(tmp_path), world=WORLD, sharded=True)
+    for name in "AC":
+        rank1, rank0 = load(str(tmp_path), name, 1), load(str(tmp_path), name)
+        assert rank1["problems"] == []
+        assert_same(rank1["raw"], rank0["raw"], name)
+        # Each rank swapped its rows in and the buffers whole: the same EMA.
+        for (_, seen1), (_, seen0) in zip(rank1["validation_seen"], rank0["validation_seen"]):
+            assert_same(seen1, seen0, f"{name}: rank 1's validation weights")

@@ -1,0 +1,66 @@
+"""shardema.EMA over tensor-parallel DTensors and HSDP, through
+torch.distributed.checkpoint, on CPU/Gloo: each rank checks itself against
+a float64 EMA of the full tensors (tensor_parallel_worker.py); here, that
+each scenario passed on every rank. Three launches, each started once and
+in order, since a later one reads the checkpoints of an earlier one:
+W = 4 (HSDP 2 x 2), W = 2 (tensor parallelism; HSDP's checkpoint under
+FSDP2), W = 1 (tensor parallelism's checkpoint)."""
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from rank_launch import launch  # noqa: E402
+
+RUNS = [(4, ["hsdp_dcp", "hsdp_missing_writer"]), (2, ["tp_train", "hsdp_load_fsdp2"]),
+        (1, ["tp_load_one"])]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """world -> (folder, exit codes, errors); asking for a world runs it and
+    every launch before it (whose checkpoints it reads), once each."""
+    base = tmp_path_factory.mktemp("tensor_parallel")
+    done = {}
+
+    def run(world):
+        for each, scenarios in RUNS:
+            if each not in done:
+                out = base / f"w{each}"
+                out.mkdir()
+                codes, errors = launch("tensor_parallel_worker.py", ",".join(scenarios), each,
+                                       out, timeout=150)
+                done[each] = (out, codes, errors)
+            if each == world:
+                return done[each]
+    return run
+
+
+def assert_passed(runs, world, scenario):
+    out, codes, errors = runs(world)
+    missing = [r for r in range(world) if not (out / f"done{r}_{scenario}").exists()]
+    said = {r: text.splitlines()[0] + "\n" + "\n".join(text.splitlines()[-6:])
+            for r, text in errors.items()}
+    assert not missing, f"{scenario} did not pass on ranks {missing} (exit codes {codes}): {said}"
+
+
+def test_hsdp_state_dict_saves_once_per_chunk_and_loads_back_at_2x2(runs):
+    assert_passed(runs, 4, "hsdp_dcp")
+
+
+def test_hsdp_waiting_replicas_fail_within_the_ema_timeout(runs):
+    assert_passed(runs, 4, "hsdp_missing_writer")
+
+
+def test_tensor_parallel_ema_equals_float64_reference_and_saves_through_dcp(runs):
+    assert_passed(runs, 2, "tp_train")
+
+
+def test_hsdp_checkpoint_loads_under_fsdp2_at_w2(runs):
+    assert_passed(runs, 2, "hsdp_load_fsdp2")
+
+
+def test_tensor_parallel_checkpoint_loads_at_w1(runs):
+    assert_passed(runs, 1, "tp_load_one")
