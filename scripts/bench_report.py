@@ -125,6 +125,7 @@ def update_section(rows):
     limit_rows = {r["args"]["threads"]: r for r in rows if r["path"][0] == "limit_add_inplace"}
     ours = [r for r in rows if r["path"][0] == "ours"]
     sweep = [r for r in rows if r["path"][0] == "ours_size"]
+    variants = [r for r in rows if r["path"][0] == "kernel"]
     main_columns = [
         ("source, layout", lambda r: f"{r['path'][1]}, {r['path'][2]}"),
         ("threads", lambda r: str(r["args"]["threads"])),
@@ -152,12 +153,26 @@ def update_section(rows):
           markdown_table(main_columns, ours), "",
           "Scaling with model size (one tensor, prefix of the arena):", "",
           markdown_table(sweep_columns, sweep)]
+    if variants:
+        variant_columns = [
+            ("kernel", lambda r: r["path"][1]),
+            ("source", lambda r: r["path"][2]),
+            ("threads", lambda r: str(r["args"]["threads"])),
+            ("GB/s", lambda r: with_cv(r, "GBps")),
+            ("limit GB/s (paired)", lambda r: number(r.get("limit_GBps"))),
+            ("fraction of limit", lambda r: fraction(r.get("frac_of_limit"))),
+        ]
+        md += ["", "Each kernel variant this CPU has, alone over the arena, split over the "
+               "pool as the update path splits it, each pass paired with a limit pass "
+               "(the update path picks one at run time; the rows above use it):", "",
+               markdown_table(variant_columns, variants)]
     counters = ["GBps", "limit_GBps", "frac_of_limit", "frac_vs_limit_row", "x_foreach",
                 "x_lerp_loop"]
     return "\n".join(md), {
         "update": [plain(r, counters) for r in ours],
         "update_limit_rows": [plain(r, ["GBps"]) for r in limit_rows.values()],
-        "update_size_sweep": [plain(r, counters) for r in sweep]}
+        "update_size_sweep": [plain(r, counters) for r in sweep],
+        "update_kernel_variants": [plain(r, counters) for r in variants]}
 
 
 def offload_section(rows):
@@ -414,7 +429,15 @@ def python_section(path):
           "over Gloo, each on its shards; extra GiB is per rank there. Targets: update() "
           "under 0.5 ms; a full update 4x the fastest peer for bf16 and 2x for fp32, at 0.85 "
           "to 1.0 of the limit.", "", markdown_table(columns, data["rows"])]
-    return "\n".join(md), {"python": data["rows"]}
+    returns = data.get("update_returns_ms")
+    if returns:
+        md += ["", f"shardema `update()` returns for {data['tensors']} tensors of a 1 Mi element "
+               f"fp32 model in {number(returns['warm'], 3)} ms with warm caches and "
+               f"{number(returns['cold'], 3)} ms after a 256 MiB stream between updates. "
+               "update() walks every tracked tensor's metadata, so its cost is a few cache "
+               "misses per tensor: the rounds above, where other methods' passes (and the "
+               "EMA's own over 64 Mi elements) evict that metadata, show the cold figure."]
+    return "\n".join(md), {"python": data["rows"], "python_update_returns_ms": returns}
 
 
 # ---------------------------------------------------------------- machine
