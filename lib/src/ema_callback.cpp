@@ -106,20 +106,11 @@ void EmaCallback::onSaveCheckpoint(TrainingCheckpoint& checkpoint) const {
   TORCH_CHECK(!emaSwappedIn(),
               "EmaCallback::onSaveCheckpoint: the EMA weights are swapped in; "
               "save outside validation so the raw weights are the ones kept for resume");
-  std::unordered_map<std::string, size_t> position;
-  for (size_t i = 0; i < checkpoint.weights.size(); ++i) position[checkpoint.weights[i].first] = i;
-  for (const auto& [name, ema] : averager_->emaTensors()) {
-    const auto it = position.find(name);
-    if (it == position.end()) continue;
-    at::Tensor& slot = checkpoint.weights[it->second].second;
-    for (const auto& raw : checkpoint.rawWeights) {
-      TORCH_CHECK_VALUE(raw.first != name,
-                        "EmaCallback::onSaveCheckpoint: rawWeights already holds '", name,
-                        "'; call onSaveCheckpoint once per checkpoint");
-    }
-    checkpoint.rawWeights.emplace_back(name, slot.detach().clone());
-    slot = ema.clone();
-  }
+  std::vector<std::string> rawKept;
+  for (const auto& [name, raw] : checkpoint.rawWeights) rawKept.push_back(name);
+  EmaSubstitution taken = substituteEma(checkpoint.weights, averager_->emaTensors(), rawKept);
+  for (auto& entry : taken.raw) checkpoint.rawWeights.push_back(std::move(entry));
+  for (auto& entry : taken.float32Ema) checkpoint.float32Ema.push_back(std::move(entry));
   for (const auto& [key, value] : averager_->state().metadata) {
     checkpoint.metadata[kEmaMetadataPrefix + withoutPrefix(key, kLibraryPrefix)] = value;
   }
@@ -128,8 +119,11 @@ void EmaCallback::onSaveCheckpoint(TrainingCheckpoint& checkpoint) const {
 void EmaCallback::onLoadCheckpoint(torch::nn::Module& module,
                                    const TrainingCheckpoint& checkpoint) {
   if (checkpoint.rawWeights.empty()) return;
+  // The EMA as averaged where the weights hold it narrowed (bf16 models;
+  // files written before float32Ema existed hold it in the weights).
   std::unordered_map<std::string, const at::Tensor*> weights;
   for (const auto& [name, tensor] : checkpoint.weights) weights[name] = &tensor;
+  for (const auto& [name, tensor] : checkpoint.float32Ema) weights[name] = &tensor;
   TensorFile queued;
   for (const auto& [name, raw] : checkpoint.rawWeights) {
     const auto it = weights.find(name);

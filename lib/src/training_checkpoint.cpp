@@ -29,6 +29,9 @@ void TrainingCheckpoint::save(const std::string& path) const {
   for (const auto& [name, tensor] : rawWeights) {
     file.tensors.emplace_back(kRawWeightsPrefix + name, tensor);
   }
+  for (const auto& [name, tensor] : float32Ema) {
+    file.tensors.emplace_back(kFloat32EmaPrefix + name, tensor);
+  }
   for (const auto& [key, value] : metadata) {
     TORCH_CHECK_VALUE(!startsWith(key, kKindKey), "TrainingCheckpoint::save: metadata key '", key,
                       "' is reserved");
@@ -46,9 +49,12 @@ TrainingCheckpoint TrainingCheckpoint::load(const std::string& path) {
                     kind == file.metadata.end() ? std::string("absent") : kind->second, "')");
   TrainingCheckpoint checkpoint;
   const std::string rawPrefix = kRawWeightsPrefix;
+  const std::string float32Prefix = kFloat32EmaPrefix;
   for (auto& [name, tensor] : file.tensors) {
     if (startsWith(name, rawPrefix)) {
       checkpoint.rawWeights.emplace_back(name.substr(rawPrefix.size()), std::move(tensor));
+    } else if (startsWith(name, float32Prefix)) {
+      checkpoint.float32Ema.emplace_back(name.substr(float32Prefix.size()), std::move(tensor));
     } else {
       checkpoint.weights.emplace_back(std::move(name), std::move(tensor));
     }

@@ -20,6 +20,7 @@
 #include "python_ema.h"
 #include "python_warnings.h"
 #include "shardema/ema_callback.h"
+#include "shardema/ema_substitution.h"
 #include "shardema/offload/engine_choice.h"
 #include "shardema/offload/update_pipeline.h"
 
@@ -55,6 +56,22 @@ void bindEma(py::module_& m) {
         py::arg("accumulate_grad_batches"), py::arg("is_last_batch"),
         "Whether the batch ended with an optimizer step (end of an accumulation window, or the "
         "epoch's last batch)");
+  // The checkpoint substitution of EmaCallback::onSaveCheckpoint, so that
+  // EMACallback.on_save_checkpoint has no copy of it: the slots (a DTensor's
+  // to_local()) after the substitution, the raw values it took out, the
+  // float32 EMA where a slot's dtype narrowed it.
+  m.def(
+      "substitute_ema",
+      [](NamedTensors slots, const NamedTensors& ema, const std::vector<std::string>& rawKept,
+         bool adoptEma) {
+        EmaSubstitution taken = substituteEma(slots, ema, rawKept, adoptEma);
+        return std::make_tuple(std::move(slots), std::move(taken.raw),
+                               std::move(taken.float32Ema));
+      },
+      py::arg("slots"), py::arg("ema"), py::arg("raw_kept") = std::vector<std::string>(),
+      py::arg("adopt_ema") = false, Release(),
+      "The EMA into the named slots at their dtypes: (slots, raw, float32_ema), each a list of "
+      "(name, tensor)");
   py::class_<LoadReport>(m, "LoadReport", "Which names a load did not match")
       .def_readonly("missing", &LoadReport::missing, "tracked here, absent in what was loaded")
       .def_readonly("unexpected", &LoadReport::unexpected, "loaded, not tracked here")

@@ -159,6 +159,91 @@ TEST(EmaCallbackTest, InterruptedAndResumedRunIsBitIdentical) {
   }
 }
 
+// A bf16 model: every weight and buffer at optimizer step `step` is a pure
+// function of (step, tensor, element), so two runs see the same values.
+void setBf16Weights(TestNet& net, int64_t step) {
+  torch::NoGradGuard noGrad;
+  int64_t index = 0;
+  for (auto& [name, tensor] : moduleTensors(*net)) {
+    ++index;
+    if (!tensor.is_floating_point()) {
+      tensor.fill_(step);
+      continue;
+    }
+    const at::Tensor values =
+        torch::sin(torch::arange(tensor.numel(), torch::kDouble) * 0.37 + 1.3 * step + index);
+    tensor.copy_(values.reshape(tensor.sizes()));
+  }
+}
+
+void bf16Steps(TestNet& net, EmaCallback& callback, int64_t from, int64_t to) {
+  for (int64_t step = from; step <= to; ++step) {
+    callback.onBeforeOptimizerStep();
+    setBf16Weights(net, step);
+    ASSERT_TRUE(callback.onTrainBatchEnd(step, 0, 1, true));
+  }
+}
+
+TestNet bf16Net(uint64_t seed) {
+  torch::manual_seed(seed);
+  TestNet net;
+  net->to(torch::kBFloat16);
+  return net;
+}
+
+// A checkpoint of a bf16 model holds the EMA at bf16 (what deploys) and
+// the float32 EMA aside; a resume loads the float32 one and continues bit
+// for bit like an uninterrupted run.
+TEST(EmaCallbackTest, ABf16ModelsCheckpointKeepsItsDtypeAndResumesBitExact) {
+  testing::TempDir dir;
+  TestNet straight = bf16Net(21);
+  EmaCallback straightCallback;
+  straightCallback.onFitStart(*straight);
+  bf16Steps(straight, straightCallback, 1, 6);
+
+  TestNet first = bf16Net(21);
+  EmaCallback firstCallback;
+  firstCallback.onFitStart(*first);
+  bf16Steps(first, firstCallback, 1, 3);
+  TrainingCheckpoint saved = TrainingCheckpoint::capture(*first);
+  firstCallback.onSaveCheckpoint(saved);
+  std::vector<std::string> kept;
+  for (const auto& [name, tensor] : saved.weights) {
+    const at::Tensor& ema = firstCallback.averager().ema(name);
+    if (tensor.is_floating_point()) {
+      EXPECT_EQ(tensor.scalar_type(), torch::kBFloat16) << name << ": the model's dtype";
+    }
+    EXPECT_TRUE(tensor.equal(ema.to(tensor.scalar_type()))) << name;
+  }
+  for (const auto& [name, tensor] : saved.float32Ema) {
+    kept.push_back(name);
+    EXPECT_TRUE(tensor.equal(firstCallback.averager().ema(name))) << name;
+  }
+  // The parameters, which the EMA keeps in float32 (the frozen one too);
+  // the buffers (BatchNorm's) it keeps at their own dtype, and they lose
+  // nothing in the checkpoint.
+  EXPECT_EQ(kept, (std::vector<std::string>{"frozen", "fc1.weight", "fc1.bias", "fc2.weight",
+                                            "fc2.bias"}));
+  const at::Tensor fp32 = firstCallback.averager().ema("fc2.weight");
+  ASSERT_FALSE(fp32.equal(fp32.to(torch::kBFloat16).to(torch::kFloat)))
+      << "the EMA must be off the bf16 grid, or a resume from bf16 would pass too";
+  saved.save(dir.file("bf16.safetensors"));
+
+  TestNet resumed = bf16Net(99);
+  EmaCallback resumedCallback;
+  resumedCallback.onLoadCheckpoint(*resumed, TrainingCheckpoint::load(dir.file("bf16.safetensors")));
+  resumedCallback.onFitStart(*resumed);
+  bf16Steps(resumed, resumedCallback, 4, 6);
+  for (const auto& [name, ema] : straightCallback.averager().emaTensors()) {
+    EXPECT_TRUE(ema.equal(resumedCallback.averager().ema(name))) << "ema " << name;
+  }
+  const NamedTensors a = moduleTensors(*straight);
+  const NamedTensors b = moduleTensors(*resumed);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(a[i].second.equal(b[i].second)) << "raw " << a[i].first;
+  }
+}
+
 TEST(EmaCallbackTest, ValidationSwapsTheEmaInAndRawBackEvenWhenItThrows) {
   TrainingRun run(4);
   run.fit(2);

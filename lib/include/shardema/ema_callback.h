@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "shardema/averager.h"
+#include "shardema/ema_substitution.h"
 #include "shardema/training_checkpoint.h"
 
 namespace shardema {
@@ -78,12 +79,16 @@ class EmaCallback {
   void onBeforeOptimizerStep();
   /// Blocks until the EMA math is done; rethrows a background error.
   void wait();
-  /// Puts the EMA into checkpoint.weights (for every name it holds) and the
-  /// replaced raw values into checkpoint.rawWeights, plus the EMA progress
-  /// in metadata. Not allowed while EMA weights are swapped in.
+  /// substituteEma (ema_substitution.h) on the checkpoint: the EMA into
+  /// checkpoint.weights at each entry's dtype (for every name it holds), the
+  /// replaced raw values into checkpoint.rawWeights, the float32 EMA of the
+  /// entries that narrowed it into checkpoint.float32Ema, plus the EMA
+  /// progress in metadata. Not allowed while EMA weights are swapped in,
+  /// nor twice on one checkpoint (c10::ValueError naming the tensor).
   void onSaveCheckpoint(TrainingCheckpoint& checkpoint) const;
-  /// Restores the raw weights into `module` and queues the EMA weights for
-  /// onFitStart. A checkpoint without raw weights is left alone.
+  /// Restores the raw weights into `module` and queues the EMA for
+  /// onFitStart: checkpoint.float32Ema where it has the name, else the
+  /// weights. A checkpoint without raw weights is left alone.
   void onLoadCheckpoint(torch::nn::Module& module, const TrainingCheckpoint& checkpoint);
   /// Swap the EMA weights into the module / the raw weights back.
   void onValidationStart();
