@@ -36,8 +36,25 @@ def held_of(plan: Plan) -> Dict[str, Held]:
         if name in whole:
             out[name] = Held(whole[name], whole[name], True)
         else:
-            out[name] = Held(tuple(shard.local.shape), tuple(shard.spec.global_shape), False)
+            # A Shard(d > 0) spec has dim d moved first (tensor_parallel_spec):
+            # the whole a caller holds is the parameter's own shape.
+            parameter = plan.tensor_parallel.get(name)
+            global_shape = tuple(parameter.shape) if parameter is not None \
+                else tuple(shard.spec.global_shape)
+            out[name] = Held(tuple(shard.local.shape), global_shape, False)
     return out
+
+
+def _tensor_parallel_piece(full: torch.Tensor, parameter: Any) -> torch.Tensor:
+    """This rank's piece of the whole of tensor-parallel `parameter`, cut by
+    torch's own split of its placements (uneven ones included), from the
+    copy every rank holds: no communication (src_data_rank=None)."""
+    from torch.distributed.tensor import distribute_tensor
+    placed = distribute_tensor(full.detach(), parameter.device_mesh, tuple(parameter.placements),
+                               src_data_rank=None)
+    # distribute_tensor moved the whole to the mesh's device; the piece
+    # goes back beside the value given, so the engine copies it as before.
+    return placed.to_local().to(full.device)
 
 
 def ema_tensors(ema: Any, held: Dict[str, Held],
@@ -77,9 +94,11 @@ def load_ema_values(ema: Any, held: Dict[str, Held], values: Mapping[str, Any],
             full.append((name, piece))  # the whole; each rank keeps its rows
         elif not h.split and shape == h.shape:
             local.append((name, piece))
-        elif not h.split and not is_dtensor(value) and shape == h.global_shape and \
-                name not in tensor_parallel:
-            full.append((name, piece))  # a full tensor of a sharded one: this rank's rows
+        elif not h.split and not is_dtensor(value) and shape == h.global_shape:
+            if name in tensor_parallel:  # the whole of a Shard(d > 0) one: this rank's piece
+                local.append((name, _tensor_parallel_piece(piece, tensor_parallel[name])))
+            else:
+                full.append((name, piece))  # a full tensor of a sharded one: this rank's rows
         else:
             wanted = f"{h.shape}"
             if not h.split and h.shape != h.global_shape:

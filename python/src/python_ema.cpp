@@ -173,11 +173,19 @@ std::vector<std::string> PythonEma::takeFollowed() {
 void PythonEma::writeEmaIntoModel() {
   averager_->averager().copyTo();
   if (wholeTensors_.empty()) return;
-  // A replicated model: each rank averaged its rows, every rank needs all.
+  // The tensors every rank holds whole (replicated, DDP): each rank averaged
+  // its rows, every rank needs all. Only those are gathered: the sharded
+  // ones (FSDP2, tensor parallelism) were written above from this rank's
+  // own EMA, and assembling them would cost their full size on every rank.
   shard::GatherOptions options;
   options.root = -1;
+  std::vector<std::string> names;
+  names.reserve(wholeTensors_.size());
+  for (const TrackedTensor& whole : wholeTensors_) names.push_back(whole.name);
   std::map<std::string, at::Tensor> full;
-  for (auto& [name, tensor] : averager_->fullStateDict(*comm_, options)) full[name] = tensor;
+  for (auto& [name, tensor] : averager_->fullStateDict(*comm_, options, names)) {
+    full[name] = tensor;
+  }
   at::NoGradGuard noGrad;
   for (const TrackedTensor& whole : wholeTensors_) {
     auto it = full.find(whole.name);

@@ -231,6 +231,161 @@ def tp_load_one(rank, world, out):
             assert torch.equal(full[name], value), f"'{name}' at W = 1 (mesh {mesh})"
 
 
+def full_values(tensors, seed):
+    """A float64 full tensor for every tracked name, unlike the model's
+    weights (a load that changed nothing would not pass), equal on every
+    rank: what each rank reads from a checkpoint file holding the whole."""
+    generator = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(tuple(t.shape), generator=generator, dtype=torch.float64)
+            for n, t in tensors.items()}
+
+
+def tp_load_full(rank, world, out):
+    """load_ema_values() of plain full tensors (an exported safetensors
+    file, a one-file Lightning checkpoint) into the EMA of a model with
+    Shard(1) parameters, 'inner' with 5 columns over 2 ranks: each rank
+    keeps torch.chunk's piece (what to_local() holds), as a load of
+    DTensors of the same values does; the EMA assembled is the full tensor
+    given. No communication: rank 1 does not take part in a third load."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = tp_model(8, mesh)
+    tensors = module_tensors(model)
+    assert tensors["inner"].shape[1] % world != 0 and tensors["inner"].placements == (Shard(1),)
+    given = full_values(tensors, 11)
+    ema = shardema.EMA(model, timeout=60)
+    ema.load_ema_values(given)
+    by_dtensor = shardema.EMA(tp_model(9, mesh), timeout=60)
+    by_dtensor.load_ema_values({n: distribute_tensor(v, mesh, tensors[n].placements)
+                                if isinstance(tensors[n], DTensor) else v
+                                for n, v in given.items()})
+    mine, theirs = ema.ema_tensors(), by_dtensor.ema_tensors()
+    full = ema.full_state_dict(rank0_only=False)
+    for name, t in tensors.items():
+        want = given[name].float()
+        held = piece_of(want, t, rank, world) \
+            if isinstance(t, DTensor) and t.placements[-1].is_shard() else want
+        assert tuple(mine[name].shape) == tuple(t.to_local().shape if isinstance(t, DTensor)
+                                                else t.shape), (name, mine[name].shape)
+        assert torch.equal(mine[name], held), f"'{name}': rank {rank}'s EMA of the full tensor"
+        assert torch.equal(mine[name], theirs[name]), f"'{name}': full and DTensor loads differ"
+        assert torch.equal(full[name], want), f"'{name}': full_state_dict after the load"
+
+    lone = shardema.EMA(tp_model(10, mesh), timeout=60)
+    if rank == 0:
+        lone.load_ema_values(given)
+        assert torch.equal(lone.ema_tensors(["inner"])["inner"], mine["inner"])
+    dist.barrier()
+
+    # The transposed shape is neither the piece nor the whole: refused,
+    # naming the parameter and both shapes it takes, and nothing loaded.
+    before = ema.local_ema()
+    try:
+        ema.load_ema_values({"2.weight": torch.zeros(6, 3), "inner": given["inner"]},
+                            strict=False)
+    except ValueError as error:
+        text = str(error)
+        piece = tuple(tensors["2.weight"].to_local().shape)
+        assert "'2.weight' (6, 3)" in text and f"{piece} (this rank's part)" in text and \
+            "(3, 6) (the whole)" in text and "'inner'" not in text, text
+    else:
+        raise AssertionError("a (6, 3) tensor was taken for '2.weight' (3, 6)")
+    for name, value in ema.local_ema().items():
+        assert torch.equal(value, before[name]), f"'{name}' changed by a refused load"
+
+
+def tp_callback_one_file(rank, world, out):
+    """EMACallback's one-file checkpoint of a tensor-parallel model (what
+    Lightning's ModelParallelStrategy writes with
+    save_distributed_checkpoint=False: rank 0's state_dict holds plain full
+    tensors, and every rank reads the whole file at resume) loads back into
+    a fresh model and callback: the EMA and the raw weights saved."""
+    from shardema.callbacks import EMACallback
+    base = os.path.dirname(out)
+    mesh = init_device_mesh("cpu", (world,))
+    model = tp_model(12, mesh)
+    saver = EMACallback()
+    saver.on_fit_start(None, model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    for step in range(1, STEPS + 1):
+        tp_step(model, optimizer, saver.ema, step)
+    saver.ema.wait()
+    ema_saved = saver.ema.full_state_dict(rank0_only=False)
+    raw = {n: full_value(t).float() for n, t in module_tensors(model).items()}
+    assert any(not torch.equal(raw[n], ema_saved[n]) for n in raw)
+    checkpoint = {"state_dict": dict(raw) if rank == 0 else {}}
+    saver.on_save_checkpoint(None, model, checkpoint)
+    path = os.path.join(base, "tp_one_file.ckpt")
+    if rank == 0:
+        torch.save(checkpoint, path)
+    dist.barrier()
+
+    fresh = tp_model(13, mesh)
+    loader = EMACallback()
+    loader.on_fit_start(None, fresh)
+    loader.on_load_checkpoint(None, fresh, torch.load(path, weights_only=False))
+    loaded = loader.ema.full_state_dict(rank0_only=False)
+    for name, t in module_tensors(fresh).items():
+        assert torch.equal(loaded[name], ema_saved[name]), f"'{name}': EMA after the resume"
+        assert torch.equal(full_value(t).float(), raw[name]), f"'{name}': raw after the resume"
+
+
+def profiled_allocations(call):
+    """The sizes in bytes of the host allocations made while `call` runs
+    (torch's profiler sees every CPU tensor the C++ engine allocates on
+    this thread, the gathered ones among them)."""
+    import warnings
+    from torch.profiler import ProfilerActivity, profile
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            call()
+    return [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
+
+
+def whole_gather_only(rank, world, out):
+    """swap() and copy_to() of a model whose big weight is sharded
+    (Shard(0), 1 MiB whole) beside tensors every rank holds whole (a
+    Replicate() one of 3001 elements, a plain buffer): they gather only the
+    whole ones, so no allocation reaches the big weight's full size, and
+    they write the EMA, checked against a float64 EMA."""
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(14)
+    model = nn.Module()
+    model.big = nn.Parameter(distribute_tensor(torch.randn(2048, 128), mesh, [Shard(0)]))
+    model.whole = nn.Parameter(distribute_tensor(torch.randn(3001), mesh, [Replicate()]))
+    model.register_buffer("plain", torch.randn(7, 11))
+    big_bytes, whole_bytes = 2048 * 128 * 4, 3001 * 4
+    tensors = module_tensors(model)
+    ema = shardema.EMA(model, schedule=schedule(), timeout=60)
+    reference = Float64Ema(lambda: tensors, lambda: versatil_averaged(model))
+    for step in range(1, STEPS + 1):
+        ema.fence()
+        with torch.no_grad():
+            for t in tensors.values():
+                local = t.to_local() if isinstance(t, DTensor) else t
+                local.mul_(0.7).add_(0.1 * step)
+        ema.update()
+        reference.update(step)
+    ema.wait()
+    raw = {n: full_value(t) for n, t in tensors.items()}
+
+    sizes = profiled_allocations(ema.swap_in)
+    try:
+        assert max(sizes) < big_bytes, f"swap_in allocated {max(sizes)} bytes on rank {rank}"
+        for name, t in tensors.items():
+            close(full_value(t), reference.ema[name], f"swapped '{name}'")
+    finally:
+        ema.swap_out()
+    for name, t in tensors.items():
+        assert torch.equal(full_value(t), raw[name]), f"'{name}' after swap"
+
+    sizes = profiled_allocations(ema.copy_to)
+    assert whole_bytes in sizes, f"the gather of 'whole' was not seen: {sorted(sizes)[-5:]}"
+    assert max(sizes) < big_bytes, f"copy_to allocated {max(sizes)} bytes on rank {rank}"
+    for name, t in tensors.items():
+        close(full_value(t), reference.ema[name], f"'{name}' after copy_to")
+
+
 def hsdp_model(seed, mesh):
     """fully_shard on a 2-D (replicate, shard) mesh, or a 1-D one (FSDP2);
     the BatchNorm's buffers are plain tensors (a 0-dim one among them)."""
@@ -345,8 +500,78 @@ def hsdp_missing_writer(rank, world, out):
         open(flags[rank - 2], "w").close()
 
 
+class SlowEngine:
+    """The engine of `ema` with its file writes `delay` s late, as a large
+    export is (its collectives and disk): everything else passes through."""
+
+    def __init__(self, engine, delay):
+        self._engine, self._delay = engine, delay
+
+    def __getattr__(self, name):
+        method = getattr(self._engine, name)
+        if name not in ("export_weights", "save_checkpoint"):
+            return method
+
+        def late(*args):
+            time.sleep(self._delay)
+            return method(*args)
+        return late
+
+
+def hsdp_slow_writer(rank, world, out):
+    """HSDP (2 x 2), EMA timeout 1 s: the first replica takes 3 s to write
+    the files, three times the timeout. The waiting replica hears from it
+    while it writes and returns once the files are complete, not after
+    1 s with an error; the file holds the EMA. A writer that fails after
+    2.5 s fails every replica with its error, naming the path."""
+    base = os.path.dirname(out)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    replica = mesh.get_local_rank("replicate")
+    model = hsdp_model(7, mesh)
+    ema = shardema.EMA(model, schedule=schedule(), timeout=1.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    for step in range(1, STEPS + 1):
+        model(inputs(3, 100 * step + 7)).square().mean().backward()
+        ema.fence()
+        optimizer.step()
+        optimizer.zero_grad()
+        ema.update()
+    ema.wait()
+    full = ema.full_state_dict(rank0_only=False)
+    if replica == 0:
+        ema._engine = SlowEngine(ema._engine, 3.0)
+    path = os.path.join(base, "hsdp_slow.safetensors")
+    start = time.monotonic()
+    ema.export_weights(path)
+    took = time.monotonic() - start
+    assert took >= 3.0, f"export_weights returned after {took:.1f} s, before its writer wrote"
+    written = shardema.read_tensor_file(path)["tensors"]
+    assert sorted(written) == sorted(full), sorted(written)
+    for name, value in full.items():
+        assert torch.equal(written[name], value), f"'{name}' in the exported file"
+
+    if replica == 0:
+        ema._engine = SlowEngine(ema._engine._engine, 2.5)
+    not_a_folder = os.path.join(base, "hsdp_slow.safetensors")  # a file, not a folder
+    start = time.monotonic()
+    try:
+        ema.export_weights(os.path.join(not_a_folder, "weights.safetensors"))
+    except Exception as error:  # the writer's own error, or the waiters' report of it
+        took = time.monotonic() - start
+        text = str(error)
+        assert "weights.safetensors" in text, text
+        if replica != 0:
+            assert isinstance(error, RuntimeError) and "first HSDP replica" in text and \
+                "failed" in text, text
+        assert took >= 2.5, f"failed after {took:.1f} s: {text}"
+    else:
+        raise AssertionError("an export into a file's path returned without an error")
+
+
 SCENARIOS = {"tp_train": tp_train, "tp_load_one": tp_load_one, "hsdp_dcp": hsdp_dcp,
-             "hsdp_load_fsdp2": hsdp_load_fsdp2, "hsdp_missing_writer": hsdp_missing_writer}
+             "hsdp_load_fsdp2": hsdp_load_fsdp2, "hsdp_missing_writer": hsdp_missing_writer,
+             "tp_load_full": tp_load_full, "tp_callback_one_file": tp_callback_one_file,
+             "whole_gather_only": whole_gather_only, "hsdp_slow_writer": hsdp_slow_writer}
 # Scenarios after which the group is out of step (a collective abandoned).
 LAST_ONLY = {"hsdp_missing_writer"}
 

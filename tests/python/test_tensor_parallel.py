@@ -14,7 +14,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from rank_launch import launch  # noqa: E402
 
-RUNS = [(4, ["hsdp_dcp", "hsdp_missing_writer"]), (2, ["tp_train", "hsdp_load_fsdp2"]),
+RUNS = [(4, ["hsdp_dcp", "hsdp_slow_writer", "hsdp_missing_writer"]),
+        (2, ["tp_train", "hsdp_load_fsdp2", "tp_load_full", "tp_callback_one_file",
+             "whole_gather_only"]),
         (1, ["tp_load_one"])]
 
 
@@ -60,6 +62,22 @@ def test_tensor_parallel_ema_equals_float64_reference_and_saves_through_dcp(runs
 
 def test_hsdp_checkpoint_loads_under_fsdp2_at_w2(runs):
     assert_passed(runs, 2, "hsdp_load_fsdp2")
+
+
+def test_hsdp_writer_slower_than_the_timeout_completes_on_every_replica(runs):
+    assert_passed(runs, 4, "hsdp_slow_writer")
+
+
+def test_full_tensors_load_into_a_tensor_parallel_ema_each_rank_its_piece(runs):
+    assert_passed(runs, 2, "tp_load_full")
+
+
+def test_callback_one_file_checkpoint_of_a_tensor_parallel_model_resumes(runs):
+    assert_passed(runs, 2, "tp_callback_one_file")
+
+
+def test_swap_and_copy_to_gather_only_the_tensors_held_whole(runs):
+    assert_passed(runs, 2, "whole_gather_only")
 
 
 def test_tensor_parallel_checkpoint_loads_at_w1(runs):

@@ -6,7 +6,8 @@
 //                  (this rank's shards of an FSDP/DDP model)
 // What is tracked  tracking_policy.h, module_tracking.h (torch::nn::Module)
 // Schedules        decay_schedule.h, power_function.h (sigma_rel <-> gamma)
-// Lifecycles       ema_callback.h (VersatIL), posthoc_callback.h (FastVideo)
+// Lifecycles       ema_callback.h (VersatIL), posthoc_callback.h (FastVideo),
+//                  ema_substitution.h (the EMA into a checkpoint, raw kept)
 // Checkpoints      training_checkpoint.h (one file), sharded_checkpoint.h
 //                  (per-rank files + manifest, export, reshard)
 // Post-hoc EMA     synthesis.h (snapshots into a file or tensors)
@@ -17,6 +18,7 @@
 #include "shardema/core/power_function.h"
 #include "shardema/core/tensor_file.h"
 #include "shardema/ema_callback.h"
+#include "shardema/ema_substitution.h"
 #include "shardema/module_tracking.h"
 #include "shardema/posthoc_callback.h"
 #include "shardema/shard/communicator.h"
