@@ -9,7 +9,8 @@ import torch
 
 from . import _C
 from ._model import Plan, checked_group, is_dtensor, module_tensors, named_tensors, plan_layout, \
-    refuse_tensor_parallel, unwrap, write_on_first_replica
+    refuse_tensor_parallel, unwrap
+from ._replicas import write_on_first_replica
 from ._selection import select
 from ._shards import as_local_shard
 from . import _ema_values

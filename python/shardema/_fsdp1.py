@@ -19,7 +19,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from . import _C
-from ._model import Plan, Tracked, _is_floating, check_dense, checked_group, watched_of
+from ._plan import Plan, Tracked, _is_floating, check_dense, checked_group, watched_of
 from ._shards import FlatParamLayout, LocalShard, ShardSpec
 
 # FSDP1 inserts these module names; the full state dict's keys have none.

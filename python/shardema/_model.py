@@ -1,57 +1,16 @@
 """What shardema.EMA tracks of a model: its tensors with their roles, and
 how they are split over ranks (the layout). Pure bookkeeping over
 PyTorch's public attributes; the roles come from the C++ policy."""
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from . import _C
+from ._plan import Plan, Tracked, _is_floating, check_dense, checked_group, is_dtensor, \
+    watched_of
 from ._shards import LocalShard, layout_spec
 
 _LAYOUTS = ("auto", "replicated", "rank0", "fsdp2")
-
-
-@dataclass
-class Tracked:
-    name: str
-    tensor: Any  # a torch.Tensor, or a DTensor
-    role: str
-    is_buffer: bool
-    # The module's _parameters or _buffers dict holding it, and its key
-    # there: update() checks the tensor is still the one held (None: named
-    # tensors, nothing to watch).
-    container: Optional[dict] = None
-    key: Optional[str] = None
-    # FSDP1: (this rank's LocalShard of the member, unit path, unit), a view
-    # into the FlatParameter's local shard (_fsdp1.py); `tensor` is then the
-    # parameter whose requires_grad decides the role at each update.
-    piece: Any = None
-
-
-@dataclass
-class Plan:
-    layout: str
-    group: Any  # a ProcessGroup, or None for one process
-    shards: List[Any] = field(default_factory=list)
-    whole: List[Tuple[str, torch.Tensor]] = field(default_factory=list)
-    # Per shard: the tensor it was cut from and the cut ("replicated",
-    # "rank0"), for the engine to follow a replaced tensor ((None, None)
-    # where it cannot: DTensors, local shards), and the tensor whose
-    # requires_grad decides "average_if_trainable" at each update (the
-    # parameter, a DTensor one too).
-    owners: List[Tuple[Any, Optional[str], Any]] = field(default_factory=list)
-    # (container, key, tensor, shard index) of tensors held by a module.
-    watched: List[Tuple[dict, str, Any, int]] = field(default_factory=list)
-    # HSDP: the group of the ranks holding the same shards as this one (the
-    # mesh's replicate dimension). Only the replica holding global rank 0
-    # writes files; None: no replicas.
-    replicas: Any = None
-    # Tensor parallelism: the DTensors split along a dim other than 0
-    # (Shard(d > 0)), by name. Each rank keeps the EMA of its to_local() as
-    # laid out there; the engine's files, which describe rows of dim 0,
-    # cannot hold them (see refuse_tensor_parallel).
-    tensor_parallel: Dict[str, Any] = field(default_factory=dict)
 
 
 def unwrap(model: Any) -> Any:
@@ -61,10 +20,6 @@ def unwrap(model: Any) -> Any:
             type(model).__name__ in ("DistributedDataParallel", "DataParallel"):
         return inner
     return model
-
-
-def _is_floating(t: Any) -> bool:
-    return bool(t.dtype.is_floating_point) or bool(getattr(t.dtype, "is_complex", False))
 
 
 def module_tensors(module: torch.nn.Module, policy: str) -> List[Tracked]:
@@ -108,44 +63,6 @@ def named_tensors(items: Iterable[Tuple[str, Any]], policy: str) -> List[Tracked
                            bool(getattr(tensor, "requires_grad", False)), False)
         out.append(Tracked(name, tensor, role, is_buffer))
     return out
-
-
-def check_dense(name: str, t: Any) -> None:
-    """ValueError naming the tensor for what has no dense storage to average
-    (sparse, quantized, nested layouts)."""
-    if is_dtensor(t):
-        return
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"'{name}': expected a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise ValueError(f"'{name}' has layout {t.layout}; only dense (strided) tensors can be "
-                         "tracked (densify it with to_dense(), or leave it out)")
-
-
-def watched_of(tracked: List[Tracked]) -> List[Tuple[dict, str, Any, int]]:
-    """What update() checks is still held by the module: plain tensors of a
-    module (a DTensor's module swaps them itself, FSDP2's unsharded
-    parameters)."""
-    return [(t.container, t.key, t.tensor, i) for i, t in enumerate(tracked)
-            if t.container is not None and not is_dtensor(t.tensor)]
-
-
-def is_dtensor(t: Any) -> bool:
-    """A DTensor, by the public attributes we read (to_local, placements,
-    device_mesh): torch's DTensor and any tensor subclass that behaves
-    like one."""
-    return all(hasattr(t, a) for a in ("to_local", "placements", "device_mesh"))
-
-
-def checked_group(group: Any) -> Any:
-    """`group` itself when it is None or a torch.distributed ProcessGroup;
-    a TypeError saying what is wanted otherwise (before torch's own calls
-    would give a less direct one)."""
-    import torch.distributed as dist
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError("process_group must be a torch.distributed ProcessGroup (e.g. "
-                        f"dist.new_group() or the default group), got {type(group).__name__}")
-    return group
 
 
 def _default_group() -> Optional[Any]:
@@ -333,129 +250,3 @@ def _plan_fsdp2(tracked: List[Tracked], dtensors: List[Tracked], layout: str,
                       else (t.tensor, "replicated", t.tensor))
     return Plan("fsdp2", group, shards, whole, owners, watched_of(tracked), replicas,
                 tensor_parallel)
-
-
-def write_on_first_replica(replicas: Any, write: Callable[[], None], timeout_s: float,
-                           api: str) -> None:
-    """Runs `write` (a collective of the shard group that writes files:
-    save_checkpoint, export_weights) on the first replica only, the mesh's
-    first index of its replicate dimension (global rank 0's under
-    init_device_mesh). HSDP's replicas hold the same EMA: one set of files,
-    not one per replica racing for the same names. The other replicas wait
-    for their peer on the first replica and raise its error, so the call
-    returns on every rank once the files are complete or failed.
-
-    The waiters bound the writer's silence, not its work: while `write`
-    runs, a thread of the writer tells its replicas every quarter of the
-    EMA's timeout (`timeout_s`) that it is still writing, and a waiter
-    fails only when `timeout_s` passes with no word from it (a writer that
-    never comes, or is gone), as a peer that never comes fails the engine's
-    own collectives, instead of the process group's 30 minutes. An export
-    larger than the timeout takes to write completes on every replica."""
-    if replicas is None:
-        write()
-        return
-    import torch.distributed as dist
-    writer = dist.get_global_rank(replicas, 0)
-    device = _collective_device(replicas)
-    if dist.get_rank(replicas) != 0:
-        _wait_for_writer(writer, replicas, device, timeout_s, api)
-        return
-    import threading
-    done = threading.Event()
-    lost: List[BaseException] = []
-
-    def still_writing() -> None:
-        if device.type == "cuda":  # NCCL: the device is per thread
-            torch.cuda.set_device(device)
-        while not done.wait(_heartbeat_interval(timeout_s)):
-            try:
-                _broadcast_within(torch.tensor([_WRITING], dtype=torch.int64, device=device),
-                                  writer, replicas, timeout_s, api)
-            except RuntimeError as error:  # a waiter is gone: the end says so
-                lost.append(error)
-                return
-
-    heartbeat = threading.Thread(target=still_writing, name="shardema-hsdp-writing",
-                                 daemon=True)
-    heartbeat.start()
-    message = b""
-    raised: Optional[BaseException] = None
-    try:
-        write()
-    except Exception as error:  # every replica learns it below
-        raised = error
-        message = f"{type(error).__name__}: {error}".encode()
-    finally:
-        # The last word goes after the thread's, in the order the waiters read.
-        done.set()
-        heartbeat.join()
-    if not lost:
-        length = torch.tensor([len(message)], dtype=torch.int64, device=device)
-        _broadcast_within(length, writer, replicas, timeout_s, api)
-        if message:
-            _broadcast_within(torch.tensor(list(message), dtype=torch.uint8, device=device),
-                              writer, replicas, timeout_s, api)
-    if raised is not None:
-        raise raised
-    if lost:
-        raise lost[0]
-
-
-#: What the first replica's heartbeat says in place of an outcome's length.
-_WRITING = -1
-
-
-def _heartbeat_interval(timeout_s: float) -> float:
-    """A quarter of the waiters' bound (several beats fit in it however
-    late one is), and no busier than 20 a second for tiny timeouts."""
-    return max(timeout_s / 4.0, 0.05)
-
-
-def _wait_for_writer(writer: int, replicas: Any, device: torch.device, timeout_s: float,
-                     api: str) -> None:
-    """A waiting replica's side: heartbeats until the outcome's length, then
-    the writer's error text if it failed."""
-    while True:
-        length = torch.empty(1, dtype=torch.int64, device=device)
-        _broadcast_within(length, writer, replicas, timeout_s, api)
-        if int(length.item()) != _WRITING:
-            break
-    if int(length.item()):
-        text = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-        _broadcast_within(text, writer, replicas, timeout_s, api)
-        raise RuntimeError(f"shardema.EMA.{api}: the first HSDP replica, which writes the files, "
-                           f"failed: {bytes(text.cpu().tolist()).decode(errors='replace')}")
-
-
-def _collective_device(group: Any) -> torch.device:
-    """Where `group`'s backend takes tensors: the host for Gloo (also a
-    "cpu:gloo,cuda:nccl" group), the current GPU for NCCL alone."""
-    import torch.distributed as dist
-    backend = str(dist.get_backend(group)).lower()
-    if "gloo" in backend or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def _broadcast_within(tensor: torch.Tensor, source: int, group: Any, timeout_s: float,
-                      api: str) -> None:
-    """dist.broadcast of `tensor` from global rank `source` over `group`,
-    waiting at most `timeout_s` (Work.wait's own bound; the group's
-    timeout would apply otherwise). RuntimeError saying who did not come:
-    on the writer (`source`) its replicas, elsewhere the writer."""
-    import torch.distributed as dist
-    from datetime import timedelta
-    work = dist.broadcast(tensor, src=source, group=group, async_op=True)
-    try:
-        work.wait(timeout=timedelta(seconds=timeout_s))
-    except RuntimeError as error:
-        if dist.get_rank() == source:
-            raise RuntimeError(f"shardema.EMA.{api}: waited {timeout_s:g} s (the EMA's timeout) "
-                               "for the other HSDP replicas to take word of the files from this "
-                               "rank, which writes them, and they did not: a rank of theirs is "
-                               f"gone or out of step ({error})") from error
-        raise RuntimeError(f"shardema.EMA.{api}: waited {timeout_s:g} s (the EMA's timeout) for "
-                           f"the first HSDP replica (global rank {source}), which writes the "
-                           "files, and it did not report back: a rank of it is gone or out of "
-                           f"step ({error})") from error
