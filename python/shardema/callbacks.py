@@ -16,6 +16,7 @@ import torch
 
 from . import _C
 from ._ema import EMA
+from ._fsdp1 import reshard_fsdp1
 from ._model import is_dtensor, module_tensors, unwrap
 from ._posthoc import start_engine
 
@@ -64,6 +65,102 @@ def _reshard(module: Any) -> None:
         for m in module.modules():
             if isinstance(m, FSDPModule):
                 m.reshard()
+
+
+def _fsdp1_root(trainer: Any, pl_module: Any) -> Any:
+    """The FSDP1 root (FullyShardedDataParallel) that Lightning's
+    FSDPStrategy wraps `pl_module` in (trainer.strategy.model), or None.
+    ValueError when the root is there but does not wrap `pl_module`
+    itself: the names of the state dict (Lightning's keys) are then not the
+    LightningModule's."""
+    root = getattr(getattr(trainer, "strategy", None), "model", None)
+    if root is None or root is pl_module or not isinstance(root, torch.nn.Module):
+        return None
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # a torch without torch.distributed
+        return None
+    if not isinstance(root, FullyShardedDataParallel):
+        return None
+    if getattr(root, "module", None) is not pl_module:
+        raise ValueError("trainer.strategy.model is an FSDP1 root (FullyShardedDataParallel) "
+                         f"that does not wrap the LightningModule ({type(pl_module).__name__}) "
+                         "directly; the callbacks follow FSDPStrategy's root around the "
+                         "LightningModule")
+    return root
+
+
+def _submodule(owner: str, pl_module: Any, attribute: Optional[str]) -> torch.nn.Module:
+    """pl_module's `attribute`, or pl_module itself; ValueError naming the
+    attribute when it is not an nn.Module."""
+    if not attribute:
+        return pl_module
+    target = getattr(pl_module, attribute, None)
+    if not isinstance(target, torch.nn.Module):
+        raise ValueError(f"{owner}: attribute {attribute!r} of {type(pl_module).__name__} is not "
+                         f"an nn.Module (got {type(target).__name__})")
+    return target
+
+
+def _fsdp1_names(root: torch.nn.Module, policy: str, prefix: str) -> Tuple[List[str], List[str]]:
+    """(the names under `prefix`, the others) of what shardema.EMA tracks of
+    FSDP1 root `root`: FSDP1's clean names, which are Lightning's
+    state_dict keys (the root wraps the LightningModule)."""
+    names = [t.name for t in module_tensors(root, policy)]
+    return [n for n in names if n.startswith(prefix)], \
+        [n for n in names if not n.startswith(prefix)]
+
+
+def _fsdp1_non_persistent(root: torch.nn.Module) -> set:
+    """The clean names of root's non-persistent buffers (in no state dict)."""
+    from ._fsdp1 import clean_name
+    return {clean_name(f"{prefix}.{b}" if prefix else b) for prefix, m in root.named_modules()
+            for b in getattr(m, "_non_persistent_buffers_set", ())}
+
+
+def _fsdp1_full_tensors(root: torch.nn.Module, names: Sequence[str]) -> Dict[str, torch.Tensor]:
+    """The full values of `names` in FSDP1 root `root` (parameters gathered,
+    buffers this rank's), fresh copies on every rank. Collective."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from ._fsdp1 import clean_name
+    wanted = set(names)
+    out: Dict[str, torch.Tensor] = {}
+    with FullyShardedDataParallel.summon_full_params(root, writeback=False):
+        for name, tensor in list(root.named_parameters()) + list(root.named_buffers()):
+            name = clean_name(name)
+            if name in wanted and name not in out:
+                out[name] = tensor.detach().clone()
+    return out
+
+
+def _fsdp1_load_full(root: torch.nn.Module, values: Dict[str, torch.Tensor]) -> None:
+    """Writes full tensors (by clean name) into FSDP1 root `root`: each rank
+    keeps its part of the parameters (summon_full_params writes back into
+    the flat shards), the buffers whole. Every rank passes the same values.
+    Collective."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from ._fsdp1 import clean_name
+    with torch.no_grad(), FullyShardedDataParallel.summon_full_params(root, writeback=True):
+        for name, tensor in list(root.named_parameters()) + list(root.named_buffers()):
+            value = values.get(clean_name(name))
+            if value is not None:
+                tensor.copy_(value)
+
+
+def _refuse_fsdp1_sharded_state(api: str, state: Dict[str, Any], keys: Sequence[str]) -> None:
+    """ValueError for a sharded FSDP1 state dict (FSDPStrategy(
+    state_dict_type="sharded")): its entries are FSDP1's row chunks of each
+    parameter, while each rank's EMA is a range of a flattened shard, so
+    neither this rank's EMA nor the full one can be put in them."""
+    for key in keys:
+        value = state.get(key)
+        if value is None:
+            continue
+        if is_dtensor(value) or type(value).__name__ == "ShardedTensor":
+            raise ValueError(f"{api}: '{key}' is a {type(value).__name__}: the FSDP1 state dict is "
+                             "sharded (FSDPStrategy(state_dict_type='sharded')), which the EMA "
+                             "cannot fill (each rank keeps a range of a flattened parameter, "
+                             "not FSDP1's row chunks). Use FSDPStrategy(state_dict_type='full')")
 
 
 def _full_to_rows(value: torch.Tensor, like: Any) -> Any:
@@ -147,6 +244,11 @@ class EMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
         self._layout = layout
         self._process_group = process_group
         self._resume_ema_state: Optional[Dict[str, Any]] = None
+        # FSDPStrategy's FSDP1 root around the LightningModule (on_fit_start),
+        # which the EMA is built over, and the names (Lightning's keys) of
+        # what it averages that a state dict holds; None without FSDP1.
+        self._root: Any = None
+        self._root_saved: List[str] = []
         # Whether a due update has been folded in: a resumed average has
         # started, so its first update after the resume must not copy.
         self._started = False
@@ -178,9 +280,34 @@ class EMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
         return f"{self.attribute}." if self.attribute else ""
 
     def _build(self, pl_module: Any) -> EMA:
+        if self._root is not None:
+            return self._build_fsdp1()
         return EMA(self._target(pl_module), schedule=self._schedule, policy="versatil",
                    storage=self._storage, layout=self._layout, process_group=self._process_group,
                    copy_on_first_update=self.copy_on_first_update and not self._started)
+
+    def _fsdp1_saved(self, root: torch.nn.Module) -> Tuple[List[str], List[str]]:
+        """(the names the EMA averages under FSDP1 root `root`: its clean
+        names under the attribute's prefix, Lightning's keys; the names it
+        leaves out). ValueError when the attribute holds nothing tracked."""
+        kept, others = _fsdp1_names(root, "versatil", self._prefix())
+        if not kept:
+            raise ValueError(f"EMACallback: attribute {self.attribute!r} holds no parameter or "
+                             "buffer of the FSDP1 model")
+        return kept, others
+
+    def _build_fsdp1(self) -> EMA:
+        # shardema.EMA takes an FSDP1 model at its root only (the module
+        # inside it holds 1-D pieces of flat shards), so the EMA is built
+        # over the root and, with attribute=, leaves the rest out by name:
+        # under the root the names are FSDP1's clean ones, Lightning's keys.
+        kept, others = self._fsdp1_saved(self._root)
+        transient = _fsdp1_non_persistent(self._root)
+        self._root_saved = [n for n in kept if n not in transient]
+        return EMA(self._root, schedule=self._schedule, policy="versatil", storage=self._storage,
+                   layout=self._layout, process_group=self._process_group,
+                   copy_on_first_update=self.copy_on_first_update and not self._started,
+                   ignore_names=others)
 
     def _tracked(self, target: torch.nn.Module) -> Dict[str, Any]:
         """The tracked tensors a state dict of `target` holds (not the
@@ -196,6 +323,9 @@ class EMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         # The seed deep-copies the module here; that copy is the start of the
         # average, and every optimizer step lerps with the scheduled decay.
+        self._root = _fsdp1_root(trainer, pl_module)
+        if self._root is not None:
+            _submodule("EMACallback", pl_module, self.attribute)
         self.ema = self._build(pl_module)
         if self._resume_ema_state is not None:
             self._load_ema(self._resume_ema_state)
@@ -227,9 +357,18 @@ class EMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
                                "validation; save outside validation so the raw weights are kept")
         state = checkpoint.setdefault("state_dict", {})
         prefix = self._prefix()
-        tracked = {name: is_dtensor(tensor)
-                   for name, tensor in self._tracked(self._target(pl_module)).items()}
-        keys = {name: prefix + name for name in tracked}
+        if self._root is not None:
+            # FSDPStrategy(state_dict_type="full"): rank 0 holds the full
+            # state dict, the other ranks an empty one; the EMA's names are
+            # its keys.
+            _refuse_fsdp1_sharded_state("EMACallback.on_save_checkpoint", state,
+                                        self._root_saved)
+            tracked = {name: False for name in self._root_saved}
+            keys = {name: name for name in tracked}
+        else:
+            tracked = {name: is_dtensor(tensor)
+                       for name, tensor in self._tracked(self._target(pl_module)).items()}
+            keys = {name: prefix + name for name in tracked}
         # Lightning's ModelParallelStrategy hands every rank a state dict of
         # DTensors when it saves a distributed (DCP) checkpoint, and rank 0
         # alone plain full tensors when it saves one file
@@ -242,37 +381,55 @@ class EMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
         # checkpoint of a sharded model is written by rank 0, so only rank 0
         # receives. Decided from the model, so every rank enters the gather.
         gather = [name for name, sharded in tracked.items() if not (distributed and sharded)]
-        rank0_only = not distributed and any(tracked.values())
+        rank0_only = (not distributed and any(tracked.values())) or self._root is not None
         full = self.ema.full_state_dict(rank0_only=rank0_only, names=gather) if gather else {}
         # A DTensor entry's EMA in its to_local() shape: this rank's rows of
         # a Shard(0) one, the whole of a Replicate() one (gathered, so every
         # rank asks for the same names).
         held = self.ema.ema_tensors([name for name, sharded in tracked.items() if sharded]) \
             if distributed else {}
-        raw: Dict[str, Any] = {}
-        kept: Dict[str, Any] = {}
+        # The substitution itself is the C++ callback's (substituteEma): on
+        # this rank's part of each entry (a DTensor's to_local()) and the EMA
+        # by checkpoint key; it substitutes the entries that have both (a
+        # rank that does not write the model has no full EMA), clones the raw
+        # values (state_dict() entries alias the live parameters, which
+        # async checkpoint IO would save a step later) and keeps the float32
+        # EMA where the entry's dtype narrows it.
+        placed: Dict[str, Any] = {}  # the DTensor entries, by key
+        slots, emas = [], []
         for name, key in keys.items():
-            if key not in state or not (is_dtensor(state[key]) or name in full):
-                continue  # a rank that does not write the model
+            if key not in state:
+                continue
             value = state[key]
-            # The raw entry aliases the live parameter (state_dict() views):
-            # clone it, or async checkpoint IO would save the weights of a
-            # later step.
-            raw[key] = value.clone()
             if is_dtensor(value):
-                rows = held[name]
-                ema = value.clone()  # same mesh and placements, own storage
-                with torch.no_grad():
-                    ema.to_local().copy_(rows.view(ema.to_local().shape))
-                    if rows.dtype != value.dtype:
-                        exact = value.to(rows.dtype)
-                        exact.to_local().copy_(rows.view(exact.to_local().shape))
-                        kept[key] = exact
+                placed[key] = value
+                slots.append((key, value.to_local()))
             else:
-                ema = full[name].to(dtype=value.dtype)  # the gathered EMA is ours to keep
-                if full[name].dtype != value.dtype:
-                    kept[key] = full[name]
-            state[key] = ema
+                slots.append((key, value))
+            ema = (held if is_dtensor(value) else full).get(name)
+            if ema is not None:
+                emas.append((key, ema))
+        raw_kept = list(checkpoint.get(self.RAW_STATE_KEY) or ()) + \
+            [key[len(self.RAW_STATE_KEY) + 1:] for key in state
+             if key.startswith(f"{self.RAW_STATE_KEY}.")]
+        # adopt_ema: ema_tensors() and full_state_dict() are fresh copies,
+        # taken as they are rather than copied again.
+        written, taken, narrowed = _C.substitute_ema(slots, emas, raw_kept, adopt_ema=True)
+
+        def placed_like(key: str, local: torch.Tensor) -> Any:
+            # A DTensor entry's result: this rank's part, with the entry's
+            # mesh, placements, global shape and stride (uneven shards).
+            like = placed.get(key)
+            if like is None:
+                return local
+            from torch.distributed.tensor import DTensor
+            return DTensor.from_local(local.to(like.to_local().device), like.device_mesh,
+                                      like.placements, run_check=False, shape=like.shape,
+                                      stride=like.stride())
+
+        raw = {key: placed_like(key, value) for key, value in taken}
+        kept = {key: placed_like(key, value) for key, value in narrowed}
+        state.update({key: placed_like(key, value) for key, value in written if key in raw})
         if distributed:
             # Lightning saves the state_dict with DCP, each rank its rows,
             # and every other entry of the checkpoint from rank 0 alone:
@@ -293,6 +450,10 @@ class EMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
         record = checkpoint.get(self.STATE_KEY) or {}
         raw = checkpoint.get(self.RAW_STATE_KEY)
         if not record and not raw:
+            return
+        root = self._root if self._root is not None else _fsdp1_root(trainer, pl_module)
+        if root is not None:
+            self._load_fsdp1(root, pl_module, checkpoint, record, raw)
             return
         target = self._target(pl_module)
         prefix = self._prefix()
@@ -333,6 +494,48 @@ class EMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
         # Strategies that restore after setup (ModelParallelStrategy) load
         # after on_fit_start: the EMA exists, and is rebuilt when it would
         # copy at its first update but the average had started.
+        if self.copy_on_first_update and self._started:
+            self.ema = self._build(pl_module)
+        self._load_ema(ema_values)
+
+    def _load_fsdp1(self, root: torch.nn.Module, pl_module: Any, checkpoint: Dict[str, Any],
+                    record: Dict[str, Any], raw: Optional[Dict[str, Any]]) -> None:
+        """on_load_checkpoint under FSDPStrategy's FSDP1 root: the strategy
+        has loaded the full checkpoint on every rank and put its state_dict
+        (the EMA, by on_save_checkpoint) into the model; the raw weights go
+        back into the model and the EMA takes what the model held.
+        Collective (the full parameters are gathered and written back)."""
+        _submodule("EMACallback", pl_module, self.attribute)
+        kept_names, _ = self._fsdp1_saved(root)
+        transient = _fsdp1_non_persistent(root)
+        saved = [n for n in kept_names if n not in transient]
+        names = {name: name for name in saved}
+        current = _fsdp1_full_tensors(root, saved)
+        raw = raw or {}
+        differences = _raw_differences(raw, names, current)
+        if differences:
+            raise ValueError(
+                f"EMACallback.on_load_checkpoint: the checkpoint's raw weights "
+                f"({self.RAW_STATE_KEY}) are not those of this model"
+                f"{f' attribute {self.attribute!r}' if self.attribute else ''}: "
+                f"{differences}; nothing was loaded")
+        state = checkpoint.get("state_dict")
+        kept = checkpoint.get(self.EMA_FLOAT32_KEY) or {}
+        ema_values: Dict[str, Any] = {}
+        with torch.no_grad():
+            for name in saved:
+                if name in kept:
+                    value = kept[name]
+                elif state is not None and name in state:
+                    value = state[name]
+                else:
+                    value = current[name]
+                ema_values[name] = value.clone()
+        _fsdp1_load_full(root, raw)
+        self._started = bool(record.get("started", True))
+        if self.ema is None:
+            self._resume_ema_state = ema_values
+            return
         if self.copy_on_first_update and self._started:
             self.ema = self._build(pl_module)
         self._load_ema(ema_values)
@@ -447,6 +650,8 @@ class DDPPostHocEMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
         self._output_dtype = output_dtype
         self._engine: Any = None
         self._queued_state: Optional[Dict[str, str]] = None
+        # FSDPStrategy's FSDP1 root around the LightningModule, or None.
+        self._root: Any = None
 
     def _folder(self, trainer: Any) -> str:
         if self.checkpoint_folder is not None:
@@ -465,7 +670,58 @@ class DDPPostHocEMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
                              f"{type(target).__name__})")
         return target
 
+    def _start_fsdp1(self, trainer: Any, pl_module: Any) -> Any:
+        """The post-hoc engine over FSDP1 root self._root: each rank keeps
+        the profiles of its pieces of the flat shards (the sharded layout),
+        named as the submodule's own (the attribute's prefix dropped), as
+        without FSDP1."""
+        if self.layout != "sharded":
+            raise ValueError(f"DDPPostHocEMACallback: layout={self.layout!r} keeps full EMAs on "
+                             "rank 0, but the LightningModule is inside an FSDP1 root "
+                             "(FSDPStrategy): each rank holds only its pieces of the flat "
+                             "shards. Use layout='sharded'")
+        _submodule("DDPPostHocEMACallback", pl_module, self.attribute)
+        from ._model import plan_layout
+        from ._shards import LocalShard, ShardSpec
+        prefix = f"{self.attribute}." if self.attribute else ""
+        tracked = [t for t in module_tensors(self._root, "ema_pytorch")
+                   if t.name.startswith(prefix)]
+        outside = [t.name for t in tracked if t.piece is None]
+        if outside:
+            # FSDP1 leaves buffers (and ignored modules' parameters) whole
+            # and unequal on every rank; the sharded snapshots hold pieces
+            # of tensors the ranks share, which these are not.
+            raise ValueError(f"DDPPostHocEMACallback: '{outside[0]}' is not in an FSDP1 "
+                             "FlatParameter (a buffer or an ignored module's parameter); under "
+                             "FSDP1 the post-hoc EMA follows the flat shards only (average a "
+                             "submodule without them with attribute=)")
+        if not tracked:
+            raise ValueError(f"DDPPostHocEMACallback: attribute {self.attribute!r} holds no "
+                             "parameter of the FSDP1 model")
+        for t in tracked:
+            t.name = t.name[len(prefix):]
+            piece, path, unit = t.piece
+            spec = piece.spec
+            renamed = ShardSpec(spec.name[len(prefix):], list(spec.global_shape), spec.dtype,
+                                spec.kind, list(spec.ranges))
+            t.piece = (LocalShard(piece.local, renamed, piece.role, piece.changes_in_forward),
+                       path, unit)
+        plan = plan_layout(tracked, "auto", self._process_group)  # FSDP1 pieces: plan_fsdp1
+        engine = _C.PostHoc(
+            list(self.sigma_rels), self.update_every, self.checkpoint_every, self._folder(trainer),
+            self.start_iter, self.default_output_sigma, self.step_size_correction, "sharded",
+            "ema_pytorch", "", "shardema_ema_final", self._output_dtype, plan.group, 300.0)
+        engine.on_fit_start(plan.shards, [])
+        return engine
+
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._root = _fsdp1_root(trainer, pl_module)
+        if self._root is not None:
+            self._engine = self._start_fsdp1(trainer, pl_module)
+            if self._queued_state is not None:
+                self._engine.on_load_checkpoint(self._queued_state)
+                self._queued_state = None
+            return
         self._engine = start_engine(
             self._target(pl_module), sigma_rels=self.sigma_rels, update_every=self.update_every,
             checkpoint_every=self.checkpoint_every, folder=self._folder(trainer),
@@ -508,18 +764,24 @@ class DDPPostHocEMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self._engine is not None:
+            # FSDP1: the root's gathered FlatParameter, which a forward
+            # without backward leaves and the next forward reuses, is freed
+            # around the swap (into the flat shards), as EMA.swap_in does.
             _reshard(pl_module)
+            reshard_fsdp1(self._root)
             self._engine.on_validation_start()
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self._engine is not None:
             self._engine.on_validation_end()
             _reshard(pl_module)
+            reshard_fsdp1(self._root)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self._engine is not None:
             self._engine.on_validation_end()
             _reshard(pl_module)
+            reshard_fsdp1(self._root)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._engine is not None:

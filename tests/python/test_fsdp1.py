@@ -4,7 +4,8 @@ the EMA of exactly the elements of its local flat shards, checked after
 every update against a float64 EMA the rank recomputes from the full
 parameters (summon_full_params) and from what its own shard holds
 (fsdp1_worker.py). Lightning refuses its FSDP1 strategy on CPU (asserted
-below), so EMACallback under it is not run here. One launch per world size runs every scenario."""
+below), so the callbacks under it are run with a stand-in Trainer in
+test_fsdp1_callbacks.py. One launch per world size runs every scenario."""
 import os
 import sys
 
@@ -66,9 +67,11 @@ def test_swap_puts_the_raw_weights_back_in_what_fsdp1_gathers(runs):
 
 def test_lightning_and_fabric_refuse_fsdp1_on_cpu():
     """Lightning 2.6 refuses its FSDP1 strategy without a GPU, in the Trainer
-    and in Fabric alike, so EMACallback under FSDPStrategy runs only on a GPU
-    machine. If a Lightning lets it run on CPU, this fails: then run the
-    callback under it here, as test_lightning.py does for ModelParallelStrategy."""
+    and in Fabric alike, so test_fsdp1_callbacks.py runs the callbacks under
+    real FSDP1 with a stand-in Trainer (Lightning's forward redirection,
+    state dict configuration and loader), not FSDPStrategy's own loop. If a
+    Lightning lets it run on CPU, this fails: then run the callbacks under
+    the real Trainer too, as test_lightning.py does for ModelParallelStrategy."""
     pytest.importorskip("lightning")
     import lightning.pytorch as pl
     from lightning.fabric import Fabric
