@@ -164,11 +164,13 @@ class EMA:
         is followed, with a warning, when its shape, dtype and device are the
         same; otherwise this raises a ValueError naming it (module.to(dtype)
         after building the EMA, say)."""
-        for i, (container, key, tensor, index) in enumerate(self._watched):
-            if container.get(key) is not tensor:
+        # One C loop each over the lists kept here (_follow mutates them in
+        # place): a Python loop over 1000 tensors cost 0.5 ms with cold caches.
+        if self._watched:
+            for i in _C.replaced_watched(self._watched):
                 self._follow(i)
         if self._deciders:
-            self._engine.mirror_trainable([bool(p.requires_grad) for p in self._deciders])
+            self._engine.mirror_trainable(self._deciders)
         due = self._engine.update(step)
         followed = self._engine.take_followed()
         if followed:

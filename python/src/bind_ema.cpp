@@ -19,6 +19,7 @@
 #include "process_group.h"
 #include "python_ema.h"
 #include "python_warnings.h"
+#include "watched_tensors.h"
 #include "shardema/ema_callback.h"
 #include "shardema/ema_substitution.h"
 #include "shardema/offload/engine_choice.h"
@@ -72,6 +73,9 @@ void bindEma(py::module_& m) {
       py::arg("adopt_ema") = false, Release(),
       "The EMA into the named slots at their dtypes: (slots, raw, float32_ema), each a list of "
       "(name, tensor)");
+  m.def("replaced_watched", &replacedWatched, py::arg("watched"),
+        "Positions in `watched` ((container, key, tensor, index) tuples) whose container no "
+        "longer holds that tensor: what update() follows or refuses");
   py::class_<LoadReport>(m, "LoadReport", "Which names a load did not match")
       .def_readonly("missing", &LoadReport::missing, "tracked here, absent in what was loaded")
       .def_readonly("unexpected", &LoadReport::unexpected, "loaded, not tracked here")
@@ -127,7 +131,16 @@ void bindEma(py::module_& m) {
                                                       std::optional<at::Tensor>>>(),
            py::arg("refuse_non_finite") = false)
       .def("update", &PythonEma::update, py::arg("step") = py::none(), Release())
-      .def("mirror_trainable", &PythonEma::mirrorTrainable, py::arg("trainable"), Release())
+      .def(
+          "mirror_trainable",
+          [](PythonEma& ema, const py::list& deciders) {
+            std::vector<bool> flags = trainableFlags(deciders);  // reads Python objects
+            py::gil_scoped_release release;
+            ema.mirrorTrainable(flags);
+          },
+          py::arg("deciders"),
+          "Follows requires_grad of each deciding parameter (the plan's owners that decide, "
+          "in order) at this update")
       .def("rebind", &PythonEma::rebind, py::arg("index"), py::arg("replacement"), Release())
       .def("take_followed", &PythonEma::takeFollowed)
       .def("fence", &PythonEma::fence, Release())
