@@ -197,6 +197,26 @@ def _raw_differences(raw: Dict[str, Any], names: Dict[str, str],
     return ", ".join(parts)
 
 
+def _ema_values_saved(names: Dict[str, str], kept: Dict[str, Any],
+                      state: Optional[Dict[str, Any]], current: Dict[str, Any]
+                      ) -> Dict[str, Any]:
+    """The EMA a checkpoint holds, by EMA name (`names`: checkpoint key ->
+    name): its float32 copy, else the state_dict's entry, else what the
+    strategy loaded from the state_dict into the model (`current`, by
+    name), cloned before the raw weights go into the model."""
+    out: Dict[str, Any] = {}
+    with torch.no_grad():
+        for key, name in names.items():
+            if key in kept:
+                value = kept[key]
+            elif state is not None and key in state:
+                value = state[key]
+            else:
+                value = current[name]
+            out[name] = value.clone()
+    return out
+
+
 class EMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
     """Warmup EMA of the LightningModule (or of its `attribute`, e.g.
     "policy"), in pinned host memory, sharded as the module is.
@@ -466,34 +486,34 @@ class EMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
         if record.get("raw_in_state_dict"):
             raw, kept = self._entries_of_distributed(trainer, tracked, record, state)
         raw = raw or {}
-        differences = _raw_differences(raw, names, tracked)
+        self._refuse_foreign_raw(_raw_differences(raw, names, tracked))
+        # The EMA: its float32 copy, else the state_dict's entry, else what
+        # Lightning loaded from the state_dict into the model before this
+        # hook. Read before the raw weights go into the model.
+        ema_values = _ema_values_saved(names, kept, state, tracked)
+        self._load_raw(target, tracked, {names[key]: value for key, value in raw.items()})
+        self._resume_with(pl_module, record, ema_values)
+
+    def _refuse_foreign_raw(self, differences: str) -> None:
         if differences:
             raise ValueError(
                 f"EMACallback.on_load_checkpoint: the checkpoint's raw weights "
                 f"({self.RAW_STATE_KEY}) are not those of this model"
                 f"{f' attribute {self.attribute!r}' if self.attribute else ''}: "
                 f"{differences}; nothing was loaded")
-        # The EMA: its float32 copy, else the state_dict's entry, else what
-        # Lightning loaded from the state_dict into the model before this
-        # hook. Read before the raw weights go into the model.
-        ema_values: Dict[str, Any] = {}
-        with torch.no_grad():
-            for key, name in names.items():
-                if key in kept:
-                    value = kept[key]
-                elif state is not None and key in state:
-                    value = state[key]
-                else:
-                    value = tracked[name]
-                ema_values[name] = value.clone()
-        self._load_raw(target, tracked, {names[key]: value for key, value in raw.items()})
+
+    def _resume_with(self, pl_module: Any, record: Dict[str, Any],
+                     ema_values: Dict[str, Any]) -> None:
+        """The EMA of a resume: loaded now, or at on_fit_start when it does
+        not exist yet."""
         self._started = bool(record.get("started", True))
         if self.ema is None:
             self._resume_ema_state = ema_values
             return
-        # Strategies that restore after setup (ModelParallelStrategy) load
-        # after on_fit_start: the EMA exists, and is rebuilt when it would
-        # copy at its first update but the average had started.
+        # Strategies that restore after setup (ModelParallelStrategy,
+        # FSDPStrategy) load after on_fit_start: the EMA exists, and is
+        # rebuilt when it would copy at its first update but the average
+        # had started.
         if self.copy_on_first_update and self._started:
             self.ema = self._build(pl_module)
         self._load_ema(ema_values)
@@ -512,33 +532,12 @@ class EMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
         names = {name: name for name in saved}
         current = _fsdp1_full_tensors(root, saved)
         raw = raw or {}
-        differences = _raw_differences(raw, names, current)
-        if differences:
-            raise ValueError(
-                f"EMACallback.on_load_checkpoint: the checkpoint's raw weights "
-                f"({self.RAW_STATE_KEY}) are not those of this model"
-                f"{f' attribute {self.attribute!r}' if self.attribute else ''}: "
-                f"{differences}; nothing was loaded")
+        self._refuse_foreign_raw(_raw_differences(raw, names, current))
         state = checkpoint.get("state_dict")
         kept = checkpoint.get(self.EMA_FLOAT32_KEY) or {}
-        ema_values: Dict[str, Any] = {}
-        with torch.no_grad():
-            for name in saved:
-                if name in kept:
-                    value = kept[name]
-                elif state is not None and name in state:
-                    value = state[name]
-                else:
-                    value = current[name]
-                ema_values[name] = value.clone()
+        ema_values = _ema_values_saved(names, kept, state, current)
         _fsdp1_load_full(root, raw)
-        self._started = bool(record.get("started", True))
-        if self.ema is None:
-            self._resume_ema_state = ema_values
-            return
-        if self.copy_on_first_update and self._started:
-            self.ema = self._build(pl_module)
-        self._load_ema(ema_values)
+        self._resume_with(pl_module, record, ema_values)
 
     def _entries_of_distributed(self, trainer: Any, tracked: Dict[str, Any],
                                 record: Dict[str, Any], state: Optional[Dict[str, Any]]
