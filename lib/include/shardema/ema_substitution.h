@@ -39,6 +39,11 @@ struct EmaSubstitution {
 /// dtype, and float32Ema, take them as they are instead of a second copy
 /// (a one-file save of a large model holds one EMA, not two); false (the
 /// default, EmaCallback's: views of the Averager's storage) copies.
+/// Runs on the calling thread and returns when every copy is done (no
+/// collective, no background work); the caller must keep the EMA from
+/// changing meanwhile (EmaCallback reads emaTensors(), which waits for an
+/// update in flight first). The returned tensors and the new slots are
+/// owned by the caller.
 EmaSubstitution substituteEma(NamedTensors& slots, const NamedTensors& ema,
                               const std::vector<std::string>& rawKept = {},
                               bool adoptEma = false);
