@@ -6,15 +6,18 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <sstream>
 #include <unordered_set>
 
+#include "averager_registry_entry.h"
 #include "device_ema_store.h"
 #include "ema_store.h"
 #include "pinned_host_ema_store.h"
 #include "shardema/core/tensor_file.h"
 #include "shardema/core/tensor_update.h"
 #include "shardema/core/update_kernels.h"
+#include "shardema/core/warning.h"
 
 namespace shardema {
 namespace {
@@ -104,11 +107,49 @@ Averager::Averager(std::vector<TrackedTensor> tensors, AveragerOptions options)
   tracked_ = std::move(tensors);
   for (size_t i = 0; i < tracked_.size(); ++i) index_.emplace(tracked_[i].name, i);
   initialized_ = !options_.copyOnFirstUpdate;
+  detail::registerAverager(this);
 }
 
-Averager::Averager(Averager&&) noexcept = default;
-Averager& Averager::operator=(Averager&&) noexcept = default;
-Averager::~Averager() = default;
+Averager::Averager(Averager&& other) noexcept
+    : options_(std::move(other.options_)),
+      tracked_(std::move(other.tracked_)),
+      index_(std::move(other.index_)),
+      step_(other.step_),
+      initialized_(other.initialized_),
+      lastDecay_(other.lastDecay_),
+      moreLastDecays_(std::move(other.moreLastDecays_)),
+      failure_(std::move(other.failure_)),
+      writesToJudge_(other.writesToJudge_),
+      lastReadInsideUpdate_(other.lastReadInsideUpdate_),
+      updatedOnce_(other.updatedOnce_),
+      store_(std::move(other.store_)) {
+  detail::registerAverager(this);
+}
+
+Averager& Averager::operator=(Averager&& other) noexcept {
+  if (this == &other) return *this;
+  // The old store retires its update in flight as the destructor would.
+  store_ = std::move(other.store_);
+  options_ = std::move(other.options_);
+  tracked_ = std::move(other.tracked_);
+  index_ = std::move(other.index_);
+  step_ = other.step_;
+  initialized_ = other.initialized_;
+  lastDecay_ = other.lastDecay_;
+  moreLastDecays_ = std::move(other.moreLastDecays_);
+  failure_ = std::move(other.failure_);
+  writesToJudge_ = other.writesToJudge_;
+  lastReadInsideUpdate_ = other.lastReadInsideUpdate_;
+  updatedOnce_ = other.updatedOnce_;
+  return *this;
+}
+
+Averager::~Averager() {
+  detail::unregisterAverager(this);
+  // store_'s destructor then waits for the update in flight (members are
+  // destroyed after this body), outside the registry: fenceEveryAverager()
+  // no longer sees this one.
+}
 
 detail::EmaStore& Averager::store(const char* api) const {
   TORCH_CHECK(store_ != nullptr, "Averager::", api, ": this Averager was moved from");
@@ -130,10 +171,15 @@ void Averager::settle(const char* api) const {
     emaStore.wait();
   } catch (const c10::Error& e) {
     failure_ = e.what_without_backtrace();
+    writesToJudge_ = false;  // a failed update's reads mean nothing
     TORCH_CHECK(false, "Averager::", api, ": ", failure_,
                 ". The EMA is partly updated and this Averager is now failed: restore a saved "
                 "state with loadState() or load() to continue");
   }
+  judgeWrites();
+  TORCH_CHECK(failure_.empty(), "Averager::", api, ": ", failure_,
+              ". The EMA is partly updated and this Averager is now failed: restore a saved "
+              "state with loadState() or load() to continue");
 }
 
 void Averager::fence() {
@@ -141,6 +187,66 @@ void Averager::fence() {
   // must not go on training as if its EMA were kept.
   checkNotFailed("fence");
   store("fence").fence();
+  // Never throws for a write: with kFenceRequired the failure it finds is
+  // reported by the next call (wait(), update()).
+  judgeWrites();
+}
+
+// Called once per due update, at the first call that fences or waits after
+// it: the caller's thread is back, so whatever moved a source since
+// update() ran on it, between update() and here. With fence() (the
+// optimizer's pre-step point in Python) that is a write besides the
+// optimizer's; with a later call it may be the optimizer's own, when
+// nothing fenced.
+void Averager::judgeWrites() const {
+  if (!writesToJudge_) return;
+  writesToJudge_ = false;
+  const detail::EmaStore::Writes writes = store_->writes();
+  if (writes.moved.empty() && writes.maybeOverlapped.empty()) return;
+  if (options_.sourceWrites == SourceWrites::kFenceRequired) {
+    const size_t first =
+        writes.maybeOverlapped.empty() ? writes.moved.front() : writes.maybeOverlapped.front();
+    failure_ = c10::str(
+        "the EMA update of step ", step_, " failed: source tensor '", tracked_[first].name,
+        "' was written in place while the update was reading it: it was modified before "
+        "fence(): call Averager::fence() (EmaCallback::onBeforeOptimizerStep()) before "
+        "optimizer.step()");
+    return;
+  }
+  // kAdaptive: what was written is read inside update() from now on.
+  std::vector<size_t> written = writes.moved;
+  for (size_t index : writes.maybeOverlapped) {
+    if (std::find(written.begin(), written.end(), index) == written.end()) {
+      written.push_back(index);
+    }
+  }
+  std::sort(written.begin(), written.end());
+  if (options_.offload.fenceInUpdate) return;  // every read is inside update() already
+  for (size_t index : written) store_->readInsideUpdate(index);
+  const auto names = [this](const std::vector<size_t>& indices) {
+    std::ostringstream out;
+    for (size_t k = 0; k < indices.size() && k < 5; ++k) {
+      out << (k > 0 ? ", '" : "'") << tracked_[indices[k]].name << "'";
+    }
+    if (indices.size() > 5) out << " and " << indices.size() - 5 << " more";
+    return out.str();
+  };
+  std::ostringstream message;
+  message << "EMA: " << names(written) << (written.size() > 1 ? " were" : " was")
+          << " written in place after update(" << step_
+          << ") returned and before the next fence() (the next optimizer step), while the "
+             "update may have been reading "
+          << (written.size() > 1 ? "them" : "it")
+          << " in the background; from now on update() reads "
+          << (written.size() > 1 ? "them" : "it")
+          << " before it returns, so such a write cannot overlap the read (to keep the read "
+             "in the background, call fence() before that write)";
+  if (!lastReadInsideUpdate_ && !writes.maybeOverlapped.empty()) {
+    message << ". The EMA of step " << step_ << " may mix the values of "
+            << names(writes.maybeOverlapped)
+            << " from before and after that write (by at most (1 - decay) times the change)";
+  }
+  shardema::detail::warn(message.str());
 }
 
 void Averager::wait() { settle("wait"); }
@@ -158,7 +264,7 @@ bool Averager::update(int64_t step) {
   // Read before the wait below releases the sources.
   const bool fenced = emaStore.sourcesReleased();
   settle("update");  // the one wait; a written source seen by it is reported first
-  if (!fenced) rejectUnfenced(step);
+  if (!fenced && options_.sourceWrites == SourceWrites::kFenceRequired) rejectUnfenced(step);
   if (!options_.schedule.isDueAt(step)) {
     step_ = step;
     return false;
@@ -178,6 +284,14 @@ bool Averager::update(int64_t step) {
   for (const TrackedTensor& t : tracked_) plan.ops.push_back(opFor(t, firstCopy, weightIsOne));
   if (options_.refuseNonFinite) checkFinite(plan, step);
   emaStore.update(plan);
+  // kAdaptive reads the first due update's sources before returning: no
+  // write the loop makes after it can overlap that read, and the next
+  // judgeWrites() learns which sources the loop writes before fence().
+  lastReadInsideUpdate_ = options_.offload.fenceInUpdate ||
+                          (options_.sourceWrites == SourceWrites::kAdaptive && !updatedOnce_);
+  if (lastReadInsideUpdate_) emaStore.fence();
+  writesToJudge_ = true;
+  updatedOnce_ = true;
   // Progress is recorded only once the update was accepted, so an update
   // refused on the caller can be retried at the same step.
   initialized_ = true;
@@ -283,6 +397,14 @@ void Averager::restoreProgress(int64_t step, bool initialized) {
   settle("restoreProgress");
   step_ = step;
   initialized_ = initialized;
+}
+
+std::vector<std::string> Averager::readInsideUpdate() const {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < tracked_.size(); ++i) {
+    if (store_ != nullptr && store_->readsInsideUpdate(i)) out.push_back(tracked_[i].name);
+  }
+  return out;
 }
 
 std::vector<std::string> Averager::names() const {

@@ -202,6 +202,7 @@ LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness
   initialized_ = saved.initialized;
   // Only a state that covered every tensor replaces a partly updated EMA.
   if (report.missing.empty()) failure_.clear();
+  writesToJudge_ = false;  // what the last update read was replaced
   return report;
 }
 

@@ -65,6 +65,25 @@ class EmaStore {
   /// The pipeline's counters (zero for the device store).
   virtual offload::PipelineStats stats() const = 0;
 
+  /// What became of the sources the last update read in the background
+  /// (not the ones read inside update()); tracked indices, ascending. Valid
+  /// on the caller's thread until the next update; empty for the device
+  /// store, which reads everything inside update().
+  struct Writes {
+    /// Version moved since update() (read now).
+    std::vector<size_t> moved;
+    /// A chunk check saw the version move before the source's read ended,
+    /// or no check could tell (staged through an engine whose copies run
+    /// off the host's timeline: CUDA): the EMA may mix values from before
+    /// and after the write. Complete once fence() or wait() returned.
+    std::vector<size_t> maybeOverlapped;
+  };
+  virtual Writes writes() const { return {}; }
+  /// From the next update on, tracked tensor `index` is read inside
+  /// update(), as changesInForward tensors are.
+  void readInsideUpdate(size_t index) { bound_[index].changesInForward = true; }
+  bool readsInsideUpdate(size_t index) const { return bound_[index].changesInForward; }
+
   /// The EMA (averaging roles: float32) or the copy (source dtype) of
   /// tracked tensor `index` in `profile`; copies have one tensor shared by
   /// every profile. A view of the store's memory; the caller has waited.

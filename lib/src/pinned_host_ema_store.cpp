@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <utility>
 
 namespace shardema::detail {
@@ -39,11 +40,12 @@ void PinnedHostEmaStore::update(const EmaUpdate& update) {
   // before anything is folded in.
   std::vector<offload::PipelineJob> jobs;
   jobs.reserve(bound_.size());
+  backgroundJobs_.clear();
   for (size_t i = 0; i < bound_.size(); ++i) {
     const UpdateOp op = update.ops[i];
     if (op == UpdateOp::kSkip) continue;
     const std::vector<at::Tensor>& profiles = storage_[i];
-    offload::PipelineJob job{profiles.front(), at::Tensor(), op, bound_[i].name, {}};
+    offload::PipelineJob job{profiles.front(), at::Tensor(), op, bound_[i].name, {}, {}};
     if (op == UpdateOp::kCopyRaw) {
       // Copies keep their dtype; a source that changed dtype is converted
       // (rare: a module cast after the Averager was built).
@@ -52,6 +54,11 @@ void PinnedHostEmaStore::update(const EmaUpdate& update) {
       job.moreEmas.assign(profiles.begin() + 1, profiles.end());
       job.source = pipelineSource(i, bound_[i].source.scalar_type());
     }
+    // A snapshot (or a private converted copy) is the store's own: writes
+    // to the live tensor after this point are not the update's concern.
+    const bool live = job.source.unsafeGetTensorImpl() == bound_[i].source.unsafeGetTensorImpl();
+    if (live) job.version = bound_[i].writeVersion;
+    backgroundJobs_.push_back(live ? static_cast<int64_t>(i) : -1);
     jobs.push_back(std::move(job));
   }
   pipeline_.submit(std::move(jobs), update.weights, update.step);
@@ -85,6 +92,30 @@ at::Tensor PinnedHostEmaStore::pipelineSource(size_t index, at::ScalarType dtype
   }
   snapshot.copy_(live);  // blocks until read, on any device
   return snapshot;
+}
+
+EmaStore::Writes PinnedHostEmaStore::writes() const {
+  Writes out;
+  const auto tracked = [this](size_t job) { return backgroundJobs_[job]; };
+  for (size_t job : pipeline_.writtenSinceSubmit()) {
+    if (tracked(job) >= 0) out.moved.push_back(static_cast<size_t>(tracked(job)));
+  }
+  for (size_t job : pipeline_.writtenWhileRead()) {
+    if (tracked(job) >= 0) out.maybeOverlapped.push_back(static_cast<size_t>(tracked(job)));
+  }
+  // Staged reads no chunk check could time (CUDA): a write since submit()
+  // may have landed on the device during the copy.
+  for (size_t job : pipeline_.uncheckedReads()) {
+    if (tracked(job) < 0) continue;
+    const auto index = static_cast<size_t>(tracked(job));
+    if (std::find(out.moved.begin(), out.moved.end(), index) != out.moved.end() &&
+        std::find(out.maybeOverlapped.begin(), out.maybeOverlapped.end(), index) ==
+            out.maybeOverlapped.end()) {
+      out.maybeOverlapped.push_back(index);
+    }
+  }
+  std::sort(out.maybeOverlapped.begin(), out.maybeOverlapped.end());
+  return out;
 }
 
 void PinnedHostEmaStore::copyTo() {

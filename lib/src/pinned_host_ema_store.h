@@ -30,6 +30,7 @@ class PinnedHostEmaStore final : public EmaStore {
   bool sourcesReleased() const override { return pipeline_.sourcesReleased(); }
   void copyTo() override;
   offload::PipelineStats stats() const override { return pipeline_.stats(); }
+  Writes writes() const override;
 
  private:
   // What the pipeline reads for tracked tensor `index`, in `dtype`;
@@ -50,6 +51,9 @@ class PinnedHostEmaStore final : public EmaStore {
   // read by the pipeline instead of the live source. Allocated at the
   // first update; undefined for the others.
   std::vector<at::Tensor> snapshots_;
+  // The last update's jobs that read a live source in the background: job
+  // index -> tracked index (-1 for a snapshot, read inside update()).
+  std::vector<int64_t> backgroundJobs_;
 };
 
 }  // namespace detail

@@ -56,7 +56,8 @@ std::vector<TrackedTensor> trackedOf(const std::vector<LocalShard>& shards) {
   tracked.reserve(shards.size());
   for (const LocalShard& shard : shards) {
     tracked.push_back(
-        TrackedTensor{shard.spec.name, shard.local, shard.role, shard.changesInForward});
+        TrackedTensor{shard.spec.name, shard.local, shard.role, shard.changesInForward,
+                      shard.writeVersion});
   }
   return tracked;
 }
@@ -173,7 +174,7 @@ std::vector<LocalShard> shardsFromFullTensors(const std::vector<TrackedTensor>& 
     TORCH_CHECK_VALUE(rank >= 0 && rank < worldSize, "shardsFromFullTensors: rank ", rank,
                       " is outside the world size ", worldSize);
     shards.push_back(LocalShard{localRowsOf(tensor.source, kind, rank, worldSize), std::move(spec),
-                                tensor.role, tensor.changesInForward});
+                                tensor.role, tensor.changesInForward, tensor.writeVersion});
   }
   return shards;
 }

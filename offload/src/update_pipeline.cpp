@@ -269,10 +269,11 @@ void UpdatePipeline::runChunkPart(int slot, int64_t chunk, int part, int parts) 
     std::lock_guard<std::mutex> lock(mutex_);
     failure = slotCopyError_[slot];
     skip = failed_;
-    // Check (b): the chunk's bytes have landed; a source written before now
-    // and before fence() means they may be torn. Under mutex_ so that it
-    // never runs after fence() released the sources.
-    if (failure.empty() && !skip && checkOnLanding_) failure = firstWrittenSource(chunk);
+    // The landing check: the chunk's bytes have landed; a source written
+    // before now and before fence() may have been read torn. Under mutex_
+    // so that it never runs after fence() released the sources; the first
+    // part of the chunk is enough.
+    if (part == 0 && checkOnLanding_) markWrittenSources(chunk);
   }
   if (failure.empty() && !skip) {
     try {
@@ -299,23 +300,23 @@ void UpdatePipeline::runChunkPart(int slot, int64_t chunk, int part, int parts) 
 // direct chunks, starting with `chunk` (claimed for this thread by submit()
 // or by the helper), then the next unclaimed one, in order, each read in
 // place.
-// Check (c) runs before the math (a source already written: the chunk is
-// refused, its EMA untouched) and after it (written while read: the EMA
-// holds torn values), the second in the same critical section that counts
-// the chunk done, so fence() cannot release the sources in between. The
-// next chunk is claimed in that section too: a drainer touches the shared
-// state only while it holds an unfinished chunk, so once the last chunk is
-// done nothing of this update reads what the next submit() writes.
+// The chunk checks run before the math (a source already written: its new
+// values are read) and after it (written while read: the EMA may hold a mix
+// of old and new values), the second in the same critical section that
+// counts the chunk done, so fence() cannot release the sources in between.
+// The next chunk is claimed in that section too: a drainer touches the
+// shared state only while it holds an unfinished chunk, so once the last
+// chunk is done nothing of this update reads what the next submit() writes.
 void UpdatePipeline::runDirectChunks(int64_t chunk, bool onWaiter) {
-  std::string failure;
   bool skip = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     skip = failed_;
-    if (!skip) failure = firstWrittenSource(chunk);
+    if (!skip) markWrittenSources(chunk);
   }
   for (;;) {
-    if (failure.empty() && !skip) {
+    std::string failure;
+    if (!skip) {
       try {
         applyChunk(chunk, nullptr, 0, 1);
       } catch (...) {
@@ -323,7 +324,7 @@ void UpdatePipeline::runDirectChunks(int64_t chunk, bool onWaiter) {
       }
     }
     std::lock_guard<std::mutex> lock(mutex_);
-    if (failure.empty() && !skip) failure = firstWrittenSource(chunk);
+    if (!skip) markWrittenSources(chunk);
     if (!failure.empty() && !failed_) {
       failed_ = true;
       firstError_ = chunkError(chunk, failure);
@@ -334,7 +335,7 @@ void UpdatePipeline::runDirectChunks(int64_t chunk, bool onWaiter) {
     if (more) {
       chunk = directClaimed_++;
       skip = failed_;
-      failure = skip ? std::string() : firstWrittenSource(chunk);
+      if (!skip) markWrittenSources(chunk);
     }
     if (allDone()) inFlight_ = false;
     changed_.notify_all();
@@ -368,16 +369,14 @@ std::exception_ptr UpdatePipeline::chunkError(int64_t chunk, const std::string& 
   return updateError(where.str());
 }
 
-std::string UpdatePipeline::firstWrittenSource(int64_t chunk) const {
-  if (released_) return std::string();
+void UpdatePipeline::markWrittenSources(int64_t chunk) {
+  if (released_) return;
   size_t lastJob = jobs_.size();  // pieces of one job are adjacent: check it once
   for (size_t p = chunks_[chunk].begin; p < chunks_[chunk].end; ++p) {
     if (pieces_[p].job == lastJob) continue;
     lastJob = pieces_[p].job;
-    std::string written = writtenSince(lastJob);
-    if (!written.empty()) return written;
+    if (!writtenWhileRead_[lastJob] && movedSince(lastJob)) writtenWhileRead_[lastJob] = 1;
   }
-  return std::string();
 }
 
 bool UpdatePipeline::allDone() const {
@@ -518,45 +517,58 @@ void UpdatePipeline::recordVersions(const std::vector<PipelineJob>& previous) {
     // line with the count the workers read, a cross-core miss per tensor
     // (a fifth of a 1000-tensor update's fixed cost). Both tensors are
     // alive here (`previous` holds the old ones), so equal TensorImpl
-    // addresses are the same tensor, whose counter is its own for life.
-    c10::TensorImpl* impl = jobs_[j].source.unsafeGetTensorImpl();
+    // addresses are the same tensor, whose counter is its own for life. A
+    // job naming another tensor's counter (a DTensor's) hands it over each
+    // time: the pipeline cannot tell whether it is the same one.
     auto& [counter, recorded] = versions_[j];
-    if (j >= previous.size() || previous[j].source.unsafeGetTensorImpl() != impl) {
-      counter = impl->version_counter();
+    if (jobs_[j].version.has_value()) {
+      counter = *jobs_[j].version;
+    } else {
+      c10::TensorImpl* impl = jobs_[j].source.unsafeGetTensorImpl();
+      if (j >= previous.size() || previous[j].version.has_value() ||
+          previous[j].source.unsafeGetTensorImpl() != impl) {
+        counter = impl->version_counter();
+      }
     }
     recorded = counter.enabled() ? counter.current_version() : 0;
   }
   std::lock_guard<std::mutex> lock(mutex_);
   released_ = jobs_.empty();
   failed_ = false;  // a failed earlier update is done (submit waited)
+  writtenWhileRead_.assign(jobs_.size(), 0);
 }
 
-std::string UpdatePipeline::writtenSince(size_t job) const {
+bool UpdatePipeline::movedSince(size_t job) const {
   const auto& [counter, recorded] = versions_[job];
-  if (!counter.enabled()) return std::string();
-  const uint32_t now = counter.current_version();
-  if (now == recorded) return std::string();
-  std::ostringstream message;
-  message << "source tensor '" << jobs_[job].name << "' was written in place (version " << recorded
-          << " at update(), " << now
-          << " now) while the update was reading it: it was modified before fence(): call "
-             "Averager::fence() (EmaCallback::onBeforeOptimizerStep()) before optimizer.step()";
-  return message.str();
+  return counter.enabled() && counter.current_version() != recorded;
 }
 
-void UpdatePipeline::releaseSources() {
-  if (released_) return;
-  released_ = true;
-  for (size_t j = 0; j < jobs_.size(); ++j) {
-    const std::string written = writtenSince(j);
-    if (written.empty()) continue;
-    // Later chunks are dropped; the update fails as a worker error would.
-    if (!failed_) {
-      failed_ = true;
-      firstError_ = updateError(": " + written);
-    }
-    return;
+std::vector<size_t> UpdatePipeline::writtenWhileRead() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<size_t> out;
+  for (size_t j = 0; j < writtenWhileRead_.size(); ++j) {
+    if (writtenWhileRead_[j]) out.push_back(j);
   }
+  return out;
+}
+
+std::vector<size_t> UpdatePipeline::uncheckedReads() const {
+  // inPlace_ and jobs_ are written by submit(), on this same thread.
+  std::vector<size_t> out;
+  if (checkOnLanding_) return out;
+  for (size_t j = 0; j < jobs_.size(); ++j) {
+    if (!inPlace_[j]) out.push_back(j);
+  }
+  return out;
+}
+
+std::vector<size_t> UpdatePipeline::writtenSinceSubmit() const {
+  // versions_ is written by submit(), on this same thread: no lock needed.
+  std::vector<size_t> out;
+  for (size_t j = 0; j < versions_.size(); ++j) {
+    if (movedSince(j)) out.push_back(j);
+  }
+  return out;
 }
 
 std::exception_ptr UpdatePipeline::updateError(const std::string& what) const {

@@ -17,6 +17,22 @@ from . import _ema_values
 from ._view import copy_model_into_ema, materialize, model_values, reshard_fsdp
 
 
+_optimizer_fence = None
+
+
+def _fence_before_every_optimizer_step() -> None:
+    """Once per process: torch's global optimizer step pre-hook fences every
+    EMA (the C++ registry, shardema._C.fence_every_averager), so an update
+    in flight has read the weights before any optimizer writes them: the
+    ema-pytorch loop, optimizer.step() then ema.update() with no fence(),
+    is exact, and so is update() before optimizer.step()."""
+    global _optimizer_fence
+    if _optimizer_fence is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _optimizer_fence = register_optimizer_step_pre_hook(
+            lambda optimizer, args, kwargs: _C.fence_every_averager())
+
+
 def _seconds(timeout: Union[float, timedelta]) -> float:
     return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
@@ -127,6 +143,7 @@ class EMA:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_mib must be > 0, got {chunk_mib}")
         num_slots = _C.default_num_slots if num_slots is None else num_slots
+        _fence_before_every_optimizer_step()
         self._hooks: list = []
         self._watched = plan.watched
         self._replicas = plan.replicas  # HSDP: only the first replica writes files

@@ -20,6 +20,7 @@
 #include "python_ema.h"
 #include "python_warnings.h"
 #include "watched_tensors.h"
+#include "shardema/averager_registry.h"
 #include "shardema/ema_callback.h"
 #include "shardema/ema_substitution.h"
 #include "shardema/offload/engine_choice.h"
@@ -73,6 +74,9 @@ void bindEma(py::module_& m) {
       py::arg("adopt_ema") = false, Release(),
       "The EMA into the named slots at their dtypes: (slots, raw, float32_ema), each a list of "
       "(name, tensor)");
+  m.def("fence_every_averager", &fenceEveryAverager, Release(),
+        "fence() on every EMA of this process: each has read the sources of its update in "
+        "flight when this returns (shardema calls it before every optimizer step)");
   m.def("replaced_watched", &replacedWatched, py::arg("watched"),
         "Positions in `watched` ((container, key, tensor, index) tuples) whose container no "
         "longer holds that tensor: what update() follows or refuses");
@@ -105,6 +109,7 @@ void bindEma(py::module_& m) {
              options.offload.fenceInUpdate = fenceInUpdate;
              options.offload.engine = parseEngine(engine);
              options.refuseNonFinite = refuseNonFinite;
+             options.sourceWrites = SourceWrites::kAdaptive;
              std::vector<TrackedTensor> whole;
              for (const auto& [name, tensor] : wholeTensors) whole.push_back({name, tensor});
              std::vector<SourceOwner> sourceOwners;

@@ -57,9 +57,16 @@ PythonEma::PythonEma(std::unique_ptr<shard::Communicator> comm, std::vector<Loca
       layoutName_(std::move(layoutName)) {
   TORCH_CHECK_VALUE(owners.empty() || owners.size() == shards.size(), kApi, ": ", owners.size(),
                     " owners for ", shards.size(), " shards");
-  for (const SourceOwner& owner : owners) {
+  for (size_t i = 0; i < owners.size(); ++i) {
+    const SourceOwner& owner = owners[i];
     owners_.push_back(Owner::of(owner.tensor, owner.kind));
     owners_.back().decidesTrainable = owner.trainable.defined();
+    // Writes go through the parameter: a DTensor's local tensor keeps its
+    // own counter while the optimizer bumps the DTensor's (a plain
+    // parameter's rows share its counter, so this changes nothing there).
+    if (owner.trainable.defined()) {
+      shards[i].writeVersion = owner.trainable.unsafeGetTensorImpl()->version_counter();
+    }
   }
   averager_ = std::make_unique<ShardedAverager>(comm_->rank(), comm_->worldSize(),
                                                 std::move(shards), std::move(options));

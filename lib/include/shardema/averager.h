@@ -8,9 +8,10 @@
 //     in. update() returns at once; fence() returns once the sources have
 //     been read (call it before the sources change: before the next
 //     optimizer.step(), EmaCallback::onBeforeOptimizerStep()), wait() once
-//     the math is done. A source written in place between update() and
-//     fence() fails the update (its autograd version is checked) instead of
-//     folding in torn values. Tensors marked changesInForward (buffers) are
+//     the math is done. What a source written in place before fence()
+//     does is options.sourceWrites' choice (SourceWrites: the update fails,
+//     or the source is read inside update() from then on); torn values are
+//     never folded in silently. Tensors marked changesInForward (buffers) are
 //     read synchronously inside update() into a host snapshot, so the
 //     forward pass may change them at once. offload.fenceInUpdate = true
 //     makes update() call fence() itself (safe, but nothing overlaps the
@@ -73,6 +74,40 @@ enum class EmaStorage {
   kDevice,
 };
 
+/// What a kPinnedHost Averager does when a source is written in place while
+/// a background update may still read it (between update() and fence()).
+/// Writes are seen through autograd version counters (TrackedTensor::
+/// writeVersion where they go through another tensor, a DTensor's).
+enum class SourceWrites {
+  /// The caller fences: fence() before the sources change (before the
+  /// optimizer step). An update() with neither fence() nor wait() since the
+  /// previous due one, or a source written before fence(), fails the update
+  /// and marks the Averager failed (restore a state to continue). The C++
+  /// default: LibTorch's C++ optimizers write through tensor.data(), whose
+  /// version counter is not the tensor's, so only the fence can make their
+  /// writes safe.
+  kFenceRequired,
+  /// Nothing fails for a write; what is written is read inside update()
+  /// instead (the Python front's choice, where an in-place write through a
+  /// tensor, the optimizer's included, bumps its version counter):
+  ///   - the first due update reads every source before it returns;
+  ///   - at the first call that fences or waits after a due update
+  ///     (fence(), wait(), the next update(), ema(), ...), a source whose
+  ///     version moved since that update (a write after update() and before
+  ///     the next fence: weight clipping after the step, or any write when
+  ///     nothing fenced) is read inside update() from then on, as
+  ///     changesInForward tensors are, and one warning names it;
+  ///   - where that write may have overlapped the background read (a chunk
+  ///     check saw the source move before its read ended, or the engine
+  ///     cannot tell: CUDA, whose copies run after the host moved on), the
+  ///     warning also says that the EMA of that step may mix the values from
+  ///     before and after the write.
+  /// A loop that writes the same tensors at every step is exact from its
+  /// first step on, and one that fences before its writes keeps every read
+  /// in the background.
+  kAdaptive,
+};
+
 /// The pipeline of the kPinnedHost storage.
 struct AveragerOffloadOptions {
   /// Bytes per staging slot and per direct chunk (default 8 MiB,
@@ -132,6 +167,9 @@ struct AveragerOptions {
   /// calling thread. false (default, as ema-pytorch, timm and torch's
   /// AveragedModel): non-finite weights are averaged like any other.
   bool refuseNonFinite = false;
+  /// What a source written before fence() does (kPinnedHost; see
+  /// SourceWrites). Default kFenceRequired.
+  SourceWrites sourceWrites = SourceWrites::kFenceRequired;
 };
 
 /// How load() treats names that differ between a file and the Averager.
@@ -200,20 +238,23 @@ class Averager {
   /// returns false when the schedule says the step is not due. The first due
   /// update copies; later ones lerp with weight 1 - decay (a decay of 0 is an
   /// exact copy). kPinnedHost: completes the previous update (which may
-  /// throw its error), snapshots the changesInForward tensors, queues the
-  /// rest and returns at once: the other sources must not be written before
-  /// fence() (or once they are read, with fenceInUpdate). An update() with
-  /// neither fence() nor wait() (nor a call that waits) since the previous
-  /// one is a forgotten fence: c10::Error, and the Averager is failed.
-  /// kDevice: blocks until done.
+  /// throw its error), snapshots the changesInForward tensors (and, with
+  /// SourceWrites::kAdaptive, the sources seen written before fence()),
+  /// queues the rest and returns at once: the other sources should not be
+  /// written before fence() (or once they are read, with fenceInUpdate; see
+  /// SourceWrites for what a write does). With kFenceRequired an update()
+  /// with neither fence() nor wait() (nor a call that waits) since the
+  /// previous one is a forgotten fence: c10::Error, and the Averager is
+  /// failed. kDevice: blocks until done.
   /// If it throws before queueing (a source of the wrong dtype, say),
   /// step() is unchanged and the update can be retried.
   bool update(int64_t step);
   /// Blocks until the update in flight has read every source, so they may
   /// change (the next optimizer step). The math may still run. A source
-  /// written since update() fails the update (reported by wait()). Adds the
-  /// time it blocked to offloadStats().fenceWaitSeconds. Never throws a
-  /// worker's error (wait() does). No-op for kDevice.
+  /// written since update() is judged by options.sourceWrites (with
+  /// kFenceRequired the update fails, reported by wait()). Adds the time it
+  /// blocked to offloadStats().fenceWaitSeconds. Never throws a worker's
+  /// error (wait() does). No-op for kDevice.
   void fence();
   /// Blocks until all math is done; rethrows a background error (c10::Error
   /// naming the tensor and step) and marks the Averager failed.
@@ -222,6 +263,8 @@ class Averager {
   EmaStorage storage() const { return options_.storage; }
   /// Whether a background update failed (see the file comment).
   bool failed() const { return !failure_.empty(); }
+  /// Whether this Averager holds an EMA (false once moved from).
+  bool hasStorage() const { return store_ != nullptr; }
   /// Marks the Averager failed, as a failed background update does: every
   /// call but a load refuses until a state is loaded. For a collective load
   /// that succeeded here but failed on another rank, so that every rank is
@@ -244,6 +287,10 @@ class Averager {
 
   /// Tracked names in construction order.
   std::vector<std::string> names() const;
+  /// The tracked tensors update() reads before it returns (changesInForward
+  /// ones, and those SourceWrites::kAdaptive moved there), in construction
+  /// order. Does not wait.
+  std::vector<std::string> readInsideUpdate() const;
   TrackRole role(const std::string& name) const;
   /// The EMA (averaging roles: float32) or the copy (kCopy/kCopyOnce:
   /// source dtype, one copy shared by every profile) of a tracked tensor in
@@ -311,6 +358,9 @@ class Averager {
   LoadReport loadValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
                         LoadStrictness strictness, int profile);
   void rejectUnfenced(int64_t step);
+  // The sources written since the last due update, judged once, at the
+  // first call that fences or waits after it (options_.sourceWrites).
+  void judgeWrites() const;
   void checkFinite(const detail::EmaUpdate& plan, int64_t step) const;
   detail::EmaStore& store(const char* api) const;
 
@@ -324,6 +374,12 @@ class Averager {
   // Why the Averager is failed; empty when it is not. Set by const calls
   // that wait (ema(), state()), hence mutable.
   mutable std::string failure_;
+  // The writes of the last due update not yet judged (judgeWrites), and
+  // whether that update read every source inside update(). Mutable for the
+  // same reason as failure_: any call that waits is where they are judged.
+  mutable bool writesToJudge_ = false;
+  bool lastReadInsideUpdate_ = false;
+  bool updatedOnce_ = false;  // a due update has been queued
   // The EMA storage and the update mechanics of options_.storage. Null
   // only in a moved-from Averager.
   std::unique_ptr<detail::EmaStore> store_;

@@ -42,6 +42,9 @@ struct LocalShard {
   /// TrackedTensor::changesInForward). shardsFromFullTensors carries it
   /// over. Default false.
   bool changesInForward = false;
+  /// The version counter writes to the tensor bump when it is not the
+  /// local's own (see TrackedTensor::writeVersion): a DTensor's.
+  std::optional<c10::VariableVersion> writeVersion = std::nullopt;
 };
 
 class ShardedAverager {

@@ -70,6 +70,12 @@ struct TrackedTensor {
   /// background update then uses), so fence() only has to cover tensors the
   /// optimizer writes. trackModule() sets it for every buffer. Default false.
   bool changesInForward = false;
+  /// The version counter that in-place writes to the tensor bump, when it
+  /// is not the source's own: a DTensor's local tensor (the source) keeps
+  /// its counter while the optimizer's writes through the DTensor bump the
+  /// DTensor's. A handle: it keeps no tensor alive. Default: the source's.
+  /// How writes are judged: SourceWrites (averager.h).
+  std::optional<c10::VariableVersion> writeVersion = std::nullopt;
 };
 
 }  // namespace shardema

@@ -36,25 +36,29 @@
 // see Averager), the error is rethrown once by wait(), and the next submit
 // starts afresh.
 //
-// Misuse detection: a source written before fence() would fold undefined
-// values in silently, so submit() records each source's autograd version
-// counter (bumped by every in-place op, optimizer.step() included; an
-// atomic, safe to read from any thread) and a changed version fails the
-// update, naming the tensor and step. Checked (a) by fence() for every
-// source, or by wait() when no fence() came first; (b) on the worker after
-// each staged chunk's copy has landed, before its math, with engines whose
-// completion means the bytes were read on the CPU's timeline
+// Writes to the sources: a source written in place while the update may
+// still read it would fold a mix of old and new values in, so submit()
+// records each source's autograd version counter (bumped by every in-place
+// op, optimizer.step() included; an atomic, safe to read from any thread;
+// PipelineJob::version names another tensor's counter where writes go
+// through that one, e.g. a DTensor's) and the pipeline reports what moved;
+// it never fails an update for a write: what a write means (misuse to
+// refuse, or a source to read differently from now on) is its owner's
+// decision (the Averager's, averager.h). Two reports: (1) the chunk checks,
+// on the worker after each staged chunk's copy has landed, with engines
+// whose completion means the bytes were read on the CPU's timeline
 // (CopyEngine::copiesOnHostTimeline(); not CUDA, whose host-side version
-// bumps run ahead of the device); and (c) on the worker before and after
-// each direct chunk's math (a write before it: the chunk is refused and
-// its EMA left as it was; during it: the EMA holds torn values and the
-// update fails). Checks (b) and (c) stop once fence() has released the
+// bumps run ahead of the device), and before and after each direct chunk's
+// math, mark a job whose source moved while its chunks were being read
+// (writtenWhileRead()); they stop once fence() or wait() has released the
 // sources (under mutex_, so a write the caller makes after fence() returns
-// is never mistaken for misuse; fence() waits for every direct chunk, so
-// (c) always runs before that). Writes through tensor.data() (a new version
-// counter) are not seen, nor a host source written by an asynchronous
-// device copy the caller has not synchronized (ATen's rule for any CPU
-// read of it).
+// is never mistaken for one during the read; fence() waits for every direct
+// chunk, so the checks always run before that); (2) writtenSinceSubmit()
+// compares every counter now, on the caller's thread. A chunk whose source
+// moved is read as it is (the new values where the write came first): the
+// read is not redone. Writes through tensor.data() (a new version counter)
+// are not seen, nor a host source written by an asynchronous device copy
+// the caller has not synchronized (ATen's rule for any CPU read of it).
 #include <ATen/core/Tensor.h>
 #include <c10/core/TensorImpl.h>
 
@@ -64,6 +68,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -126,8 +131,8 @@ struct PipelineJob {
   /// elements as source; float32 unless op is kCopyRaw.
   at::Tensor ema;
   /// Read by the engine; any device, contiguous. Kept alive by the pipeline
-  /// until the update's math is done; must not be written before fence()
-  /// (an in-place write fails the update, see the file comment).
+  /// until the update's math is done; should not be written before fence()
+  /// (a write is reported, see the file comment).
   at::Tensor source;
   /// kLerp: ema += weight * (source - ema); kCopy: ema = float(source);
   /// kCopyRaw: ema has the source's dtype and receives its bytes unchanged
@@ -141,6 +146,11 @@ struct PipelineJob {
   /// so the source is staged and read once whatever the number of profiles.
   /// Must be empty for raw copies.
   std::vector<at::Tensor> moreEmas;
+  /// The version counter that in-place writes to this source bump, when it
+  /// is not the source's own: a DTensor's local tensor keeps its counter
+  /// while writes through the DTensor bump the DTensor's. A handle (it does
+  /// not keep any tensor alive). Default: the source's.
+  std::optional<c10::VariableVersion> version = std::nullopt;
 };
 
 /// A host tensor to write into a destination (swap-in, restore).
@@ -178,16 +188,29 @@ class UpdatePipeline {
   /// it is copied (with the CUDA engine: until every copy is queued, then
   /// the training stream waits on them). Late staged chunks' copies wait
   /// for early chunks' math (bounded staging), so this waits for all but
-  /// the last numSlots staged chunks' math. Then checks that no source was written since
-  /// submit() (a write fails the update) and releases the sources: they may
-  /// change from now on. Records the time waited. Never throws for a worker
-  /// error or a written source (wait() reports it).
+  /// the last numSlots staged chunks' math. Then releases the sources: they
+  /// may change from now on, and the chunk checks stop. Records the time
+  /// waited. Never throws for a worker error (wait() reports it).
   void fence();
   /// Blocks until the update in flight is done, running the direct chunks
   /// no worker has started yet on this thread; rethrows its first error
-  /// (c10::Error naming the tensor, chunk and step) once. Without a fence()
-  /// since submit() it checks the sources as fence() does, and releases them.
+  /// (c10::Error naming the tensor, chunk and step) once. Releases the
+  /// sources as fence() does.
   void wait();
+  /// The jobs (indices into the last submit()'s list, ascending) whose
+  /// source a chunk check saw written while the update could still read
+  /// it (see the file comment). Complete once fence() or wait() returned;
+  /// empty when nothing was submitted. Caller's thread.
+  std::vector<size_t> writtenWhileRead() const;
+  /// The jobs of the last submit() (indices, ascending) whose source's
+  /// version counter has moved since submit(), read now. Caller's thread;
+  /// the jobs' sources are the last submit()'s until the next one.
+  std::vector<size_t> writtenSinceSubmit() const;
+  /// The jobs of the last submit() (indices, ascending) whose reads no
+  /// chunk check could time: staged through an engine whose copies do not
+  /// run on the host's timeline (CUDA). A write to one of them before
+  /// fence() may have reached the device during its copy.
+  std::vector<size_t> uncheckedReads() const;
   /// Whether an update is submitted and not yet done.
   bool busy() const;
   /// Whether fence() or wait() has run since the last submit() (or nothing
@@ -244,9 +267,9 @@ class UpdatePipeline {
   void finishChunk(int slot, std::exception_ptr&& error);
   // The failure of chunk `chunk`, naming its tensors and the step.
   std::exception_ptr chunkError(int64_t chunk, const std::string& failure) const;
-  // The misuse message of the first of the chunk's sources written since
-  // submit(), else "". Caller holds mutex_.
-  std::string firstWrittenSource(int64_t chunk) const;
+  // Marks the chunk's jobs whose source moved since submit() (check (1)),
+  // unless the sources are released. Caller holds mutex_.
+  void markWrittenSources(int64_t chunk);
   // Whether every chunk of the update in flight is done. Caller holds mutex_.
   bool allDone() const;
   void queueSwapCopies(const std::vector<SwapJob>& jobs, SwapState& state);
@@ -255,12 +278,10 @@ class UpdatePipeline {
   // Records each source's version counter; `previous` is the last update's
   // jobs, whose handles are reused for the same tensors.
   void recordVersions(const std::vector<PipelineJob>& previous);
-  // The misuse message for job `job` if its source was written since
-  // submit(), else "". Caller holds mutex_ (see the file comment).
-  std::string writtenSince(size_t job) const;
-  // fence()/wait(): checks every source once per update and releases them.
-  // Caller holds mutex_.
-  void releaseSources();
+  // Whether job `job`'s source moved since submit(). Any thread.
+  bool movedSince(size_t job) const;
+  // fence()/wait(): the sources may change from now on. Caller holds mutex_.
+  void releaseSources() { released_ = true; }
 
   UpdatePipelineOptions options_;
   WorkerPool* pool_ = nullptr;
@@ -296,7 +317,10 @@ class UpdatePipeline {
   // (disabled for inference tensors: never checked). Written by submit()
   // before any copy is queued, read-only afterwards.
   std::vector<std::pair<c10::VariableVersion, uint32_t>> versions_;
-  bool checkOnLanding_ = false;  // check (b); fixed by the engine's kind
+  bool checkOnLanding_ = false;  // the landing check; fixed by the engine's kind
+  // Per job of the update in flight: a chunk check saw its source written
+  // (1) or not (0). Guarded by mutex_.
+  std::vector<char> writtenWhileRead_;
   bool released_ = true;         // guarded by mutex_: sources checked and free
   // Copies of the slot's chunk not yet landed; counted down by the engine.
   std::unique_ptr<std::atomic<int>[]> piecesLeft_;
