@@ -8,6 +8,7 @@
 #include "export_command.h"
 #include "flag_parser.h"
 #include "inspect_command.h"
+#include "plan_command.h"
 #include "schedule_command.h"
 #include "synthesize_command.h"
 
@@ -32,6 +33,8 @@ const Command kCommands[] = {
      runInspectCommand},
     {"synthesize", "post-hoc EMA of any sigma_rel from a folder of power-function snapshots",
      runSynthesizeCommand},
+    {"plan", "host memory, PCIe traffic, cores and step overhead of the EMA per node, on paper",
+     runPlanCommand},
 };
 
 void printUsage(std::ostream& out) {

@@ -50,6 +50,9 @@ from ._posthoc import PostHocEMA, read_tensor_file, synthesize_snapshot_folder  
 
 DecaySchedule = _C.DecaySchedule
 LoadReport = _C.LoadReport
+# The per-node cost model of `shardema plan` (shardema/core/node_plan.h).
+plan_node = _C.plan_node
+NodePlan = _C.NodePlan
 
 
 def __getattr__(name):
@@ -70,6 +73,8 @@ __all__ = [
     "read_tensor_file",
     "DecaySchedule",
     "LoadReport",
+    "plan_node",
+    "NodePlan",
     "LocalShard",
     "ShardSpec",
     "FlatParamLayout",

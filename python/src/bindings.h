@@ -9,6 +9,7 @@ void bindSchedules(pybind11::module_& m);  // DecaySchedule and its factories
 void bindShards(pybind11::module_& m);     // roles, local shards, FSDP1 layouts
 void bindEma(pybind11::module_& m);        // PythonEma
 void bindPostHoc(pybind11::module_& m);    // post-hoc callback, synthesis, files
+void bindNodePlan(pybind11::module_& m);   // plan_node and NodePlan: costs per node on paper
 void bindTestHooks(pybind11::module_& m);  // _ChunkGate, for tests/python only
 
 }  // namespace shardema::python

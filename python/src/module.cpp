@@ -19,5 +19,6 @@ PYBIND11_MODULE(_C, m) {
   shardema::python::bindShards(m);
   shardema::python::bindEma(m);
   shardema::python::bindPostHoc(m);
+  shardema::python::bindNodePlan(m);
   shardema::python::bindTestHooks(m);
 }
