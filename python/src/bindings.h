@@ -10,5 +10,6 @@ void bindShards(pybind11::module_& m);     // roles, local shards, FSDP1 layouts
 void bindEma(pybind11::module_& m);        // PythonEma
 void bindPostHoc(pybind11::module_& m);    // post-hoc callback, synthesis, files
 void bindTestHooks(pybind11::module_& m);  // _ChunkGate, for tests/python only
+void bindBoundaryProbes(pybind11::module_& m);  // _throw, _Failpoint, _runtime_bindings: tests
 
 }  // namespace shardema::python

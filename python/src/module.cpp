@@ -20,4 +20,5 @@ PYBIND11_MODULE(_C, m) {
   shardema::python::bindEma(m);
   shardema::python::bindPostHoc(m);
   shardema::python::bindTestHooks(m);
+  shardema::python::bindBoundaryProbes(m);
 }
