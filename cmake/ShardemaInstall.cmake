@@ -13,6 +13,11 @@ foreach(part core shard offload lib)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${part}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 endforeach()
 if(TARGET shardema_cli)
+  # The installed CLI finds LibTorch (and the CUDA runtime, libpython: every
+  # linked library outside the system folders) through its RUNPATH, so it
+  # starts without LD_LIBRARY_PATH (tests/install/run_install_test.sh).
+  set_target_properties(shardema_cli PROPERTIES INSTALL_RPATH "${SHARDEMA_TORCH_LIBRARY_DIR}"
+                                                INSTALL_RPATH_USE_LINK_PATH ON)
   install(TARGETS shardema_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 endif()
 install(EXPORT shardemaTargets NAMESPACE shardema:: DESTINATION ${SHARDEMA_CMAKE_DIR})
@@ -21,4 +26,5 @@ configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/shardemaConfig.cmake.i
 write_basic_package_version_file(${PROJECT_BINARY_DIR}/shardemaConfigVersion.cmake
   COMPATIBILITY SameMinorVersion)
 install(FILES ${PROJECT_BINARY_DIR}/shardemaConfig.cmake ${PROJECT_BINARY_DIR}/shardemaConfigVersion.cmake
+              ${PROJECT_SOURCE_DIR}/cmake/shardemaTorchLinkDirs.cmake
         DESTINATION ${SHARDEMA_CMAKE_DIR})

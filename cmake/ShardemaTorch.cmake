@@ -114,5 +114,6 @@ if(Torch_VERSION VERSION_LESS SHARDEMA_MIN_TORCH_VERSION)
   message(FATAL_ERROR "shardema: LibTorch ${Torch_VERSION} at ${Torch_DIR} is older than "
                       "${SHARDEMA_MIN_TORCH_VERSION}, the oldest supported (README: Platform)")
 endif()
+include(${CMAKE_CURRENT_LIST_DIR}/shardemaTorchLinkDirs.cmake)
 get_filename_component(SHARDEMA_TORCH_LIBRARY_DIR "${TORCH_LIBRARY}" DIRECTORY)
 message(STATUS "shardema: LibTorch ${Torch_VERSION} from ${SHARDEMA_TORCH_LIBRARY_DIR}")

@@ -11,6 +11,7 @@
 #include "shardema/core/kernel_variant.h"
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -126,7 +127,9 @@ SHARDEMA_TARGET_AVX2 void copyAvx2(float* ema, const typename L::Source* src, in
 // widening loads start from _mm512_undefined_*) may read uninitialised
 // values, a false positive of those headers.
 #pragma GCC diagnostic push
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 struct Avx512F32 {
   using Source = float;
@@ -222,12 +225,19 @@ void copyVector(KernelVariant variant, float* ema, const void* src, SourceType t
   }
 }
 
+// CPUID leaf 1, ECX bit 29: clang 14 (the second toolchain CI builds the
+// module with) knows no __builtin_cpu_supports("f16c").
+static bool cpuHasF16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+
 bool cpuSupports(KernelVariant variant) {
   switch (variant) {
     case KernelVariant::kBaseline:
       return true;
     case KernelVariant::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+      return __builtin_cpu_supports("avx2") && cpuHasF16c();
     case KernelVariant::kAvx512:
       return __builtin_cpu_supports("avx512f");
   }

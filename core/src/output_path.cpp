@@ -2,39 +2,27 @@
 
 #include <c10/util/Exception.h>
 
-#include <algorithm>
-#include <filesystem>
-#include <system_error>
+#include "shardema/core/file_system.h"
 
 namespace shardema::detail {
 namespace {
 
-namespace fs = std::filesystem;
-
-fs::path resolved(const std::string& path) {
-  std::error_code error;
-  fs::path out = fs::weakly_canonical(fs::absolute(path), error);
-  return error ? fs::absolute(path).lexically_normal() : out;
-}
-
 // Whether `inner` is `outer` or lies below it, component by component (so
-// "ckpt2" is not inside "ckpt").
-bool within(const fs::path& inner, const fs::path& outer) {
-  auto i = inner.begin();
-  for (auto o = outer.begin(); o != outer.end(); ++o, ++i) {
-    if (o->empty()) continue;  // a trailing separator
-    if (i == inner.end() || *i != *o) return false;
-  }
-  return true;
+// "ckpt2" is not inside "ckpt"). Both are weaklyCanonical: absolute, with
+// no trailing separator but for "/".
+bool within(const std::string& inner, const std::string& outer) {
+  if (outer == "/" || inner == outer) return true;
+  return inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 &&
+         inner[outer.size()] == '/';
 }
 
 }  // namespace
 
 void refuseOutputOverInput(const std::string& api, const std::string& output,
                            const std::vector<std::string>& inputs) {
-  const fs::path out = resolved(output);
+  const std::string out = weaklyCanonical(output);
   for (const std::string& input : inputs) {
-    const fs::path in = resolved(input);
+    const std::string in = weaklyCanonical(input);
     TORCH_CHECK_VALUE(out != in, api, ": the output ", output, " is the input ", input,
                       " itself; writing it would destroy what is being read (write it elsewhere)");
     TORCH_CHECK_VALUE(!within(out, in), api, ": the output ", output, " lies inside the input ",

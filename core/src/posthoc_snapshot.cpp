@@ -7,19 +7,17 @@
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <limits>
 #include <set>
 #include <tuple>
 
 #include "shardema/core/file_metadata.h"
+#include "shardema/core/file_system.h"
 #include "shardema/core/power_function.h"
 #include "shardema/core/tensor_file.h"
 
 namespace shardema {
 namespace {
-
-namespace fs = std::filesystem;
 
 constexpr const char* kSuffix = ".safetensors";
 constexpr const char* kRankPrefix = "rank_";
@@ -114,17 +112,29 @@ bool entryBefore(const SnapshotEntry& a, const SnapshotEntry& b) {
   return std::tie(a.info.step, a.info.profileIndex) < std::tie(b.info.step, b.info.profileIndex);
 }
 
+// The entries of `folder`, sorted; a folder that cannot be read is an error.
+std::vector<std::string> folderNames(const std::string& folder) {
+  std::string error;
+  std::vector<std::string> names = detail::directoryNames(folder, &error);
+  TORCH_CHECK_VALUE(error.empty(), folder, ": cannot read the snapshot folder: ", error);
+  return names;
+}
+
+std::string joinedPath(const std::string& folder, const std::string& name) {
+  return folder.empty() || folder.back() == '/' ? folder + name : folder + "/" + name;
+}
+
 // Reads every "*.safetensors" directly in `folder`, sorted; "*.tmp" and other
 // files are left alone (an interrupted write leaves only a .tmp behind).
-std::vector<SnapshotEntry> readSnapshotsIn(const fs::path& folder) {
+std::vector<SnapshotEntry> readSnapshotsIn(const std::string& folder) {
   std::vector<SnapshotEntry> entries;
-  for (const fs::directory_entry& item : fs::directory_iterator(folder)) {
-    const std::string name = item.path().filename().string();
-    if (!endsWith(name, kSuffix) || !item.is_regular_file()) continue;
-    TORCH_CHECK_VALUE(parseSnapshotFileName(name, nullptr, nullptr), item.path().string(),
+  for (const std::string& name : folderNames(folder)) {
+    const std::string path = joinedPath(folder, name);
+    if (!endsWith(name, kSuffix) || !detail::isRegularFile(path)) continue;
+    TORCH_CHECK_VALUE(parseSnapshotFileName(name, nullptr, nullptr), path,
                       ": not a snapshot name; expected {profile_index}.{step}.safetensors; move "
                       "other safetensors files out of the snapshot folder");
-    entries.push_back({item.path().string(), readSnapshotInfo(item.path().string())});
+    entries.push_back({path, readSnapshotInfo(path)});
   }
   std::sort(entries.begin(), entries.end(), entryBefore);
   return entries;
@@ -155,7 +165,7 @@ void checkFull(const std::vector<SnapshotEntry>& entries, const std::string& dir
 // with the other ranks' through *worldSize, 0 until the first), one layout,
 // distinct gammas per step.
 void checkRankEntries(const std::vector<SnapshotEntry>& entries, int64_t rank,
-                      const fs::path& rankDir, const std::string& dir, int64_t* worldSize) {
+                      const std::string& rankDir, const std::string& dir, int64_t* worldSize) {
   for (const SnapshotEntry& entry : entries) {
     TORCH_CHECK_VALUE(entry.info.rank == rank, entry.path, ": metadata says rank ", entry.info.rank,
                       " but the folder is ", rankFolderName(rank));
@@ -164,27 +174,27 @@ void checkRankEntries(const std::vector<SnapshotEntry>& entries, int64_t rank,
                       entry.info.worldSize, " but other files in ", dir, " say ", *worldSize,
                       "; the folder mixes runs");
     TORCH_CHECK_VALUE(entry.info.layoutJson == entries.front().info.layoutJson, entry.path,
-                      ": mixed layouts in ", rankDir.string(),
+                      ": mixed layouts in ", rankDir,
                       ": its shardema.layout differs "
                       "from that of ",
                       entries.front().path);
   }
-  checkDistinctGammas(entries, rankDir.string());
+  checkDistinctGammas(entries, rankDir);
 }
 
-std::vector<std::vector<SnapshotEntry>> readRanks(const std::map<int64_t, fs::path>& rankDirs,
+std::vector<std::vector<SnapshotEntry>> readRanks(const std::map<int64_t, std::string>& rankDirs,
                                                   const std::string& dir, int64_t* worldSize) {
   std::vector<std::vector<SnapshotEntry>> perRank;
   for (const auto& [rank, rankDir] : rankDirs) {
     std::vector<SnapshotEntry> entries = readSnapshotsIn(rankDir);
-    TORCH_CHECK_VALUE(!entries.empty(), rankDir.string(), ": no snapshots in this rank folder");
+    TORCH_CHECK_VALUE(!entries.empty(), rankDir, ": no snapshots in this rank folder");
     checkRankEntries(entries, rank, rankDir, dir, worldSize);
     perRank.push_back(std::move(entries));
   }
   return perRank;
 }
 
-void checkRankSet(const std::map<int64_t, fs::path>& rankDirs,
+void checkRankSet(const std::map<int64_t, std::string>& rankDirs,
                   const std::vector<std::vector<SnapshotEntry>>& perRank, int64_t worldSize,
                   const std::string& dir) {
   for (int64_t rank = 0; rank < worldSize; ++rank) {
@@ -298,7 +308,7 @@ SnapshotInfo readSnapshotInfo(const std::string& path) {
                       " must be below ", kWorldSizeKey, " ", info.worldSize);
     TORCH_CHECK_VALUE(!info.layoutJson.empty(), path, ": metadata ", kLayoutKey, " is empty");
   }
-  const std::string name = fs::path(path).filename().string();
+  const std::string name = detail::fileName(path);
   int64_t nameIndex = 0;
   int64_t nameStep = 0;
   TORCH_CHECK_VALUE(parseSnapshotFileName(name, &nameIndex, &nameStep), path,
@@ -311,15 +321,13 @@ SnapshotInfo readSnapshotInfo(const std::string& path) {
 }
 
 SnapshotFolder scanSnapshotFolder(const std::string& dir) {
-  std::error_code error;
-  TORCH_CHECK_VALUE(fs::is_directory(dir, error), dir,
+  TORCH_CHECK_VALUE(detail::isDirectory(dir), dir,
                     ": snapshot folder does not exist or is not a folder");
-  std::map<int64_t, fs::path> rankDirs;
-  for (const fs::directory_entry& item : fs::directory_iterator(dir)) {
-    const std::string name = item.path().filename().string();
+  std::map<int64_t, std::string> rankDirs;
+  for (const std::string& name : folderNames(dir)) {
     int64_t rank = 0;
-    if (item.is_directory() && parseRankFolderName(name, &rank)) {
-      rankDirs.emplace(rank, item.path());
+    if (parseRankFolderName(name, &rank) && detail::isDirectory(joinedPath(dir, name))) {
+      rankDirs.emplace(rank, joinedPath(dir, name));
     }
   }
   SnapshotFolder folder;
@@ -342,9 +350,8 @@ SnapshotFolder scanSnapshotFolder(const std::string& dir) {
 
 std::vector<SnapshotEntry> scanRankSnapshots(const std::string& dir, int64_t rank) {
   TORCH_CHECK_VALUE(rank >= 0, "scanRankSnapshots(", dir, "): rank must be >= 0, got ", rank);
-  const fs::path rankDir = fs::path(dir) / rankFolderName(rank);
-  std::error_code error;
-  if (!fs::is_directory(rankDir, error)) return {};
+  const std::string rankDir = joinedPath(dir, rankFolderName(rank));
+  if (!detail::isDirectory(rankDir)) return {};
   // One read of the headers; an empty folder (no snapshot yet) is no error.
   std::vector<SnapshotEntry> entries = readSnapshotsIn(rankDir);
   int64_t worldSize = 0;

@@ -10,12 +10,12 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <set>
 #include <unordered_map>
 
 #include "sharded_internal.h"
 #include "shardema/core/file_metadata.h"
+#include "shardema/core/file_system.h"
 #include "shardema/core/posthoc_snapshot.h"
 #include "shardema/core/power_function.h"
 #include "shardema/core/tensor_file.h"
@@ -111,8 +111,7 @@ PostHocCallback::PostHocCallback(PostHocCallbackOptions options, PostHocRanks ra
   checkOptions(options_);
   checkRanks(ranks_, options_.layout);
   const auto normal = [](const std::string& folder) {
-    std::filesystem::path path = std::filesystem::absolute(folder).lexically_normal();
-    return path.filename().empty() ? path.parent_path() : path;
+    return detail::lexicallyNormal(detail::absolutePath(folder));
   };
   TORCH_CHECK_VALUE(normal(outputFolderOf(options_)) != normal(options_.checkpointFolder), kApi,
                     ": the deployable weights would go into the snapshot folder ",
@@ -266,11 +265,12 @@ void PostHocCallback::wait() {
 
 void PostHocCallback::checkFolderIsFresh() const {
   if (!holdsEma()) return;
-  std::error_code error;
   const std::string folder = snapshotFolder();
-  if (!std::filesystem::is_directory(folder, error)) return;
-  for (const auto& entry : std::filesystem::directory_iterator(folder)) {
-    const std::string name = entry.path().filename().string();
+  if (!detail::isDirectory(folder)) return;
+  std::string error;
+  const std::vector<std::string> names = detail::directoryNames(folder, &error);
+  TORCH_CHECK_VALUE(error.empty(), kApi, ": cannot read the snapshot folder ", folder, ": ", error);
+  for (const std::string& name : names) {
     TORCH_CHECK_VALUE(!parseSnapshotFileName(name, nullptr, nullptr), kApi, ": ", folder,
                       " already holds snapshots of another run (", name,
                       "); resume from that run's checkpoint (onLoadCheckpoint) or start in an "
@@ -320,10 +320,8 @@ std::string PostHocCallback::outputFolderOf(const PostHocCallbackOptions& option
   // The snapshot folder holds snapshots only (its scan refuses other
   // safetensors files), so by default the result goes beside it, as
   // nitrous writes {run_dir}/..._final next to {run_dir}/ema_ckpts.
-  std::filesystem::path snapshots =
-      std::filesystem::path(options.checkpointFolder).lexically_normal();
-  if (snapshots.filename().empty()) snapshots = snapshots.parent_path();
-  return snapshots.has_parent_path() ? snapshots.parent_path().string() : ".";
+  const std::string parent = detail::parentPath(detail::lexicallyNormal(options.checkpointFolder));
+  return parent.empty() ? "." : parent;
 }
 
 void PostHocCallback::onSaveCheckpoint(TrainingCheckpoint& checkpoint) {
@@ -364,9 +362,9 @@ void PostHocCallback::resumeAt(int64_t calls) {
       // wrote (a save between snapshot calls).
       const std::string snapshot = detail::joinPath(snapshotFolder(), snapshotFileName(p, calls));
       const std::string resume = detail::joinPath(resumeFolder(), snapshotFileName(p, calls));
-      const bool atSnapshot = std::filesystem::exists(snapshot);
+      const bool atSnapshot = detail::pathExists(snapshot);
       const std::string path = atSnapshot ? snapshot : resume;
-      TORCH_CHECK_VALUE(atSnapshot || std::filesystem::exists(resume), kApi,
+      TORCH_CHECK_VALUE(atSnapshot || detail::pathExists(resume), kApi,
                         ": cannot resume at call ", calls, ": neither the snapshot ", snapshot,
                         " nor the resume state ", resume,
                         " exists (the checkpoint's save writes one of them; were they moved "
@@ -403,7 +401,7 @@ void PostHocCallback::resumeAt(int64_t calls) {
   // final one onTrainEnd writes off the grid).
   newestSnapshot_ = calls - calls % options_.checkpointEvery;
   if (calls > 0 && holdsEma() &&
-      std::filesystem::exists(detail::joinPath(snapshotFolder(), snapshotFileName(0, calls)))) {
+      detail::pathExists(detail::joinPath(snapshotFolder(), snapshotFileName(0, calls)))) {
     newestSnapshot_ = calls;
   }
 }

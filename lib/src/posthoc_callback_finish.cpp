@@ -8,12 +8,12 @@
 
 #include <cstring>
 #include <exception>
-#include <filesystem>
 #include <map>
 #include <optional>
 #include <unordered_map>
 
 #include "sharded_internal.h"
+#include "shardema/core/file_system.h"
 #include "shardema/core/tensor_file.h"
 #include "shardema/core/warning.h"
 #include "shardema/posthoc_callback.h"
@@ -311,7 +311,7 @@ std::string PostHocCallback::finishRankZero() {
   wait();
   if (calls_ != newestSnapshot_) writeSnapshots();
   const std::string path = deployablePath();
-  detail::ensureDirectory(std::filesystem::path(path).parent_path().string(), kFinishApi);
+  detail::ensureDirectory(detail::parentPath(path), kFinishApi);
   synthesizeSnapshotFolder(options_.checkpointFolder, path,
                            synthesisOptions(options_, calls_, options_.outputDtype));
   return path;
@@ -332,7 +332,7 @@ std::string PostHocCallback::finishSharded() {
                                 synthesisOptions(options_, calls_, at::kFloat));
     pieces = piecesInLayoutOrder(synth->tensors);
     if (ranks_.rank == 0) {
-      detail::ensureDirectory(std::filesystem::path(path).parent_path().string(), kFinishApi);
+      detail::ensureDirectory(detail::parentPath(path), kFinishApi);
     }
   } catch (...) {
     if (ranks_.worldSize == 1) throw;

@@ -7,7 +7,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -17,6 +16,7 @@
 
 #include "shardema/core/atomic_file.h"
 #include "shardema/core/checksum.h"
+#include "shardema/core/file_system.h"
 #include "shardema/core/regular_file.h"
 
 namespace shardema {
@@ -125,16 +125,11 @@ bool isRankFileName(const std::string& name, int64_t rank) {
 void removeUnreferencedRankFiles(const std::string& dir, const RankManifest& manifest) {
   std::unordered_set<std::string> keep;
   for (const RankFileRecord& record : manifest.files) keep.insert(record.name);
-  std::error_code error;
-  std::vector<std::filesystem::path> stale;
-  for (std::filesystem::directory_iterator it(dir, error), end; !error && it != end;
-       it.increment(error)) {
-    const std::string name = it->path().filename().string();
+  for (const std::string& name : detail::directoryNames(dir, nullptr)) {
     const bool ours =
         name.rfind("rank_", 0) == 0 && (endsWith(name, ".safetensors") || endsWith(name, ".tmp"));
-    if (ours && keep.count(name) == 0) stale.push_back(it->path());
+    if (ours && keep.count(name) == 0) detail::removePath(joinPath(dir, name));
   }
-  for (const std::filesystem::path& path : stale) std::filesystem::remove(path, error);
 }
 
 std::string RankManifest::toJson() const {

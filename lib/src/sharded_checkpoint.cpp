@@ -5,7 +5,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <filesystem>
 #include <system_error>
 
 #include "sharded_internal.h"

@@ -8,12 +8,11 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <filesystem>
-#include <system_error>
 #include <unordered_set>
 
 #include "sharded_internal.h"
 #include "shardema/averager.h"
+#include "shardema/core/file_system.h"
 #include "shardema/core/output_path.h"
 #include "shardema/core/tensor_file_reader.h"
 #include "shardema/core/tensor_file_writer.h"
@@ -152,11 +151,10 @@ RankFileRecord writeReshardedRank(const OpenCheckpoint& source, const shard::Sha
 // other names. Best effort, like removeUnreferencedRankFiles.
 void removeWrittenFiles(const std::string& outDir, const std::vector<RankFileRecord>& written,
                         bool createdOutDir) {
-  std::error_code ignored;
   for (const RankFileRecord& record : written) {
-    std::filesystem::remove(detail::joinPath(outDir, record.name), ignored);
+    detail::removePath(detail::joinPath(outDir, record.name));
   }
-  if (createdOutDir) std::filesystem::remove(outDir, ignored);  // only if empty
+  if (createdOutDir) detail::removePath(outDir);  // only if empty
 }
 
 }  // namespace
@@ -217,8 +215,7 @@ ExportSummary reshardCheckpoint(const std::string& dir, const std::string& outDi
   detail::refuseOutputOverInput(kApi, outDir, {dir});
   const OpenCheckpoint source = openCheckpoint(dir, options.bufferBytes);
   checkSameTensors(source.manifest.layout, target);
-  std::error_code ignored;
-  const bool createdOutDir = !std::filesystem::exists(outDir, ignored);
+  const bool createdOutDir = !detail::pathExists(outDir);
   detail::ensureDirectory(outDir, kApi);
   const uint64_t saveId = newSaveId();
   RankManifest manifest = source.manifest;

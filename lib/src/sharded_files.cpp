@@ -4,11 +4,10 @@
 
 #include <algorithm>
 #include <exception>
-#include <filesystem>
-#include <system_error>
 
 #include "sharded_internal.h"
 #include "shardema/core/file_metadata.h"
+#include "shardema/core/file_system.h"
 #include "shardema/detail/rank_manifest.h"
 
 namespace shardema {
@@ -19,19 +18,16 @@ std::string joinPath(const std::string& dir, const std::string& name) {
 }
 
 void ensureDirectory(const std::string& dir, const char* api) {
-  std::error_code error;
-  std::filesystem::create_directories(dir, error);
-  TORCH_CHECK(std::filesystem::is_directory(dir), api, ": cannot create the folder ", dir, " (",
-              error ? error.message() : std::string("not a directory"), ")");
+  std::string error;
+  TORCH_CHECK(createDirectories(dir, &error), api, ": cannot create the folder ", dir, " (", error,
+              ")");
 }
 
 void checkExportDestination(const std::string& path, const char* api) {
-  std::error_code error;
-  const std::filesystem::path target = std::filesystem::absolute(path, error);
-  const std::filesystem::path folder = target.parent_path();
-  const bool inCheckpoint = std::filesystem::is_regular_file(folder / kManifestFileName, error);
-  TORCH_CHECK_VALUE(!inCheckpoint, api, ": ", path, " is inside the checkpoint folder ",
-                    folder.string(), " (it holds ", kManifestFileName,
+  const std::string folder = parentPath(absolutePath(path));
+  const bool inCheckpoint = isRegularFile(joinPath(folder, kManifestFileName));
+  TORCH_CHECK_VALUE(!inCheckpoint, api, ": ", path, " is inside the checkpoint folder ", folder,
+                    " (it holds ", kManifestFileName,
                     "): exporting there would replace the checkpoint's files; export elsewhere");
 }
 

@@ -11,5 +11,6 @@ void bindEma(pybind11::module_& m);        // PythonEma
 void bindPostHoc(pybind11::module_& m);    // post-hoc callback, synthesis, files
 void bindNodePlan(pybind11::module_& m);   // plan_node and NodePlan: costs per node on paper
 void bindTestHooks(pybind11::module_& m);  // _ChunkGate, for tests/python only
+void bindBoundaryProbes(pybind11::module_& m);  // _throw, _Failpoint, _runtime_bindings: tests
 
 }  // namespace shardema::python

@@ -6,8 +6,13 @@ namespace shardema::python {
 
 void registerErrorTranslation() {
   // Registered in our module, not left to torch's translators: those are
-  // found only when both modules share pybind11's internals.
-  pybind11::register_exception_translator([](std::exception_ptr error) {
+  // found only when both modules share pybind11's internals. Local to this
+  // module: a global translator would also run first for every function of
+  // torch's that shares those internals, and turned torch's own
+  // torch.distributed.DistStoreError (and LinAlgError, OutOfMemoryError...)
+  // into plain RuntimeError once shardema was imported
+  // (tests/python/test_error_boundary.py).
+  pybind11::register_local_exception_translator([](std::exception_ptr error) {
     try {
       if (error) std::rethrow_exception(error);
     } catch (const c10::ValueError& e) {

@@ -1,6 +1,7 @@
 #pragma once
 // How C++ errors reach Python: c10's typed errors become the Python
-// exception that fits, with the C++ message (no C++ backtrace).
+// exception that fits, with the C++ message (no C++ backtrace). For this
+// module's functions only; torch's keep torch's translation.
 #include <pybind11/pybind11.h>
 
 namespace shardema::python {

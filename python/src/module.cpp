@@ -21,4 +21,5 @@ PYBIND11_MODULE(_C, m) {
   shardema::python::bindPostHoc(m);
   shardema::python::bindNodePlan(m);
   shardema::python::bindTestHooks(m);
+  shardema::python::bindBoundaryProbes(m);
 }

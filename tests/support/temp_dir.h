@@ -1,11 +1,28 @@
 #pragma once
 // A fresh folder under the system temp dir, removed with its contents.
+#include <ftw.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include <filesystem>
 #include <string>
 
 namespace shardema::testing {
+
+/// Removes `path` and everything below it (links are removed, not
+/// followed), as `rm -rf`. Not std::filesystem::remove_all: the copy of it
+/// that PyPI's torch exports from libtorch.so jumps to address 0, and a
+/// test program binds to it when libtorch.so comes before libstdc++ in its
+/// DT_NEEDED order (shardema/core/file_system.h).
+inline void removeTree(const std::string& path) {
+  ::nftw(
+      path.c_str(),
+      [](const char* entry, const struct stat*, int, struct FTW*) {
+        ::remove(entry);
+        return 0;
+      },
+      16, FTW_DEPTH | FTW_PHYS);
+}
 
 class TempDir {
  public:
@@ -15,8 +32,7 @@ class TempDir {
     path_ = ::mkdtemp(pattern.data()) ? pattern : std::string();
   }
   ~TempDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
+    if (!path_.empty()) removeTree(path_);
   }
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;
