@@ -14,12 +14,14 @@
 #include <set>
 #include <unordered_map>
 
+#include "posthoc_set_aside.h"
 #include "sharded_internal.h"
 #include "shardema/core/file_metadata.h"
 #include "shardema/core/posthoc_snapshot.h"
 #include "shardema/core/power_function.h"
 #include "shardema/core/tensor_file.h"
 #include "shardema/core/update_kernels.h"
+#include "shardema/core/warning.h"
 #include "shardema/ema_callback.h"
 #include "shardema/shard/communicator.h"
 
@@ -396,16 +398,20 @@ void PostHocCallback::resumeAt(int64_t calls) {
     // Call 1 is always due, so a run with calls > 0 has made its first copy.
     averager.restoreProgress(calls, /*initialized=*/true);
   }
+  // The EMAs are loaded: now the folder holds what the uninterrupted run
+  // held at `calls` (the snapshots on the grid), nothing from a run that
+  // ended there (its final snapshot) or went further.
+  if (holdsEma()) {
+    const detail::SetAsideSnapshots moved = detail::setAsideSupersededSnapshots(
+        snapshotFolder(), resumeFolder(), calls, options_.checkpointEvery);
+    if (!moved.empty()) {
+      detail::warn(detail::describeSetAside(snapshotFolder(), resumeFolder(), calls, moved));
+    }
+  }
   calls_ = calls;
   // The newest snapshot call at or before `calls` (what the validation
-  // swap synthesizes at), as in the run that saved the checkpoint: a call
-  // on the snapshot grid, or `calls` itself when its snapshot exists (the
-  // final one onTrainEnd writes off the grid).
+  // swap synthesizes at), as in the uninterrupted run: a call on the grid.
   newestSnapshot_ = calls - calls % options_.checkpointEvery;
-  if (calls > 0 && holdsEma() &&
-      std::filesystem::exists(detail::joinPath(snapshotFolder(), snapshotFileName(0, calls)))) {
-    newestSnapshot_ = calls;
-  }
 }
 
 }  // namespace shardema

@@ -179,7 +179,17 @@ class PostHocCallback {
   /// EMAs are reloaded at once: each profile's snapshot at that call, else
   /// its resume file, so training goes on bit for bit as if it had not
   /// stopped. A missing or mismatched file (another sigma_rel, world size
-  /// or shard layout) is a c10::ValueError naming it.
+  /// or shard layout) is a c10::ValueError naming it. Then each rank that
+  /// holds an EMA leaves in its snapshot folder what the uninterrupted run
+  /// held at that call, the snapshots on the checkpointEvery grid, so the
+  /// synthesis of a resumed or extended run is the uninterrupted run's:
+  /// the final snapshot of a run that ended at that call off the grid
+  /// (extending a finished run) moves into resumeFolder(), where a second
+  /// resume from the same checkpoint finds it, and snapshots past that
+  /// call (of a run that went further) move into
+  /// `{snapshotFolder()}/superseded/resumed_at_{calls}` (`_2`, ... for a
+  /// repeated resume). Moved, never deleted; one warning names them.
+  /// Assumes the run that wrote the folder had the same checkpointEvery.
   void onLoadCheckpoint(const TrainingCheckpoint& checkpoint);
 
   /// Collective when worldSize > 1. Synthesizes defaultOutputSigma at the
