@@ -18,17 +18,18 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr const char* kApi = "PostHocCallback";
+constexpr const char* kSetAsideApi = "PostHocCallback";
 
 // A rename is durable only once its folder is: without this a crash could
 // bring a moved snapshot back into the synthesis set.
 void fsyncFolder(const std::string& folder) {
   const int fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  TORCH_CHECK(fd >= 0, kApi, ": cannot open ", folder, " to fsync it: ", std::strerror(errno));
+  TORCH_CHECK(fd >= 0, kSetAsideApi, ": cannot open ", folder,
+              " to fsync it: ", std::strerror(errno));
   const int rc = ::fsync(fd);
   const int error = errno;
   ::close(fd);
-  TORCH_CHECK(rc == 0, kApi, ": fsync of ", folder, " failed: ", std::strerror(error));
+  TORCH_CHECK(rc == 0, kSetAsideApi, ": fsync of ", folder, " failed: ", std::strerror(error));
 }
 
 // superseded/resumed_at_{calls}, or the first of _2, _3, ... not taken: a
@@ -43,10 +44,10 @@ std::string freshSupersededFolder(const std::string& snapshotFolder, int64_t cal
 
 void moveInto(const std::string& from, const std::string& folder, const std::string& name) {
   const std::string to = joinPath(folder, name);
-  TORCH_CHECK(!fs::exists(to), kApi, ": cannot set ", from, " aside: ", to, " exists");
+  TORCH_CHECK(!fs::exists(to), kSetAsideApi, ": cannot set ", from, " aside: ", to, " exists");
   std::error_code error;
   fs::rename(from, to, error);
-  TORCH_CHECK(!error, kApi, ": cannot move ", from, " to ", to, ": ", error.message());
+  TORCH_CHECK(!error, kSetAsideApi, ": cannot move ", from, " to ", to, ": ", error.message());
 }
 
 std::string joined(const std::vector<std::string>& names) {
@@ -77,7 +78,7 @@ SetAsideSnapshots setAsideSupersededSnapshots(const std::string& snapshotFolder,
   std::sort(moved.intoResumeFolder.begin(), moved.intoResumeFolder.end());
   std::sort(moved.superseded.begin(), moved.superseded.end());
   if (!moved.intoResumeFolder.empty()) {
-    ensureDirectory(resumeFolder, kApi);
+    ensureDirectory(resumeFolder, kSetAsideApi);
     for (const std::string& name : moved.intoResumeFolder) {
       moveInto(joinPath(snapshotFolder, name), resumeFolder, name);
     }
@@ -85,7 +86,7 @@ SetAsideSnapshots setAsideSupersededSnapshots(const std::string& snapshotFolder,
   }
   if (!moved.superseded.empty()) {
     moved.supersededFolder = freshSupersededFolder(snapshotFolder, calls);
-    ensureDirectory(moved.supersededFolder, kApi);
+    ensureDirectory(moved.supersededFolder, kSetAsideApi);
     for (const std::string& name : moved.superseded) {
       moveInto(joinPath(snapshotFolder, name), moved.supersededFolder, name);
     }

@@ -53,9 +53,11 @@ enum class PostHocLayout {
 };
 
 struct PostHocCallbackOptions {
-  /// One power-function profile per value, each in (0, 0.2887) and
-  /// distinct; at least 2 (the synthesis needs two profiles per step), at
-  /// most kMaxProfiles. Default {0.05, 0.1} (the seed's).
+  /// One power-function profile per value, each in (0, 1/sqrt(12) =
+  /// kMaxSigmaRel = 0.28867513459481287), the sigma_rel of power-function
+  /// EMAs with gamma > 0, and distinct; at least 2 (the synthesis needs two
+  /// profiles per step), at most kMaxProfiles. Default {0.05, 0.1} (the
+  /// seed's).
   std::vector<double> sigmaRels = {0.05, 0.1};
   /// Profiles update on calls n with (n - 1) % updateEvery == 0. Default 1.
   /// Larger: less update work per step (1 / updateEvery of it), but each
@@ -124,7 +126,8 @@ struct PostHocRanks {
 
 class PostHocCallback {
  public:
-  /// Validates every option (c10::ValueError naming it).
+  /// Validates every option and `ranks` (c10::ValueError naming the field,
+  /// its range and the value).
   explicit PostHocCallback(PostHocCallbackOptions options, PostHocRanks ranks = {});
   ~PostHocCallback();
   PostHocCallback(const PostHocCallback&) = delete;
