@@ -24,6 +24,8 @@ Each scenario runs, on every rank:
   E: B extended to 4 epochs: resumed from B's last checkpoint with
      max_epochs 4, in B's own snapshot folder (what a user does to train a
      finished run longer).
+Scenarios two_callbacks_*: R, A's Trainer (DDP, layout "rank0"), then T,
+the same with EMACallback before or after the post-hoc callback.
 Per rank it writes {name}.rank{r}.pt: the policy's raw weights after each
 optimizer step (full tensors), the final raw weights, what the policy held
 in each validation, and where the callback put its files."""
@@ -122,7 +124,7 @@ def snapshot_folder(out, name):
 
 
 def fit(L, name, out, *, world, strategy, layout, sharded, resume=None, crash_copy=None,
-        epochs=EPOCHS, folder_of=None):
+        epochs=EPOCHS, folder_of=None, ema_callback=None):
     import torch
 
     from lightning_worker import full_state, loader
@@ -138,6 +140,9 @@ def fit(L, name, out, *, world, strategy, layout, sharded, resume=None, crash_co
         dirpath=os.path.join(out, name), filename="{epoch}", save_top_k=-1, every_n_epochs=2)]
     if crash_copy is not None:
         callbacks.append(_copy_folder_at_epoch(L, callback, crash_copy, epoch=2))
+    if ema_callback is not None:  # "before" or "after" the post-hoc callback
+        from shardema.callbacks import EMACallback
+        callbacks.insert(0 if ema_callback == "before" else 1, EMACallback(attribute="policy"))
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs,
                         accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0,
@@ -175,6 +180,12 @@ def run(scenario, out, world):
     elif scenario == "ddp_sharded":
         posthoc_runs(L, out, world=world, strategy=lambda: "ddp", layout="sharded",
                      resume_mid_run=False)
+    elif scenario in ("two_callbacks_ema_first", "two_callbacks_posthoc_first"):
+        # The post-hoc callback alone, then beside EMACallback: validation
+        # at steps 2 and 4 falls between snapshot steps (3, 6).
+        common = dict(world=world, strategy="ddp", layout="rank0", sharded=False)
+        fit(L, "R", out, **common)
+        fit(L, "T", out, ema_callback="before" if "ema_first" in scenario else "after", **common)
     elif scenario == "model_parallel":
         from lightning.pytorch.strategies import ModelParallelStrategy
         posthoc_runs(L, out, world=world, layout="sharded", sharded=True,
