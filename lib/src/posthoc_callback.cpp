@@ -1,25 +1,24 @@
-// PostHocCallback: options, the per-step lifecycle, snapshots and resume.
-// Validation swap and the end-of-training synthesis live in
-// posthoc_callback_finish.cpp. A few lines over the 400-line guideline:
-// snapshots and their resume state share the per-step bookkeeping here, and
-// a third file would split one lifecycle's state between them.
+// PostHocCallback: the per-step lifecycle, snapshots and resume. The option
+// checks live in posthoc_options.cpp, the validation swap and the
+// end-of-training synthesis in posthoc_callback_finish.cpp, and what a
+// resume sets aside in posthoc_set_aside.cpp.
 #include "shardema/posthoc_callback.h"
 
 #include <c10/util/Exception.h>
 
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <set>
 #include <unordered_map>
 
+#include "posthoc_options.h"
+#include "posthoc_set_aside.h"
 #include "sharded_internal.h"
 #include "shardema/core/file_metadata.h"
 #include "shardema/core/file_system.h"
 #include "shardema/core/posthoc_snapshot.h"
-#include "shardema/core/power_function.h"
 #include "shardema/core/tensor_file.h"
-#include "shardema/core/update_kernels.h"
+#include "shardema/core/warning.h"
 #include "shardema/ema_callback.h"
 #include "shardema/shard/communicator.h"
 
@@ -28,52 +27,6 @@ namespace {
 
 constexpr const char* kApi = "PostHocCallback";
 constexpr const char* kCallsKey = detail::kPostHocCallsKey;
-
-void checkSigma(double sigma, const char* what) {
-  TORCH_CHECK_VALUE(std::isfinite(sigma) && sigma > 0 && sigma < kMaxSigmaRel, kApi, ": ", what,
-                    " must lie in (0, ", kMaxSigmaRel, "), got ", sigma);
-}
-
-void checkOptions(const PostHocCallbackOptions& o) {
-  TORCH_CHECK_VALUE(
-      o.sigmaRels.size() >= 2, kApi,
-      ": sigmaRels needs at least 2 values (the synthesis solves over profiles), got ",
-      o.sigmaRels.size());
-  TORCH_CHECK_VALUE(static_cast<int64_t>(o.sigmaRels.size()) <= kMaxProfiles, kApi,
-                    ": sigmaRels holds ", o.sigmaRels.size(), " values; at most ", kMaxProfiles,
-                    " profiles are tracked in one pass");
-  std::set<double> seen;
-  for (double sigma : o.sigmaRels) {
-    checkSigma(sigma, "every sigmaRels value");
-    TORCH_CHECK_VALUE(seen.insert(sigma).second, kApi, ": sigmaRels lists ", sigma,
-                      " twice; two equal profiles make the synthesis singular");
-  }
-  checkSigma(o.defaultOutputSigma, "defaultOutputSigma");
-  TORCH_CHECK_VALUE(o.updateEvery >= 1, kApi, ": updateEvery must be >= 1, got ", o.updateEvery);
-  TORCH_CHECK_VALUE(o.checkpointEvery >= 1, kApi, ": checkpointEvery must be >= 1, got ",
-                    o.checkpointEvery);
-  TORCH_CHECK_VALUE(!o.checkpointFolder.empty(), kApi,
-                    ": checkpointFolder is required (where the snapshots go)");
-  TORCH_CHECK_VALUE(o.startIter >= 0, kApi, ": startIter must be >= 0, got ", o.startIter);
-  TORCH_CHECK_VALUE(!o.outputPrefix.empty() && o.outputPrefix.find('/') == std::string::npos, kApi,
-                    ": outputPrefix must be a non-empty file name prefix, got '", o.outputPrefix,
-                    "'");
-  detail::checkExportDtype(o.outputDtype, "PostHocCallback: outputDtype");
-  TORCH_CHECK_VALUE(o.bufferBytes >= 64, kApi, ": bufferBytes must be >= 64, got ", o.bufferBytes);
-}
-
-void checkRanks(const PostHocRanks& r, PostHocLayout layout) {
-  TORCH_CHECK_VALUE(r.worldSize >= 1 && r.rank >= 0 && r.rank < r.worldSize, kApi, ": rank ",
-                    r.rank, " is outside the world size ", r.worldSize);
-  if (r.comm != nullptr) {
-    TORCH_CHECK_VALUE(r.comm->rank() == r.rank && r.comm->worldSize() == r.worldSize, kApi,
-                      ": the communicator is rank ", r.comm->rank(), " of ", r.comm->worldSize(),
-                      " but ranks says ", r.rank, " of ", r.worldSize);
-  }
-  TORCH_CHECK_VALUE(layout != PostHocLayout::kSharded || r.worldSize == 1 || r.comm != nullptr,
-                    kApi, ": the sharded layout with worldSize ", r.worldSize,
-                    " needs ranks.comm (onTrainEnd gathers the synthesized shards)");
-}
 
 AveragerOptions averagerOptions(const PostHocCallbackOptions& o) {
   AveragerOptions out;
@@ -108,8 +61,8 @@ int64_t parseCalls(const std::string& text) {
 
 PostHocCallback::PostHocCallback(PostHocCallbackOptions options, PostHocRanks ranks)
     : options_(std::move(options)), ranks_(ranks) {
-  checkOptions(options_);
-  checkRanks(ranks_, options_.layout);
+  detail::checkPostHocOptions(options_);
+  detail::checkPostHocRanks(ranks_, options_.layout);
   const auto normal = [](const std::string& folder) {
     return detail::lexicallyNormal(detail::absolutePath(folder));
   };
@@ -394,11 +347,19 @@ void PostHocCallback::resumeAt(int64_t calls) {
     // Call 1 is always due, so a run with calls > 0 has made its first copy.
     averager.restoreProgress(calls, /*initialized=*/true);
   }
+  // The EMAs are loaded: now the folder holds what the uninterrupted run
+  // held at `calls` (the snapshots on the grid), nothing from a run that
+  // ended there (its final snapshot) or went further.
+  if (holdsEma()) {
+    const detail::SetAsideSnapshots moved = detail::setAsideSupersededSnapshots(
+        snapshotFolder(), resumeFolder(), calls, options_.checkpointEvery);
+    if (!moved.empty()) {
+      detail::warn(detail::describeSetAside(snapshotFolder(), resumeFolder(), calls, moved));
+    }
+  }
   calls_ = calls;
   // The newest snapshot call at or before `calls` (what the validation
-  // swap synthesizes at), as in the run that saved the checkpoint: a call
-  // on the snapshot grid, or `calls` itself when its snapshot exists (the
-  // final one onTrainEnd writes off the grid).
+  // swap synthesizes at), as in the uninterrupted run: a call on the grid.
   newestSnapshot_ = calls - calls % options_.checkpointEvery;
   if (calls > 0 && holdsEma() &&
       detail::pathExists(detail::joinPath(snapshotFolder(), snapshotFileName(0, calls)))) {

@@ -1,16 +1,123 @@
 """Post-hoc EMA (Karras et al.): several power-function profiles updated
 together, snapshots on disk, any sigma_rel synthesized afterwards. The names
 follow ema-pytorch's PostHocEMA."""
+import math
+import numbers
 import os
 import tempfile
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import _C
 from ._model import (Plan, Tracked, _default_group, is_dtensor, module_tensors, plan_layout,
                      unwrap)
+from ._plan import checked_group
+
+OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# --- constructor arguments, checked when given ---------------------------------
+# The C++ engine checks the same ranges when it is built (naming its own
+# fields); these name the Python parameter, and run in the constructor, not
+# at fit start. One line each: TypeError for a wrong type, ValueError for a
+# value out of range.
+def checked_int(api: str, name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{api}: {name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{api}: {name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def checked_bool(api: str, name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{api}: {name} must be True or False, got {type(value).__name__} "
+                        f"{value!r}")
+    return value
+
+
+def checked_choice(api: str, name: str, value: Any, choices: Tuple[str, ...]) -> str:
+    accepted = " or ".join(repr(c) for c in choices)
+    if not isinstance(value, str):
+        raise TypeError(f"{api}: {name} must be {accepted}, got {type(value).__name__} "
+                        f"{value!r}")
+    if value not in choices:
+        raise ValueError(f"{api}: {name} must be {accepted}, got {value!r}")
+    return value
+
+
+def checked_sigma(api: str, name: str, value: Any) -> float:
+    """A sigma_rel some power-function EMA of the engine has: in (0,
+    1/sqrt(12)). sigma_rel(gamma) = sqrt((gamma+1) / ((gamma+2)^2 (gamma+3)))
+    falls from 1/sqrt(12) at gamma = 0 (a uniform average) as gamma grows,
+    and the engine's profiles have gamma > 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{api}: {name} must be a number, got {type(value).__name__} {value!r}")
+    sigma = float(value)
+    if not (0.0 < sigma < _C.max_sigma_rel):  # NaN too
+        raise ValueError(f"{api}: {name} must lie in (0, 1/sqrt(12) = {_C.max_sigma_rel!r}), "
+                         f"the sigma_rel of power-function EMAs with gamma > 0, got {sigma!r}")
+    return sigma
+
+
+def checked_sigma_rels(api: str, name: str, values: Any) -> Tuple[float, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{api}: {name} must be a sequence of numbers, got "
+                        f"{type(values).__name__} {values!r}")
+    sigmas = tuple(checked_sigma(api, f"{name}[{i}]", v) for i, v in enumerate(values))
+    if len(sigmas) < 2:
+        raise ValueError(f"{api}: {name} needs at least 2 values (the synthesis solves over "
+                         f"profiles), got {len(sigmas)}")
+    if len(sigmas) > _C.max_profiles:
+        raise ValueError(f"{api}: {name} holds {len(sigmas)} values; at most "
+                         f"{_C.max_profiles} profiles are tracked in one pass")
+    for i, sigma in enumerate(sigmas):
+        if sigma in sigmas[:i]:
+            raise ValueError(f"{api}: {name} lists {sigma!r} twice; two equal profiles make the "
+                             "synthesis singular")
+    return sigmas
+
+
+def checked_folder(api: str, name: str, value: Any) -> str:
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{api}: {name} must be a path (str or os.PathLike), got "
+                        f"{type(value).__name__} {value!r}")
+    folder = os.fspath(value)
+    if not isinstance(folder, str) or folder == "":
+        raise ValueError(f"{api}: {name} must name a folder, got {value!r}")
+    return folder
+
+
+def checked_output_dtype(api: str, name: str, value: Any) -> torch.dtype:
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"{api}: {name} must be a torch.dtype, got {type(value).__name__} "
+                        f"{value!r}")
+    if value not in OUTPUT_DTYPES:
+        raise ValueError(f"{api}: {name} must be torch.float32, torch.bfloat16 or "
+                         f"torch.float16, got {value}")
+    return value
+
+
+def checked_seconds(api: str, name: str, value: Any) -> float:
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise TypeError(f"{api}: {name} must be seconds (a number) or a datetime.timedelta, got "
+                        f"{type(value).__name__} {value!r}")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"{api}: {name} must be a positive, finite time, got {value!r}")
+    return seconds
+
+
+def checked_group_of(api: str, value: Any) -> Any:
+    try:
+        return checked_group(value)
+    except TypeError as error:
+        raise TypeError(f"{api}: {error}") from None
 
 
 def read_tensor_file(path: str) -> Dict[str, Any]:
@@ -27,8 +134,8 @@ def synthesize_snapshot_folder(folder: str, sigma_rel: float, step: Optional[int
     snapshot) from a snapshot folder (rank-0 or sharded). Writes deployable
     safetensors to `path` and returns it; without a path returns the tensors."""
     def run(out: str) -> None:
-        _C.synthesize_snapshot_folder(str(folder), out, float(sigma_rel), int(step or 0), bool(normalize),
-                             dtype, int(buffer_mib) << 20)
+        _C.synthesize_snapshot_folder(str(folder), out, float(sigma_rel), int(step or 0),
+                                      bool(normalize), dtype, int(buffer_mib) << 20)
 
     if path is not None:
         run(str(path))
@@ -97,6 +204,10 @@ class PostHocEMA:
 
     update() after optimizer.step() (returns at once) and fence() before the
     next one; synthesize(sigma_rel) for any profile afterwards.
+
+    Every argument is checked here: a one-line ValueError for a value out of
+    range (each sigma_rel in (0, 1/sqrt(12)), at least 2 and distinct; the
+    step counts >= 1) and a TypeError for a wrong type, naming it.
     """
 
     def __init__(self, model: torch.nn.Module, sigma_rels: Sequence[float] = (0.05, 0.1),
@@ -106,18 +217,27 @@ class PostHocEMA:
                  policy: str = "ema_pytorch", process_group: Any = None,
                  output_dtype: torch.dtype = torch.float32,
                  timeout: Union[float, timedelta] = 300.0) -> None:
+        api = "PostHocEMA"
         model = unwrap(model)
         if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"PostHocEMA: model must be an nn.Module, got {type(model).__name__}")
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-        self.checkpoint_folder = str(checkpoint_folder)
+            raise TypeError(f"{api}: model must be an nn.Module, got {type(model).__name__}")
+        sigmas = checked_sigma_rels(api, "sigma_rels", sigma_rels)
+        every = checked_int(api, "update_every", update_every, 1)
+        snapshot_every = checked_int(api, "checkpoint_every_num_steps",
+                                     checkpoint_every_num_steps, 1)
+        self.checkpoint_folder = checked_folder(api, "checkpoint_folder", checkpoint_folder)
+        layout = checked_choice(api, "layout", layout, ("rank0", "sharded"))
+        correction = checked_bool(api, "step_size_correction", step_size_correction)
+        policy = checked_choice(api, "policy", policy, ("ema_pytorch", "versatil"))
+        process_group = checked_group_of(api, process_group)
+        output_dtype = checked_output_dtype(api, "output_dtype", output_dtype)
+        seconds = checked_seconds(api, "timeout", timeout)
         self._engine = start_engine(
-            model, sigma_rels=sigma_rels, update_every=update_every,
-            checkpoint_every=checkpoint_every_num_steps, folder=self.checkpoint_folder,
-            start_iter=0, default_sigma=float(sigma_rels[0]) if sigma_rels else 0.05,
-            step_size_correction=step_size_correction, layout=layout, policy=policy,
+            model, sigma_rels=sigmas, update_every=every, checkpoint_every=snapshot_every,
+            folder=self.checkpoint_folder, start_iter=0, default_sigma=sigmas[0],
+            step_size_correction=correction, layout=layout, policy=policy,
             output_dtype=output_dtype, process_group=process_group, seconds=seconds)
-        self.sigma_rels = tuple(float(s) for s in sigma_rels)
+        self.sigma_rels = sigmas
 
     def update(self) -> bool:
         """One optimizer step; returns whether it was counted (always)."""

@@ -624,7 +624,12 @@ class DDPPostHocEMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
     fully_shard (ModelParallelStrategy) needs layout="sharded": each rank
     keeps the profiles of its rows. A checkpoint saved between snapshot
     steps writes each rank's profiles to its snapshot folder's resume/
-    subfolder, so a resume from it goes on exactly as the run would have."""
+    subfolder, so a resume from it goes on exactly as the run would have;
+    a resume also sets aside (moves, never deletes) the snapshots the
+    uninterrupted run would not hold, so extending a finished run
+    synthesizes what the longer run does. Every argument is checked here:
+    a one-line ValueError (out of range: sigma_rel outside (0,
+    1/sqrt(12)), a count below 1) or TypeError naming it."""
 
     STATE_KEY = "shardema_posthoc"
 
@@ -635,18 +640,33 @@ class DDPPostHocEMACallback(*_CALLBACK_BASES):  # type: ignore[misc]
                  process_group: Any = None, output_dtype: torch.dtype = torch.float32,
                  attribute: Optional[str] = None) -> None:
         super().__init__()
+        # Every argument is checked here, naming it (the seed clamps
+        # update_every and checkpoint_every to 1; a 0 is refused instead).
+        from ._posthoc import (checked_bool, checked_choice, checked_folder, checked_group_of,
+                               checked_int, checked_output_dtype, checked_sigma,
+                               checked_sigma_rels)
+        api = "DDPPostHocEMACallback"
+        if attribute is not None and not isinstance(attribute, str):
+            raise TypeError(f"{api}: attribute must be the name of a submodule (a str) or "
+                            f"None, got {type(attribute).__name__} {attribute!r}")
+        if attribute == "":
+            raise ValueError(f"{api}: attribute must be the name of a submodule (a str) or "
+                             "None, got ''")
         self.attribute = attribute
-        self.sigma_rels = tuple(float(s) for s in sigma_rels)
-        self.update_every = max(1, int(update_every))
-        self.checkpoint_every = max(1, int(checkpoint_every))
-        self.checkpoint_folder = checkpoint_folder
-        self.start_iter = int(start_iter)
-        self.default_output_sigma = float(default_output_sigma)
-        self.step_size_correction = bool(step_size_correction)
-        self.layout = layout
+        self.sigma_rels = checked_sigma_rels(api, "sigma_rels", sigma_rels)
+        self.update_every = checked_int(api, "update_every", update_every, 1)
+        self.checkpoint_every = checked_int(api, "checkpoint_every", checkpoint_every, 1)
+        self.checkpoint_folder = (None if checkpoint_folder is None else
+                                  checked_folder(api, "checkpoint_folder", checkpoint_folder))
+        self.start_iter = checked_int(api, "start_iter", start_iter, 0)
+        self.default_output_sigma = checked_sigma(api, "default_output_sigma",
+                                                  default_output_sigma)
+        self.step_size_correction = checked_bool(api, "step_size_correction",
+                                                 step_size_correction)
+        self.layout = checked_choice(api, "layout", layout, ("rank0", "sharded"))
         self.output_path: Optional[str] = None
-        self._process_group = process_group
-        self._output_dtype = output_dtype
+        self._process_group = checked_group_of(api, process_group)
+        self._output_dtype = checked_output_dtype(api, "output_dtype", output_dtype)
         self._engine: Any = None
         self._queued_state: Optional[Dict[str, str]] = None
         # FSDPStrategy's FSDP1 root around the LightningModule, or None.

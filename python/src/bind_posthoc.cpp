@@ -17,7 +17,9 @@
 #include "dtype.h"
 #include "process_group.h"
 #include "python_warnings.h"
+#include "shardema/core/power_function.h"
 #include "shardema/core/tensor_file.h"
+#include "shardema/core/update_kernels.h"
 #include "shardema/posthoc_callback.h"
 #include "shardema/synthesis.h"
 
@@ -35,6 +37,10 @@ struct PythonPostHoc {
 }  // namespace
 
 void bindPostHoc(py::module_& m) {
+  // The ranges the Python constructors check their arguments against, so
+  // they refuse in Python terms what the C++ checks would refuse in C++'s.
+  m.attr("max_sigma_rel") = kMaxSigmaRel;
+  m.attr("max_profiles") = kMaxProfiles;
   py::class_<PythonPostHoc>(m, "PostHoc", "The engine under shardema.PostHocEMA")
       .def(
           py::init([](const std::vector<double>& sigmaRels, int64_t updateEvery,

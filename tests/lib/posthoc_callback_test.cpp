@@ -2,8 +2,8 @@
 // EMA): when snapshots appear, that they hold the nitrous power-function EMA
 // (checked against a float64 recomputation from the weights the loop saw),
 // the counting rules (startIter, accumulation, updateEvery), the end of
-// training (final snapshot, raw synthesis into deployable weights) and
-// option validation.
+// training (final snapshot, raw synthesis into deployable weights). The
+// option checks: posthoc_options_test.cpp.
 #include "shardema/posthoc_callback.h"
 
 #include <ATen/ATen.h>
@@ -275,55 +275,6 @@ TEST(PostHocCallbackTest, DeployableFileNamePrintsSigmaAsPython) {
 }
 
 // Each test below breaks one option of these valid ones.
-PostHocCallbackOptions validOptions(const TempDir& dir) { return smallOptions(dir.path(), 4); }
-
-TEST(PostHocCallbackTest, RejectsAnEmptyCheckpointFolder) {
-  TempDir dir;
-  PostHocCallbackOptions options = validOptions(dir);
-  options.checkpointFolder = "";
-  EXPECT_VALUE_ERROR(PostHocCallback{options}, "checkpointFolder");
-}
-
-TEST(PostHocCallbackTest, RejectsFewerThanTwoOrDuplicateSigmaRels) {
-  TempDir dir;
-  PostHocCallbackOptions options = validOptions(dir);
-  options.sigmaRels = {0.05};
-  EXPECT_VALUE_ERROR(PostHocCallback{options}, "sigmaRels");
-  options.sigmaRels = {0.05, 0.1, 0.05};
-  EXPECT_VALUE_ERROR(PostHocCallback{options}, "sigmaRels");
-}
-
-TEST(PostHocCallbackTest, RejectsSigmaRelsOutsideThePowerProfileRange) {
-  TempDir dir;
-  for (const double bad : {0.0, -0.05, 0.2887, 0.5}) {
-    PostHocCallbackOptions options = validOptions(dir);
-    options.sigmaRels = {0.05, bad};
-    EXPECT_THROW(PostHocCallback{options}, c10::ValueError) << bad;
-  }
-  PostHocCallbackOptions options = validOptions(dir);
-  options.defaultOutputSigma = 0.3;
-  EXPECT_THROW(PostHocCallback{options}, c10::ValueError);
-}
-
-TEST(PostHocCallbackTest, RejectsCountsBelowOne) {
-  TempDir dir;
-  PostHocCallbackOptions options = validOptions(dir);
-  options.checkpointEvery = 0;
-  EXPECT_VALUE_ERROR(PostHocCallback{options}, "checkpointEvery");
-  options = validOptions(dir);
-  options.updateEvery = 0;
-  EXPECT_VALUE_ERROR(PostHocCallback{options}, "updateEvery");
-}
-
-TEST(PostHocCallbackTest, RejectsOutputDtypesOtherThanFloat32Bfloat16Float16) {
-  TempDir dir;
-  for (const c10::ScalarType bad : {c10::ScalarType::Double, c10::ScalarType::Long}) {
-    PostHocCallbackOptions options = validOptions(dir);
-    options.outputDtype = bad;
-    EXPECT_VALUE_ERROR(PostHocCallback{options}, "outputDtype");
-  }
-}
-
 // The header promises the communicator is needed for the collective hooks
 // when worldSize > 1; whether the constructor or the hook refuses is left
 // open, so the whole lifecycle up to the gather must refuse it.
@@ -359,7 +310,7 @@ TEST(PostHocCallbackTest, AFreshRunRefusesAFolderWithAnotherRunsSnapshots) {
 
 TEST(PostHocCallbackTest, RejectsAnOutputFolderThatIsTheSnapshotFolder) {
   TempDir dir;
-  PostHocCallbackOptions options = validOptions(dir);
+  PostHocCallbackOptions options = smallOptions(dir.path(), 4);
   options.outputFolder = dir.path() + "/";
   EXPECT_VALUE_ERROR(PostHocCallback{options}, "snapshots only");
   options.outputFolder = "";

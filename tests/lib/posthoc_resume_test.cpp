@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <set>
+#include <string>
 
 #include "lib/posthoc_fixture.h"
 #include "shardema/core/posthoc_snapshot.h"
@@ -166,6 +168,115 @@ TEST(PostHocResumeTest, ResumeWithOtherSigmaRelsNamesTheMismatchedFile) {
   other.sigmaRels = {0.05, 0.15};
   const std::string message = resumeError(run, other, checkpoint);
   EXPECT_NE(message.find("1.8.safetensors"), std::string::npos) << message;
+}
+
+// --- Extending a finished run ---------------------------------------------
+// A run of 6 calls (snapshots every 4) that finished (onTrainEnd's final
+// snapshot at 6, off the grid), then extended to 12 from its checkpoint of
+// 6, must hold and synthesize what the uninterrupted 12-call run does.
+
+// Bitwise equal files: the same snapshots (and file set) and synthesis.
+void expectSameSnapshotsAndSynthesis(const std::string& straight, const std::string& extended,
+                                     const std::string& scratch) {
+  std::set<std::string> snapshots;
+  for (const std::string& name : filesIn(extended)) {
+    if (name != "resume" && name != "superseded") snapshots.insert(name);
+  }
+  EXPECT_EQ(snapshots, snapshotNames({4, 8, 12}));
+  EXPECT_EQ(filesIn(straight), snapshotNames({4, 8, 12}));
+  for (const std::string& name : snapshotNames({4, 8, 12})) {
+    expectSameFile(straight + "/" + name, extended + "/" + name);
+  }
+  // 0.07 is no profile's sigma_rel: every snapshot takes part in the solve.
+  SnapshotSynthesisOptions options;
+  options.sigmaRel = 0.07;
+  synthesizeSnapshotFolder(straight, scratch + "/straight.safetensors", options);
+  synthesizeSnapshotFolder(extended, scratch + "/extended.safetensors", options);
+  expectSameFile(scratch + "/straight.safetensors", scratch + "/extended.safetensors");
+}
+
+// The uninterrupted run: 12 calls, snapshots at 4, 8, 12; its deployable
+// weights go to `output`.
+std::string straightTwelveCalls(const std::string& folder, const std::string& output) {
+  PostHocRun run(kSeed, smallOptions(folder, 4, output));
+  run.fit(2, 6);
+  return run.callback().onTrainEnd();
+}
+
+// Lightning's order: the last checkpoint (call 6, between snapshots: it
+// writes the resume state of 6), then the end of training (the final
+// snapshot of 6). The extension resumes from that checkpoint.
+TEST(PostHocResumeTest, ExtendingAFinishedRunSynthesizesWhatTheUninterruptedRunDoes) {
+  TempDir straight, extended, outputs, scratch;
+  const std::string straightWeights = straightTwelveCalls(straight.path(), outputs.file("a"));
+  PostHocRun run(kSeed, smallOptions(extended.path(), 4, outputs.file("b")));
+  run.fit(1, 6);
+  TrainingCheckpoint last;
+  run.callback().onSaveCheckpoint(last);
+  const std::string finishedWeights = run.callback().onTrainEnd();
+  ASSERT_TRUE(fs::exists(extended.file("0.6.safetensors")));
+
+  run.replaceCallback(smallOptions(extended.path(), 4, outputs.file("b")));
+  run.callback().onLoadCheckpoint(last);
+  run.fitStart();
+  run.epoch(1, stepEveryBatch(6));
+  const std::string extendedWeights = run.callback().onTrainEnd();
+  expectSameSnapshotsAndSynthesis(straight.path(), extended.path(), scratch.path());
+  expectSameFile(straightWeights, extendedWeights);
+  // Nothing was lost: the finished run's weights stay, and its final
+  // snapshots, the resume folder holding that call's state already, went
+  // to superseded/resumed_at_6, equal to that state.
+  EXPECT_TRUE(fs::exists(finishedWeights));
+  EXPECT_EQ(filesIn(extended.file("superseded")), std::set<std::string>{"resumed_at_6"});
+  EXPECT_EQ(filesIn(extended.file("superseded/resumed_at_6")), snapshotNames({6}));
+  for (const std::string& name : snapshotNames({6})) {
+    expectSameFile(extended.file("resume/" + name),
+                   extended.file("superseded/resumed_at_6/" + name));
+  }
+}
+
+// A checkpoint saved after the end of training holds no resume state (the
+// final snapshot is at its call): the extension moves that snapshot into
+// the resume folder, where a second resume from the same checkpoint (say,
+// after the extension crashed) finds it. That second resume sets aside
+// the first extension's snapshots past 6, and a third one those of the
+// second, each in its own folder: nothing is overwritten.
+TEST(PostHocResumeTest, ExtendingFromACheckpointSavedAfterTheEndCanBeRepeated) {
+  TempDir straight, extended, outputs, scratch;
+  straightTwelveCalls(straight.path(), outputs.file("a"));
+  PostHocRun run(kSeed, smallOptions(extended.path(), 4, outputs.file("b")));
+  run.fit(1, 6);
+  run.callback().onTrainEnd();
+  TrainingCheckpoint afterEnd;
+  run.callback().onSaveCheckpoint(afterEnd);
+  ASSERT_FALSE(fs::exists(run.callback().resumeFolder()));
+
+  run.replaceCallback(smallOptions(extended.path(), 4, outputs.file("b")));
+  run.callback().onLoadCheckpoint(afterEnd);
+  run.fitStart();
+  EXPECT_EQ(filesIn(extended.file("resume")), snapshotNames({6}));
+  EXPECT_FALSE(fs::exists(extended.file("superseded")));
+  run.epoch(1, stepEveryBatch(6));
+  run.callback().onTrainEnd();
+  expectSameSnapshotsAndSynthesis(straight.path(), extended.path(), scratch.path());
+
+  for (const char* folder : {"resumed_at_6", "resumed_at_6_2"}) {
+    // Its raw weights at call 6, trained with a callback of its own.
+    TempDir elsewhere;
+    PostHocRun again(kSeed, smallOptions(elsewhere.path(), 4, outputs.file("c")));
+    again.fit(1, 6);
+    again.replaceCallback(smallOptions(extended.path(), 4, outputs.file("c")));
+    again.callback().onLoadCheckpoint(afterEnd);
+    again.fitStart();
+    const std::string aside = extended.file(std::string("superseded/") + folder);
+    EXPECT_EQ(filesIn(aside), snapshotNames({8, 12})) << folder;
+    for (const std::string& name : snapshotNames({8, 12})) {
+      expectSameFile(straight.file(name), aside + "/" + name);
+    }
+    again.epoch(1, stepEveryBatch(6));
+    again.callback().onTrainEnd();
+    expectSameSnapshotsAndSynthesis(straight.path(), extended.path(), scratch.path());
+  }
 }
 
 TEST(PostHocResumeTest, ValidationBeforeTheFirstSnapshotChangesNothing) {

@@ -18,6 +18,14 @@ Each scenario runs, on every rank:
      folder as a run that crashed right after that checkpoint left it.
   C: resumed from A's checkpoint of step 4 (between the snapshots of steps
      3 and 6) in that copy, to the end of epoch 3.
+  B: A's first 2 epochs as a finished run: its checkpoint of step 4 (the
+     last one), then the end of training's final snapshot at step 4, off
+     the every-3 grid.
+  E: B extended to 4 epochs: resumed from B's last checkpoint with
+     max_epochs 4, in B's own snapshot folder (what a user does to train a
+     finished run longer).
+Scenarios two_callbacks_*: R, A's Trainer (DDP, layout "rank0"), then T,
+the same with EMACallback before or after the post-hoc callback.
 Per rank it writes {name}.rank{r}.pt: the policy's raw weights after each
 optimizer step (full tensors), the final raw weights, what the policy held
 in each validation, and where the callback put its files."""
@@ -115,7 +123,8 @@ def snapshot_folder(out, name):
     return os.path.join(out, name, "posthoc")
 
 
-def fit(L, name, out, *, world, strategy, layout, sharded, resume=None, crash_copy=None):
+def fit(L, name, out, *, world, strategy, layout, sharded, resume=None, crash_copy=None,
+        epochs=EPOCHS, folder_of=None, ema_callback=None):
     import torch
 
     from lightning_worker import full_state, loader
@@ -125,12 +134,16 @@ def fit(L, name, out, *, world, strategy, layout, sharded, resume=None, crash_co
     module = (ShardedModule if sharded else Module)()
     callback = DDPPostHocEMACallback(
         sigma_rels=SIGMA_RELS, checkpoint_every=CHECKPOINT_EVERY,
-        checkpoint_folder=snapshot_folder(out, name), layout=layout, attribute="policy")
+        checkpoint_folder=snapshot_folder(out, folder_of or name), layout=layout,
+        attribute="policy")
     callbacks = [callback, L.callbacks.ModelCheckpoint(
         dirpath=os.path.join(out, name), filename="{epoch}", save_top_k=-1, every_n_epochs=2)]
     if crash_copy is not None:
         callbacks.append(_copy_folder_at_epoch(L, callback, crash_copy, epoch=2))
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=EPOCHS,
+    if ema_callback is not None:  # "before" or "after" the post-hoc callback
+        from shardema.callbacks import EMACallback
+        callbacks.insert(0 if ema_callback == "before" else 1, EMACallback(attribute="policy"))
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs,
                         accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0,
                         callbacks=callbacks, default_root_dir=out, limit_val_batches=1)
@@ -148,17 +161,31 @@ def checkpoint_of_epoch(out, name, epoch):
     return os.path.join(out, name, f"epoch={epoch}.ckpt")
 
 
-def posthoc_runs(L, out, *, world=1, strategy=lambda: "auto", layout="rank0", sharded=False):
+def posthoc_runs(L, out, *, world=1, strategy=lambda: "auto", layout="rank0", sharded=False,
+                 resume_mid_run=True):
     common = dict(world=world, layout=layout, sharded=sharded)
     crashed = snapshot_folder(out, "C")
     fit(L, "A", out, strategy=strategy(), crash_copy=crashed, **common)
-    fit(L, "C", out, strategy=strategy(), resume=checkpoint_of_epoch(out, "A", 1), **common)
+    if resume_mid_run:
+        fit(L, "C", out, strategy=strategy(), resume=checkpoint_of_epoch(out, "A", 1), **common)
+    fit(L, "B", out, strategy=strategy(), epochs=2, **common)
+    fit(L, "E", out, strategy=strategy(), resume=checkpoint_of_epoch(out, "B", 1), folder_of="B",
+        **common)
 
 
 def run(scenario, out, world):
     import lightning.pytorch as L
     if scenario == "ddp":
         posthoc_runs(L, out, world=world, strategy=lambda: "ddp", layout="rank0")
+    elif scenario == "ddp_sharded":
+        posthoc_runs(L, out, world=world, strategy=lambda: "ddp", layout="sharded",
+                     resume_mid_run=False)
+    elif scenario in ("two_callbacks_ema_first", "two_callbacks_posthoc_first"):
+        # The post-hoc callback alone, then beside EMACallback: validation
+        # at steps 2 and 4 falls between snapshot steps (3, 6).
+        common = dict(world=world, strategy="ddp", layout="rank0", sharded=False)
+        fit(L, "R", out, **common)
+        fit(L, "T", out, ema_callback="before" if "ema_first" in scenario else "after", **common)
     elif scenario == "model_parallel":
         from lightning.pytorch.strategies import ModelParallelStrategy
         posthoc_runs(L, out, world=world, layout="sharded", sharded=True,

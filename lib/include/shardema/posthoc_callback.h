@@ -53,9 +53,11 @@ enum class PostHocLayout {
 };
 
 struct PostHocCallbackOptions {
-  /// One power-function profile per value, each in (0, 0.2887) and
-  /// distinct; at least 2 (the synthesis needs two profiles per step), at
-  /// most kMaxProfiles. Default {0.05, 0.1} (the seed's).
+  /// One power-function profile per value, each in (0, 1/sqrt(12) =
+  /// kMaxSigmaRel = 0.28867513459481287), the sigma_rel of power-function
+  /// EMAs with gamma > 0, and distinct; at least 2 (the synthesis needs two
+  /// profiles per step), at most kMaxProfiles. Default {0.05, 0.1} (the
+  /// seed's).
   std::vector<double> sigmaRels = {0.05, 0.1};
   /// Profiles update on calls n with (n - 1) % updateEvery == 0. Default 1.
   /// Larger: less update work per step (1 / updateEvery of it), but each
@@ -124,7 +126,8 @@ struct PostHocRanks {
 
 class PostHocCallback {
  public:
-  /// Validates every option (c10::ValueError naming it).
+  /// Validates every option and `ranks` (c10::ValueError naming the field,
+  /// its range and the value).
   explicit PostHocCallback(PostHocCallbackOptions options, PostHocRanks ranks = {});
   ~PostHocCallback();
   PostHocCallback(const PostHocCallback&) = delete;
@@ -179,7 +182,17 @@ class PostHocCallback {
   /// EMAs are reloaded at once: each profile's snapshot at that call, else
   /// its resume file, so training goes on bit for bit as if it had not
   /// stopped. A missing or mismatched file (another sigma_rel, world size
-  /// or shard layout) is a c10::ValueError naming it.
+  /// or shard layout) is a c10::ValueError naming it. Then each rank that
+  /// holds an EMA leaves in its snapshot folder what the uninterrupted run
+  /// held at that call, the snapshots on the checkpointEvery grid, so the
+  /// synthesis of a resumed or extended run is the uninterrupted run's:
+  /// the final snapshot of a run that ended at that call off the grid
+  /// (extending a finished run) moves into resumeFolder(), where a second
+  /// resume from the same checkpoint finds it, and snapshots past that
+  /// call (of a run that went further) move into
+  /// `{snapshotFolder()}/superseded/resumed_at_{calls}` (`_2`, ... for a
+  /// repeated resume). Moved, never deleted; one warning names them.
+  /// Assumes the run that wrote the folder had the same checkpointEvery.
   void onLoadCheckpoint(const TrainingCheckpoint& checkpoint);
 
   /// Collective when worldSize > 1. Synthesizes defaultOutputSigma at the
