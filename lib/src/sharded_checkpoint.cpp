@@ -30,6 +30,19 @@ shard::ShardLayout tensorsOnly(shard::ShardLayout layout) {
   return layout;
 }
 
+// Whether every rank holds the same elements of every tensor under both
+// layouts, whatever they are called: at world size 1 every layout holds all
+// of each tensor on the one rank (an FSDP2 checkpoint resharded to 1 rank is
+// a single process's), and the replicated layout splits its EMA as FSDP2's
+// rows. The rank files hold exactly those elements, so either loads.
+bool sameElementsPerRank(const shard::ShardLayout& a, const shard::ShardLayout& b) {
+  if (a.specs.size() != b.specs.size()) return false;
+  for (size_t i = 0; i < a.specs.size(); ++i) {
+    if (a.specs[i].ranges != b.specs[i].ranges) return false;
+  }
+  return true;
+}
+
 // Another world size can be resharded; another set of tensors (a load into
 // another model) cannot, and the message names the first tensor that
 // differs instead of comparing fingerprints.
@@ -42,6 +55,7 @@ void checkSameJob(const ShardedAverager& averager, const RankManifest& manifest,
   const int64_t w = here.worldSize();
   TORCH_CHECK_VALUE(tensors.empty(), kLoadApi, ": the checkpoint at ", dir,
                     " is not of this model: ", tensors);
+  if (manifest.worldSize() == w && sameElementsPerRank(manifest.layout, here)) return;
   TORCH_CHECK_VALUE(manifest.worldSize() == w, kLoadApi, ": the checkpoint at ", dir,
                     " was saved with layout ", manifest.layout.describe(),
                     " but this job has layout ", here.describe(),

@@ -110,12 +110,14 @@ TEST(ShardedBadInputTest, AnotherWorldSizeNamesBothLayoutsAndPointsToResharding)
   EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *two[0].averager), saved4);
   EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *two[0].averager), here2);
   EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *two[1].averager), "--world-size 2");
-  // Same world size, other layout kind: also refused, naming the tensor
-  // (resharding would not change the kind, so no such advice).
-  std::vector<testing::RankModel> replicated =
-      testing::makeRanks(saved.job.model, shard::LayoutKind::kReplicated, 4);
-  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *replicated[1].averager),
-                     "is laid out as fsdp2 in the checkpoint but replicated here");
+  // Same world size, a layout that gives the ranks other elements: also
+  // refused, naming the tensor (resharding would not change the kind, so no
+  // such advice). Replicated splits as FSDP2 does: that one loads
+  // (ShardedCheckpointTest.AnyLayoutLoadsWhereEveryRankHoldsTheSameElements).
+  std::vector<testing::RankModel> rankZero =
+      testing::makeRanks(saved.job.model, shard::LayoutKind::kRankZero, 4);
+  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *rankZero[1].averager),
+                     "is laid out as fsdp2 in the checkpoint but rank0 here");
   // A failed load changed nothing.
   EXPECT_EQ(two[0].averager->step(), 0);
 }

@@ -93,9 +93,12 @@ void saveCheckpoint(shard::Communicator& comm, const std::string& dir,
 void saveCheckpoint(const std::string& dir, const std::vector<const ShardedAverager*>& averagers);
 
 /// Loads this rank's state: the manifest must exist and have this
-/// averager's world size and layout (c10::ValueError naming both layouts
-/// and pointing to `shardema export --world-size` / reshardCheckpoint
-/// otherwise); this rank's file must have the recorded size and checksum,
+/// averager's world size and layout, or a layout that gives every rank the
+/// same elements of every tensor (any layout at world size 1, where the one
+/// rank holds everything: a checkpoint resharded to 1 rank loads into a
+/// single process; FSDP2 and replicated, which split alike, at any);
+/// c10::ValueError naming both layouts and pointing to `shardema export
+/// --world-size` / reshardCheckpoint otherwise; this rank's file must have the recorded size and checksum,
 /// metadata naming this rank, world size, layout and the manifest's step,
 /// and exactly the layout's tensors with this rank's sizes; its step and
 /// last decay must be in range. Errors name the file (and tensor or key).
