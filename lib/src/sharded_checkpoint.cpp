@@ -173,6 +173,13 @@ void loadCheckpoint(const std::string& dir, ShardedAverager& averager) {
   checkNoUnknownTensors(reader, averager.layout());
   detail::checkRankMetadata(reader.path(), reader.header().metadata, averager.rank(),
                             manifest.worldSize(), manifest.layout.fingerprint(), manifest.step);
+  // Before any tensor is read, in the words inspect and export use for the
+  // same file (loadState makes the same check again).
+  try {
+    checkAveragerStateMetadata(reader.header().metadata, "Averager state");
+  } catch (const c10::ValueError& error) {
+    TORCH_CHECK_VALUE(false, reader.path(), ": ", error.what_without_backtrace());
+  }
   const TensorFile state = readRankTensors(reader, averager);
   try {
     averager.averager().loadState(state, LoadStrictness::kStrict);

@@ -115,6 +115,17 @@ DAMAGES = {
     "decay NaN in the rank file, re-signed": (
         lambda f: edit_header(f, set_metadata("shardema.last_decay", "nan")),
         r"shardema\.last_decay"),
+    # Valid values the load refuses only against the EMA it loads into (a
+    # role, a schedule): inspect and export once passed them.
+    "roles edited in the rank file, re-signed": (
+        lambda f: edit_header(f, set_metadata("shardema.roles", json.dumps(
+            {"0.weight": "copy", "0.bias": "average_if_trainable", "1.weight":
+             "average_if_trainable", "1.bias": "average_if_trainable"}))),
+        r"shardema\.state_xxh64.*shardema\.roles"),
+    "schedule edited in the rank file, re-signed": (
+        lambda f: edit_header(f, set_metadata("shardema.schedule",
+                                              shardema.DecaySchedule.constant(0.25).to_json())),
+        r"shardema\.state_xxh64.*shardema\.schedule"),
     "manifest world size edited": (
         lambda f: write_manifest(f, dict(manifest_of(f), world_size=2)), r"world_size|ranks"),
     "manifest layout edited": (
