@@ -201,3 +201,14 @@ def test_the_undamaged_folder_passes_all_three(good, tmp_path):
     subprocess.run([shardema_cli, "export", "--checkpoint", str(good), "--out",
                     str(tmp_path / "out.safetensors")], check=True, capture_output=True, timeout=60)
     assert (tmp_path / "out.safetensors").stat().st_size > 0
+
+
+def test_the_state_checksum_is_the_one_docs_files_md_describes(good):
+    """shardema.state_xxh64 recomputed with the xxhash package from the rank
+    file's own keys, as docs/files.md writes it down."""
+    data = rank_file(good).read_bytes()
+    metadata = json.loads(data[8:8 + header_length(data)])["__metadata__"]
+    keys = ["shardema.kind", "shardema.step", "shardema.initialized", "shardema.last_decay",
+            "shardema.schedule", "shardema.roles"]
+    text = b"".join(k.encode() + b"\0" + metadata[k].encode() + b"\0" for k in keys)
+    assert metadata["shardema.state_xxh64"] == xxhash.xxh64(text).hexdigest()
