@@ -130,6 +130,7 @@ RankManifest manifestFor(const ShardedAverager& averager) {
   manifest.step = averager.step();
   manifest.schedule = averager.averager().schedule();
   manifest.layout = averager.layout();
+  manifest.aliases = averager.aliases();
   return manifest;
 }
 

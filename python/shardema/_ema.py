@@ -134,6 +134,7 @@ class EMA:
         # Shard(d > 0) DTensors by name: gathered with DTensor collectives,
         # kept out of the engine's files (_tensor_parallel.py).
         self._tensor_parallel = plan.tensor_parallel
+        self._aliases = plan.aliases  # tied tensors' other names, for load_ema_values()
         self._schedule = schedule
         self._more_schedules = list(more_schedules)
         # The parameters whose requires_grad decides, at each update, whether

@@ -281,5 +281,36 @@ TEST(ShardedBadInputTest, ManifestRefusesOutOfRangeIntegersAndUnsafeNames) {
   EXPECT_EQ(RankManifest::fromJson(bad.dump()).files[1].name, "rank_00001.safetensors");
 }
 
+// A tied tensor's other names must name nothing else: not a tracked tensor,
+// not another alias, not empty; a manifest's may only alias its tensors.
+TEST(ShardedBadInputTest, AliasesThatNameSomethingElseAreRefusedNamingIt) {
+  auto shards = [](std::vector<std::string> aliasesOfRows) {
+    std::vector<LocalShard> out = shardsFromFullTensors(
+        {{"rows", at::zeros({4, 2})}, {"bias", at::zeros({2})}}, shard::LayoutKind::kFsdp2, 0,
+        1);
+    out[0].aliases = std::move(aliasesOfRows);
+    return out;
+  };
+  EXPECT_VALUE_ERROR(ShardedAverager(0, 1, shards({"bias"})),
+                     "'bias', an alias of 'rows', is already the name");
+  EXPECT_VALUE_ERROR(ShardedAverager(0, 1, shards({"tied", "tied"})), "'tied'");
+  EXPECT_VALUE_ERROR(ShardedAverager(0, 1, shards({""})), "an alias of 'rows' is empty");
+  EXPECT_EQ(ShardedAverager(0, 1, shards({"tied"})).aliases().at("rows"),
+            std::vector<std::string>{"tied"});
+  SavedJob saved;
+  nlohmann::json manifest =
+      nlohmann::json::parse(testing::readFileBytes(saved.ckpt() + "/manifest.json"));
+  EXPECT_EQ(RankManifest::fromJson(manifest.dump()).aliases.size(), 0u) << "none written";
+  manifest["aliases"] = {{"big", {"big_tied"}}};
+  EXPECT_EQ(RankManifest::fromJson(manifest.dump()).aliases.at("big"),
+            std::vector<std::string>{"big_tied"});
+  manifest["aliases"] = {{"nothing", {"x"}}};
+  EXPECT_VALUE_ERROR(RankManifest::fromJson(manifest.dump()), "'nothing', which is no tensor");
+  manifest["aliases"] = {{"big", {"rows"}}};
+  EXPECT_VALUE_ERROR(RankManifest::fromJson(manifest.dump()), "'rows', an alias of 'big'");
+  manifest["aliases"] = {{"big", "big_tied"}};
+  EXPECT_VALUE_ERROR(RankManifest::fromJson(manifest.dump()), "not a list of names");
+}
+
 }  // namespace
 }  // namespace shardema

@@ -10,6 +10,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -42,6 +43,14 @@ struct LocalShard {
   /// TrackedTensor::changesInForward). shardsFromFullTensors carries it
   /// over. Default false.
   bool changesInForward = false;
+  /// The tensor's other names: a tied weight is one tensor under several
+  /// state_dict keys (`head.weight = emb.weight`), tracked once under
+  /// spec.name. fullStateDict and exportWeights give it under each of them
+  /// too, as a copy of its own (safetensors refuses two names over one
+  /// storage), so a strict load_state_dict of an export into the model
+  /// finds every key; checkpoints record them (RankManifest::aliases).
+  /// Unique across the job's names and aliases. Default none.
+  std::vector<std::string> aliases = {};
 };
 
 class ShardedAverager {
@@ -68,6 +77,8 @@ class ShardedAverager {
   const shard::ShardLayout& layout() const { return layout_; }
   /// This rank's live local shards, attach order.
   const std::vector<LocalShard>& shards() const { return shards_; }
+  /// LocalShard::aliases of the tensors that have any, by name.
+  std::map<std::string, std::vector<std::string>> aliases() const;
   /// The shard `name` is now `local` (its tensor was replaced by one of the
   /// same shape, dtype and device): Averager::rebindSource, whose
   /// c10::ValueError names what differs.
@@ -90,13 +101,15 @@ class ShardedAverager {
   std::vector<at::Tensor> localEma() const;
 
   /// Collective (every rank calls it): the full EMA tensors, global shapes,
-  /// on the receiving rank(s) of `options` (shard::gatherFull). When this
+  /// on the receiving rank(s) of `options` (shard::gatherFull), each
+  /// followed by a copy under each of its aliases. When this
   /// rank's localEma() throws (e.g. a failed background update), it
   /// joins with GatherOptions::localError, so every rank fails at once.
-  /// `only`: just these tensors (layout order; every rank the same names;
-  /// an untracked name is a c10::IndexError naming it, on every rank before
-  /// any exchange), e.g. the replicated buffers of an FSDP2 model whose
-  /// parameters a caller reads as local shards.
+  /// `only`: just these names, tracked names or aliases (layout order,
+  /// under the names asked for; every rank the same names; another name is
+  /// a c10::IndexError naming it, on every rank before any exchange), e.g.
+  /// the replicated buffers of an FSDP2 model whose parameters a caller
+  /// reads as local shards.
   std::vector<std::pair<std::string, at::Tensor>> fullStateDict(
       shard::Communicator& comm, shard::GatherOptions options = {},
       const std::optional<std::vector<std::string>>& only = std::nullopt) const;
@@ -104,7 +117,10 @@ class ShardedAverager {
   /// Collective: streams the full EMA to options.root (>= 0), which writes
   /// one deployable safetensors file at `path` tensor by tensor
   /// (TensorFileWriter), never holding more than options.bufferBytes of
-  /// gathered data. Floating tensors are written as `outputDtype` (float32,
+  /// gathered data; a tensor with aliases is written again under each, right
+  /// after it, from one full copy the root holds while it writes them (the
+  /// file holds its bytes once per name). Floating tensors are written as
+  /// `outputDtype` (float32,
   /// bfloat16 or float16); integer/bool copies keep their dtype. Metadata:
   /// shardema.kind=deployable_weights, shardema.step, shardema.schedule.
   /// Crash-safe: a failure leaves any old file at `path` as it was. If the

@@ -22,6 +22,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -60,6 +61,11 @@ struct RankManifest {
   shard::ShardLayout layout;
   /// One per rank, in rank order (size = layout.worldSize()).
   std::vector<RankFileRecord> files;
+  /// The other names of tied tensors (LocalShard::aliases), by the layout
+  /// name they alias: exportCheckpoint writes the tensor under each too.
+  /// In the JSON as "aliases": {"emb.weight": ["head.weight"]}, written only
+  /// when there are some (a manifest without the key has none).
+  std::map<std::string, std::vector<std::string>> aliases;
 
   int64_t worldSize() const { return static_cast<int64_t>(files.size()); }
 
@@ -68,9 +74,17 @@ struct RankManifest {
   /// Parses and validates toJson() output: format 1, kind, types, a layout
   /// whose fingerprint matches the recorded one, integers in range (step and
   /// sizes of at most INT64_MAX), one file per rank with a rank file name of
-  /// that rank. c10::ValueError "<source>: <what is wrong>".
+  /// that rank, aliases of layout tensors that name nothing else
+  /// (checkTensorAliases). c10::ValueError "<source>: <what is wrong>".
   static RankManifest fromJson(const std::string& text, const std::string& source = "manifest");
 };
+
+/// Checks tied tensors' other names against `layout`: each key a tensor of
+/// it, each alias a non-empty name that is no tensor's and no other
+/// alias's. c10::ValueError "<source>: ..." naming the name.
+void checkTensorAliases(const shard::ShardLayout& layout,
+                        const std::map<std::string, std::vector<std::string>>& aliases,
+                        const std::string& source);
 
 // --- save and load ---
 
@@ -140,7 +154,9 @@ struct ExportSummary {
 
 /// Merges an inspected checkpoint into one deployable safetensors file of
 /// full tensors (global names and shapes, layout order), streaming tensor by
-/// tensor. Metadata: shardema.kind=deployable_weights, shardema.step,
+/// tensor, each tensor with aliases (RankManifest::aliases) again under
+/// each, read again from the rank files. Metadata:
+/// shardema.kind=deployable_weights, shardema.step,
 /// shardema.schedule, shardema.source_world_size. The checkpoint is
 /// checked as inspectCheckpoint does (tensor checksums included) before
 /// `outFile` is opened: a failed check writes nothing. Crash-safe: on any
