@@ -32,7 +32,19 @@ void checkShard(const LocalShard& shard, int64_t rank, int64_t worldSize) {
   TORCH_CHECK_VALUE(shard.local.scalar_type() == spec.dtype, kShardedApi, ": tensor '", spec.name,
                     "' has a local shard of dtype ", shard.local.scalar_type(),
                     " but its spec says ", spec.dtype);
+  if (shard.splitDim == 0) return;
+  const int64_t dims = static_cast<int64_t>(spec.globalShape.size());
+  TORCH_CHECK_VALUE(shard.splitDim > 0 && shard.splitDim < dims && shard.local.dim() == dims,
+                    kShardedApi, ": tensor '", spec.name, "' has splitDim ", shard.splitDim,
+                    " but a spec of ", dims, " dims and a local shard of ", shard.local.dim(),
+                    "; splitDim must name a dim > 0 of both");
+  std::vector<int64_t> moved = shard.local.movedim(shard.splitDim, 0).sizes().vec();
+  TORCH_CHECK_VALUE(std::equal(moved.begin() + 1, moved.end(), spec.globalShape.begin() + 1),
+                    kShardedApi, ": tensor '", spec.name, "' has a local shard of shape ",
+                    shard.local.sizes(), ", which with dim ", shard.splitDim,
+                    " moved first does not fit its spec's shape ", spec.globalShape);
 }
+
 
 // Validates before the Averager copies anything, so errors name the shard
 // spec problem rather than an Averager one.
@@ -147,12 +159,23 @@ std::vector<at::Tensor> ShardedAverager::localEma() const {
   return pieces;
 }
 
+std::vector<at::Tensor> ShardedAverager::piecesInSpecOrder() const {
+  std::vector<at::Tensor> pieces = localEma();
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    const LocalShard& shard = shards_[i];
+    if (shard.splitDim == 0) continue;
+    pieces[i] =
+        pieces[i].view(shard.local.sizes()).movedim(shard.splitDim, 0).contiguous().view({-1});
+  }
+  return pieces;
+}
+
 std::vector<std::pair<std::string, at::Tensor>> ShardedAverager::fullStateDict(
     shard::Communicator& comm, shard::GatherOptions options,
     const std::optional<std::vector<std::string>>& only) const {
   std::vector<at::Tensor> pieces;
   try {
-    pieces = localEma();
+    pieces = piecesInSpecOrder();
   } catch (...) {
     // A background failure rethrown here: join the gather's first exchange
     // with it, so every rank fails at once naming this one.
@@ -197,6 +220,10 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedAverager::fullStateDict(
   if (full.empty()) return full;  // not a receiving rank
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (size_t k = 0; k < gathered.size(); ++k) {
+    const LocalShard& shard = shards_[gathered[k]];
+    if (shard.splitDim > 0) {
+      full[k].second = full[k].second.movedim(0, shard.splitDim).contiguous();
+    }
     const std::vector<std::string>& names = namesOf[gathered[k]];
     for (size_t n = 0; n < names.size(); ++n) {
       // A copy per further name: one storage under two names is what

@@ -5,6 +5,7 @@
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <exception>
 #include <memory>
 #include <unordered_map>
@@ -25,6 +26,17 @@ const ExportedTensor& exportedTensor(const std::vector<ExportedTensor>& tensors,
   return tensors.empty() ? kPlain : tensors[i];
 }
 
+// The tensor's own shape: the spec's, with dim 0 moved back to splitDim.
+std::vector<int64_t> heldShape(const shard::ShardSpec& spec, int64_t splitDim) {
+  std::vector<int64_t> shape = spec.globalShape;
+  if (splitDim > 0) {
+    const int64_t rows = shape.front();
+    shape.erase(shape.begin());
+    shape.insert(shape.begin() + splitDim, rows);
+  }
+  return shape;
+}
+
 // Each tensor under its name, then under each of its aliases.
 std::vector<TensorFileEntry> deployableEntries(const shard::ShardLayout& layout,
                                                const std::vector<at::Tensor>& pieces,
@@ -33,14 +45,19 @@ std::vector<TensorFileEntry> deployableEntries(const shard::ShardLayout& layout,
   std::vector<TensorFileEntry> entries;
   for (size_t i = 0; i < layout.specs.size(); ++i) {
     const shard::ShardSpec& spec = layout.specs[i];
+    const ExportedTensor& tensor = exportedTensor(tensors, i);
     const c10::ScalarType type = detail::exportedDtype(pieces[i].scalar_type(), dtype);
-    entries.push_back({spec.name, type, spec.globalShape});
-    for (const std::string& alias : exportedTensor(tensors, i).aliases) {
-      entries.push_back({alias, type, spec.globalShape});
-    }
+    const std::vector<int64_t> shape = heldShape(spec, tensor.splitDim);
+    entries.push_back({spec.name, type, shape});
+    for (const std::string& alias : tensor.aliases) entries.push_back({alias, type, shape});
   }
   return entries;
 }
+
+// Bytes of a moved-back tensor's rows appended per call: its view is
+// strided, and a contiguous copy of all of it would be a second full tensor
+// on the root. 1 MiB writes are far above a file's per-call cost.
+constexpr int64_t kReorderBytes = int64_t{1} << 20;
 
 // The root's side of the gather: appends each piece as it arrives, except
 // for a tensor written under more than one name, which it assembles whole
@@ -55,20 +72,35 @@ class DeployableSink {
 
   void operator()(const shard::ShardSpec& spec, int64_t offset, const at::Tensor& piece) {
     const ExportedTensor& tensor = exportedTensor(tensors_, index_.at(spec.name));
-    if (tensor.aliases.empty()) {
+    if (tensor.aliases.empty() && tensor.splitDim == 0) {
       append(piece);
       return;
     }
     if (offset == 0) whole_ = at::empty({spec.numel()}, piece.options());
     whole_.narrow(0, offset, piece.numel()).copy_(piece);
     if (offset + piece.numel() < spec.numel()) return;
-    for (size_t n = 0; n <= tensor.aliases.size(); ++n) append(whole_);
+    for (size_t n = 0; n <= tensor.aliases.size(); ++n) {
+      if (tensor.splitDim == 0 || whole_.numel() == 0) {
+        append(whole_);
+      } else {
+        appendMovedBack(whole_.view(spec.globalShape).movedim(0, tensor.splitDim));
+      }
+    }
     whole_ = at::Tensor();
   }
 
  private:
   void append(const at::Tensor& piece) {
     writer_.append(piece.to(detail::exportedDtype(piece.scalar_type(), dtype_)));
+  }
+
+  void appendMovedBack(const at::Tensor& held) {
+    const int64_t rows = held.size(0);
+    const int64_t rowBytes = held.numel() / rows * static_cast<int64_t>(held.element_size());
+    const int64_t step = std::max<int64_t>(1, kReorderBytes / std::max<int64_t>(rowBytes, 1));
+    for (int64_t row = 0; row < rows; row += step) {
+      append(held.narrow(0, row, std::min(step, rows - row)).contiguous().view({-1}));
+    }
   }
 
   TensorFileWriter& writer_;
@@ -175,13 +207,13 @@ void ShardedAverager::exportWeights(shard::Communicator& comm, const std::string
                     " but this averager is rank ", rank_, " of ", worldSize_);
   std::vector<at::Tensor> pieces;
   try {
-    pieces = localEma();
+    pieces = piecesInSpecOrder();
   } catch (...) {
     // A background failure: join the gather's checks with it (see gather.h).
     options.localError = detail::currentErrorMessage();
   }
   std::vector<ExportedTensor> tensors;
-  for (const LocalShard& shard : shards_) tensors.push_back({shard.aliases});
+  for (const LocalShard& shard : shards_) tensors.push_back({shard.aliases, shard.splitDim});
   detail::exportPieces(comm, path, layout_, pieces, outputDtype,
                        detail::exportedMetadata(averager_.step(), averager_.schedule(), worldSize_),
                        options, kExportApi, tensors);

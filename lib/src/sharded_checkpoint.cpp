@@ -110,6 +110,13 @@ RankFileRecord writeRankFile(const std::string& dir, const ShardedAverager& aver
                              const std::string& name) {
   TORCH_CHECK_VALUE(isRankFileName(name, averager.rank()), "writeRankFile: '", name,
                     "' is not a rank file name of rank ", averager.rank());
+  for (const LocalShard& shard : averager.shards()) {
+    // The file would call rows of dim 0 what is a piece along another dim.
+    TORCH_CHECK_VALUE(shard.splitDim == 0, "writeRankFile: tensor '", shard.spec.name,
+                      "' is split along dim ", shard.splitDim,
+                      " (LocalShard::splitDim); a per-rank checkpoint describes each rank's part "
+                      "as rows of dim 0 and cannot hold it");
+  }
   detail::ensureDirectory(dir, "writeRankFile");
   const TensorFile state = averager.averager().state();
   std::vector<TensorFileEntry> entries;

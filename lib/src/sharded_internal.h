@@ -65,6 +65,10 @@ struct ExportedTensor {
   /// under each, right after it, from one full copy the root holds while
   /// it writes them.
   std::vector<std::string> aliases;
+  /// LocalShard::splitDim: > 0 when the pieces are in the order of the
+  /// tensor with this dim moved first (the spec's shape); the root then
+  /// assembles it whole and writes it in its own order and shape.
+  int64_t splitDim = 0;
 };
 
 /// The collective behind ShardedAverager::exportWeights, for any pieces of

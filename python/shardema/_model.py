@@ -139,16 +139,19 @@ def _fsdp2_local(name: str, t: Any) -> torch.Tensor:
     return local
 
 
+def split_dim(t: Any) -> int:
+    """d of a Shard(d) DTensor's last placement."""
+    return tuple(t.placements)[-1].dim % t.dim()
+
+
 def tensor_parallel_spec(name: str, t: Any, local: torch.Tensor, world: int) -> Any:
     """The engine's spec of this rank's Shard(d) piece, d > 0: the dim-0 rows
     of the tensor with dim d moved first. torch.chunk along d gives each rank
-    the same number of elements as those rows, so the ranges are right for
-    what the engine does with them (average, copy, swap this rank's piece);
-    the order of the elements inside a piece is to_local()'s, which only a
-    gather would misread, and shardema gathers these with DTensor
-    collectives instead (_tensor_parallel.py)."""
+    the same elements as those rows, in to_local()'s order: the engine keeps
+    the piece as it is (average, copy, swap) and its gathers move dim d
+    first and back (LocalShard split_dim)."""
     shape = list(t.shape)
-    dim = tuple(t.placements)[-1].dim % len(shape)
+    dim = split_dim(t)
     moved = [shape[dim]] + shape[:dim] + shape[dim + 1:]
     return layout_spec(name, moved, local.dtype, "fsdp2", world)
 
@@ -166,8 +169,8 @@ def refuse_tensor_parallel(tensor_parallel: Dict[str, Any], api: str) -> None:
                      "(tensor parallelism): shardema's sharded files describe each rank's "
                      "part as rows of dim 0 and cannot hold this split. Save the EMA with "
                      "torch.distributed.checkpoint instead, dcp.save({'ema': "
-                     "ema.state_dict(), ...}) (it reshards at load), or read it with "
-                     "full_state_dict()")
+                     "ema.state_dict(), ...}) (it reshards at load), or write it whole with "
+                     "export_weights()")
 
 
 def plan_layout(tracked: List[Tracked], layout: str, process_group: Any) -> Plan:
@@ -247,10 +250,12 @@ def _plan_fsdp2(tracked: List[Tracked], dtensors: List[Tracked], layout: str,
         if is_dtensor(t.tensor) and splits[id(t)] in ("fsdp2", "tensor_parallel"):
             if splits[id(t)] == "fsdp2":
                 spec = layout_spec(t.name, list(t.tensor.shape), local.dtype, "fsdp2", world)
+                shards.append(LocalShard(local, spec, t.role, t.is_buffer, aliases=t.aliases))
             else:
                 spec = tensor_parallel_spec(t.name, t.tensor, local, world)
                 tensor_parallel[t.name] = t.tensor
-            shards.append(LocalShard(local, spec, t.role, t.is_buffer, aliases=t.aliases))
+                shards.append(LocalShard(local, spec, t.role, t.is_buffer, aliases=t.aliases,
+                                         split_dim=split_dim(t.tensor)))
             # requires_grad is the DTensor's: the engine asks it at each update.
             owners.append((None, None, t.tensor))
             continue

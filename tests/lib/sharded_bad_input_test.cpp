@@ -281,6 +281,22 @@ TEST(ShardedBadInputTest, ManifestRefusesOutOfRangeIntegersAndUnsafeNames) {
   EXPECT_EQ(RankManifest::fromJson(bad.dump()).files[1].name, "rank_00001.safetensors");
 }
 
+// LocalShard::splitDim must name a dim > 0 of the spec, and the local piece
+// with that dim moved first must fit the spec's other dims.
+TEST(ShardedBadInputTest, ASplitDimThatDoesNotFitThePieceIsRefusedNamingTheTensor) {
+  auto shard = [](at::Tensor local, int64_t splitDim) {
+    LocalShard out{std::move(local), shard::fsdp2Spec("w", {6, 4}, at::kFloat, 2)};
+    out.splitDim = splitDim;
+    return std::vector<LocalShard>{out};
+  };
+  EXPECT_NO_THROW(ShardedAverager(0, 2, shard(at::zeros({4, 3}), 1)));
+  EXPECT_VALUE_ERROR(ShardedAverager(0, 2, shard(at::zeros({4, 3}), 2)),
+                     "tensor 'w' has splitDim 2 but a spec of 2 dims");
+  EXPECT_VALUE_ERROR(ShardedAverager(0, 2, shard(at::zeros({12}), 1)), "tensor 'w'");
+  EXPECT_VALUE_ERROR(ShardedAverager(0, 2, shard(at::zeros({3, 4}), 1)),
+                     "does not fit its spec's shape");
+}
+
 // A tied tensor's other names must name nothing else: not a tracked tensor,
 // not another alias, not empty; a manifest's may only alias its tensors.
 TEST(ShardedBadInputTest, AliasesThatNameSomethingElseAreRefusedNamingIt) {

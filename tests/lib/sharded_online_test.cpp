@@ -144,6 +144,54 @@ TEST(ShardedOnlineTest, TiedTensorsAreWrittenUnderEveryName) {
             testing::readFileBytes(dir.file("offline.safetensors")));
 }
 
+// Tensor parallelism's Shard(2) pieces (torch.chunk along dim 2, 7 over 3
+// ranks: 3 + 3 + 1 columns, each piece in its own shape, as a DTensor's
+// to_local()), given with the spec of the tensor with dim 2 moved first
+// and LocalShard::splitDim: fullStateDict and exportWeights (pieces of 40
+// bytes) give the tensor in its own shape and order; a per-rank checkpoint
+// is refused naming it. Values encode their index, so a misplaced element
+// shows. Once only the Python front could gather these (DTensor
+// collectives), and export_weights refused them.
+TEST(ShardedOnlineTest, SplitDimPiecesGatherAndExportInTheTensorsOwnOrder) {
+  testing::TempDir dir;
+  const at::Tensor whole = at::arange(4 * 5 * 7, at::kFloat).reshape({4, 5, 7});
+  std::mutex mutex;
+  std::vector<std::pair<std::string, at::Tensor>> gathered;
+  std::vector<std::string> saveErrors(kWorld);
+  testing::runThreadRanks(kWorld, [&](shard::Communicator& comm) {
+    const auto pieces = whole.chunk(kWorld, 2);
+    at::Tensor local = comm.rank() < static_cast<int64_t>(pieces.size())
+                           ? pieces[comm.rank()].contiguous()
+                           : whole.narrow(2, 0, 0).contiguous();
+    LocalShard shard{local, shard::fsdp2Spec("w", {7, 4, 5}, at::kFloat, kWorld)};
+    shard.splitDim = 2;
+    ShardedAverager averager(comm.rank(), kWorld, {shard}, testing::smallChunkOptions());
+    shard::GatherOptions small;
+    small.bufferBytes = 40;
+    averager.exportWeights(comm, dir.file("w.safetensors"), at::kFloat, small);
+    auto full = averager.fullStateDict(comm, small);
+    try {
+      saveCheckpoint(comm, dir.file("ckpt"), averager);
+    } catch (const c10::Error& error) {
+      std::lock_guard<std::mutex> lock(mutex);
+      saveErrors[comm.rank()] = error.what_without_backtrace();
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    if (comm.rank() == 0) gathered = std::move(full);
+  });
+  ASSERT_EQ(gathered.size(), 1u);
+  EXPECT_TRUE(testing::sameTensor(gathered[0].second, whole));
+  EXPECT_EQ(gathered[0].second.sizes(), whole.sizes());
+  const TensorFile exported = readTensorFile(dir.file("w.safetensors"));
+  ASSERT_EQ(exported.tensors.size(), 1u);
+  EXPECT_EQ(exported.tensors[0].second.sizes(), whole.sizes());
+  EXPECT_TRUE(testing::sameTensor(exported.tensors[0].second, whole));
+  for (const std::string& error : saveErrors) {
+    EXPECT_NE(error.find("tensor 'w' is split along dim 2"), std::string::npos) << error;
+  }
+  EXPECT_FALSE(fs::exists(dir.file("ckpt") + "/manifest.json"));
+}
+
 // Runs the online save on every rank, rank `bad` with another rank's
 // averager (a mismatch it finds before writing); returns each rank's error
 // and checks that the failure came fast, not by the 20 s timeout.

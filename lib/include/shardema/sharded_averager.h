@@ -51,6 +51,19 @@ struct LocalShard {
   /// finds every key; checkpoints record them (RankManifest::aliases).
   /// Unique across the job's names and aliases. Default none.
   std::vector<std::string> aliases = {};
+  /// 0 (default): `local` holds this rank's range of the spec's elements in
+  /// their order (FSDP2's rows, a replicated tensor's rows, an FSDP1 range).
+  /// d > 0: tensor parallelism's Shard(d): `local` is torch.chunk's piece
+  /// along dim d (a DTensor's to_local(), in its own shape), and the spec
+  /// describes the tensor with dim d moved first, whose rows of this rank
+  /// hold the same elements in another order. update, swaps and localEma
+  /// work on the piece as it is; fullStateDict and exportWeights move dim d
+  /// of each piece first and the assembled tensor's back, so they give the
+  /// tensor in its own shape. Needs local.dim() == the spec's rank and
+  /// local's other dims equal to the spec's (c10::ValueError naming the
+  /// tensor). Per-rank checkpoint files cannot record it: saveCheckpoint
+  /// refuses such a shard.
+  int64_t splitDim = 0;
 };
 
 class ShardedAverager {
@@ -100,9 +113,10 @@ class ShardedAverager {
   /// for the kPinnedHost storage; host copies for kDevice.
   std::vector<at::Tensor> localEma() const;
 
-  /// Collective (every rank calls it): the full EMA tensors, global shapes,
-  /// on the receiving rank(s) of `options` (shard::gatherFull), each
-  /// followed by a copy under each of its aliases. When this
+  /// Collective (every rank calls it): the full EMA tensors, global shapes
+  /// (a splitDim shard's: its own, dim 0 moved back), on the receiving
+  /// rank(s) of `options` (shard::gatherFull), each followed by a copy under
+  /// each of its aliases. When this
   /// rank's localEma() throws (e.g. a failed background update), it
   /// joins with GatherOptions::localError, so every rank fails at once.
   /// `only`: just these names, tracked names or aliases (layout order,
@@ -119,7 +133,11 @@ class ShardedAverager {
   /// (TensorFileWriter), never holding more than options.bufferBytes of
   /// gathered data; a tensor with aliases is written again under each, right
   /// after it, from one full copy the root holds while it writes them (the
-  /// file holds its bytes once per name). Floating tensors are written as
+  /// file holds its bytes once per name), and a splitDim shard's tensor is
+  /// assembled whole on the root the same way and written in its own order
+  /// a few rows at a time: beyond the gather's buffer, the root holds at
+  /// most one full tensor, the other ranks a reordered copy of their own
+  /// piece. Floating tensors are written as
   /// `outputDtype` (float32,
   /// bfloat16 or float16); integer/bool copies keep their dtype. Metadata:
   /// shardema.kind=deployable_weights, shardema.step, shardema.schedule.
@@ -133,6 +151,10 @@ class ShardedAverager {
                      shard::GatherOptions options = {}) const;
 
  private:
+  // localEma() with each splitDim piece in its spec's element order (what
+  // the gathers assemble).
+  std::vector<at::Tensor> piecesInSpecOrder() const;
+
   int64_t rank_ = 0;
   int64_t worldSize_ = 0;
   std::vector<LocalShard> shards_;
