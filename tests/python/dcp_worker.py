@@ -89,14 +89,26 @@ def full_weights(model):
 
 
 def save_all(model, optimizer, ema, folder, with_ema=True, plain=()):
+    """With the EMA: dcp.async_save on a group of its own, as docs/python.md
+    says (its thread runs DCP's collectives)."""
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     if with_ema:
         state["ema"] = ema.state_dict()
         state.update((f"plain_{i}", e.state_dict()) for i, e in enumerate(plain))
-        dcp.async_save(state, checkpoint_id=folder).result()
+        dcp.async_save(state, checkpoint_id=folder, process_group=checkpoint_group()).result()
     else:
         dcp.save(state, checkpoint_id=folder)
+
+
+_GROUPS = []
+
+
+def checkpoint_group():
+    """async_save's own group, made once (every rank makes it)."""
+    if not _GROUPS:
+        _GROUPS.append(dist.new_group(backend="gloo"))
+    return _GROUPS[0]
 
 
 def load_all(model, optimizer, ema, folder, planner=None):

@@ -223,6 +223,32 @@ def test_one_process_state_dict_is_fp32_full_tensors_and_plain_progress():
     assert not torch.equal(ema.full_state_dict()["0.weight"], weights["0.weight"])
 
 
+def test_state_dict_is_the_ema_at_the_call_in_fresh_copies():
+    """What docs/python.md says of dcp.async_save rests on this: updates
+    after state_dict() do not change its tensors (the update in flight is
+    finished first), and writing into them does not change the EMA (test
+    below: fresh copies both ways)."""
+    model = bf16_model()
+    ema = trained(model)
+    ema.fence()
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    ema.update()  # in flight while state_dict() runs
+    state = ema.state_dict()
+    at_the_call = ema.full_state_dict()
+    assert_same(state["weights"], at_the_call)
+    kept = {name: t.clone() for name, t in state["weights"].items()}
+    for step in range(3):
+        ema.fence()
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        ema.update()
+    ema.wait()
+    assert not torch.equal(ema.full_state_dict()["0.weight"], kept["0.weight"])
+    assert_same(state["weights"], kept)
+    assert state["progress"]["step"] == 4
+
+
 def test_one_process_dcp_round_trip_and_cold_start(tmp_path):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
