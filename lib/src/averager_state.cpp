@@ -85,9 +85,9 @@ void checkLoadableType(const std::string& name, at::ScalarType given, at::Scalar
 // an edit of any of them to another valid value (a copy's role made
 // "average", another schedule, another step) passes every check of the
 // value itself, and only the Averager loaded into could tell.
-constexpr const char* kStateKeys[] = {detail::kKindKey,         detail::kStepKey,
-                                      detail::kInitializedKey,  detail::kLastDecayKey,
-                                      detail::kScheduleKey,     detail::kRolesKey};
+constexpr const char* kStateKeys[] = {detail::kKindKey,        detail::kStepKey,
+                                      detail::kInitializedKey, detail::kLastDecayKey,
+                                      detail::kScheduleKey,    detail::kRolesKey};
 
 std::string stateKeysText() {
   std::string text;
@@ -121,9 +121,9 @@ void checkStateDigest(const Metadata& metadata, const char* api) {
                       error.what_without_backtrace());
   }
   const uint64_t computed = stateDigest(metadata);
-  TORCH_CHECK_VALUE(computed == recorded, api, ": ", detail::kStateChecksumKey, " is ",
-                    it->second, " but the keys it covers (", stateKeysText(), ") give ",
-                    checksumHex(computed), ": one was edited or corrupted after the save");
+  TORCH_CHECK_VALUE(computed == recorded, api, ": ", detail::kStateChecksumKey, " is ", it->second,
+                    " but the keys it covers (", stateKeysText(), ") give ", checksumHex(computed),
+                    ": one was edited or corrupted after the save");
 }
 
 }  // namespace

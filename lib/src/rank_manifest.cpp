@@ -91,8 +91,8 @@ std::map<std::string, std::vector<std::string>> aliasesFromJson(const json& root
     TORCH_CHECK_VALUE(names.is_array(), source, ": aliases of '", name, "' is ", names.dump(),
                       ", not a list of names");
     for (const json& alias : names) {
-      TORCH_CHECK_VALUE(alias.is_string(), source, ": aliases of '", name, "' holds ",
-                        alias.dump(), ", not a name");
+      TORCH_CHECK_VALUE(alias.is_string(), source, ": aliases of '", name, "' holds ", alias.dump(),
+                        ", not a name");
       out[name].push_back(alias.get<std::string>());
     }
   }
@@ -166,8 +166,8 @@ void checkTensorAliases(const shard::ShardLayout& layout,
                       "', which is no tensor of the layout");
     for (const std::string& alias : others) {
       TORCH_CHECK_VALUE(!alias.empty(), source, ": an alias of '", name, "' is empty");
-      TORCH_CHECK_VALUE(taken.insert(alias).second, source, ": '", alias, "', an alias of '",
-                        name, "', is already the name of a tensor or of another alias");
+      TORCH_CHECK_VALUE(taken.insert(alias).second, source, ": '", alias, "', an alias of '", name,
+                        "', is already the name of a tensor or of another alias");
     }
   }
 }

@@ -45,7 +45,6 @@ void checkShard(const LocalShard& shard, int64_t rank, int64_t worldSize) {
                     " moved first does not fit its spec's shape ", spec.globalShape);
 }
 
-
 // Validates before the Averager copies anything, so errors name the shard
 // spec problem rather than an Averager one.
 std::vector<LocalShard> checkedShards(int64_t rank, std::vector<LocalShard> shards,

@@ -195,8 +195,8 @@ ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFil
       names.insert(names.end(), aliases->second.begin(), aliases->second.end());
     }
     for (const std::string& name : names) {
-      entries.push_back({name, detail::exportedDtype(source.dtypes[i], options.outputDtype),
-                         spec.globalShape});
+      entries.push_back(
+          {name, detail::exportedDtype(source.dtypes[i], options.outputDtype), spec.globalShape});
       specOf.push_back(i);
     }
   }

@@ -89,8 +89,7 @@ void bindShards(py::module_& m) {
 
   py::class_<LocalShard>(m, "LocalShard", "This rank's elements of one tensor and its spec")
       .def(py::init([](at::Tensor local, shard::ShardSpec spec, const std::string& role,
-                       bool changesInForward, std::vector<std::string> aliases,
-                       int64_t splitDim) {
+                       bool changesInForward, std::vector<std::string> aliases, int64_t splitDim) {
              LocalShard shard{std::move(local), std::move(spec), parseTrackRole(role),
                               changesInForward};
              shard.aliases = std::move(aliases);

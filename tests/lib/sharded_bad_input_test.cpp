@@ -302,8 +302,7 @@ TEST(ShardedBadInputTest, ASplitDimThatDoesNotFitThePieceIsRefusedNamingTheTenso
 TEST(ShardedBadInputTest, AliasesThatNameSomethingElseAreRefusedNamingIt) {
   auto shards = [](std::vector<std::string> aliasesOfRows) {
     std::vector<LocalShard> out = shardsFromFullTensors(
-        {{"rows", at::zeros({4, 2})}, {"bias", at::zeros({2})}}, shard::LayoutKind::kFsdp2, 0,
-        1);
+        {{"rows", at::zeros({4, 2})}, {"bias", at::zeros({2})}}, shard::LayoutKind::kFsdp2, 0, 1);
     out[0].aliases = std::move(aliasesOfRows);
     return out;
   };

@@ -143,8 +143,8 @@ TEST(ShardedCheckpointTest, AnyLayoutLoadsWhereEveryRankHoldsTheSameElements) {
     saveCheckpoint(dir.file("w3"), job.averagers());
     reshardCheckpoint(dir.file("w3"), dir.file("w1"), 1);
     for (const shard::LayoutKind here : kinds) {
-      const std::string what = std::string(shard::layoutKindName(saved)) + " 3 -> 1 into " +
-                               shard::layoutKindName(here);
+      const std::string what =
+          std::string(shard::layoutKindName(saved)) + " 3 -> 1 into " + shard::layoutKindName(here);
       const auto loaded = loadInto(job.model, here, 1, dir.file("w1"));
       testing::expectEqualsReference(job.reference, loaded[0].averager->layout(),
                                      testing::unionOfRanks(testing::averagersOf(loaded)), what);

@@ -10,8 +10,8 @@
 #include <mutex>
 
 #include "lib/sharded_fixture.h"
-#include "shardema/sharded_averager.h"
 #include "shardema/core/tensor_file.h"
+#include "shardema/sharded_averager.h"
 #include "shardema/sharded_checkpoint.h"
 #include "support/file_bytes.h"
 #include "support/temp_dir.h"
@@ -32,8 +32,8 @@ std::unique_ptr<ShardedAverager> trainedRank(const std::vector<testing::ModelTen
                                              int64_t rank, std::vector<at::Tensor>& tensors,
                                              const Aliases& aliases = {}) {
   tensors = testing::makeModel(model, 0);
-  std::vector<LocalShard> shards = shardsFromFullTensors(
-      testing::trackedModel(model, tensors), shard::LayoutKind::kFsdp2, rank, kWorld);
+  std::vector<LocalShard> shards = shardsFromFullTensors(testing::trackedModel(model, tensors),
+                                                         shard::LayoutKind::kFsdp2, rank, kWorld);
   for (LocalShard& shard : shards) {
     const auto found = aliases.find(shard.spec.name);
     if (found != aliases.end()) shard.aliases = found->second;
@@ -88,8 +88,8 @@ TEST(ShardedOnlineTest, OnlineSaveAndStreamingExportMatchTheOfflineTools) {
 TEST(ShardedOnlineTest, TiedTensorsAreWrittenUnderEveryName) {
   testing::TempDir dir;
   const auto model = testing::unevenModel(at::kBFloat16, true);
-  const Aliases aliases = {{"big", {"big_tied", "big_too"}}, {"scalar", {"scalar_tied"}},
-                           {"empty", {"empty_tied"}}};
+  const Aliases aliases = {
+      {"big", {"big_tied", "big_too"}}, {"scalar", {"scalar_tied"}}, {"empty", {"empty_tied"}}};
   testing::PerTensorJob job(model, shard::LayoutKind::kFsdp2, 1);
   job.run(1, kSteps);
   std::mutex mutex;
@@ -111,7 +111,8 @@ TEST(ShardedOnlineTest, TiedTensorsAreWrittenUnderEveryName) {
   for (const testing::ModelTensor& tensor : model) {
     names.push_back(tensor.name);
     const auto found = aliases.find(tensor.name);
-    if (found != aliases.end()) names.insert(names.end(), found->second.begin(), found->second.end());
+    if (found != aliases.end())
+      names.insert(names.end(), found->second.begin(), found->second.end());
   }
   auto owner = [&](const std::string& name) {
     for (const auto& [tracked, others] : aliases) {
@@ -126,9 +127,9 @@ TEST(ShardedOnlineTest, TiedTensorsAreWrittenUnderEveryName) {
     const at::Tensor want = job.reference.ema(owner(names[i]));
     EXPECT_EQ(online.tensors[i].first, names[i]) << "each alias right after its tensor";
     // Floating tensors are written as float32 (a bf16 copy too).
-    EXPECT_TRUE(testing::sameTensor(
-        online.tensors[i].second, at::isFloatingType(want.scalar_type()) ? want.to(at::kFloat)
-                                                                         : want))
+    EXPECT_TRUE(testing::sameTensor(online.tensors[i].second, at::isFloatingType(want.scalar_type())
+                                                                  ? want.to(at::kFloat)
+                                                                  : want))
         << names[i];
     EXPECT_EQ(gathered[i].first, names[i]);
     EXPECT_TRUE(testing::sameTensor(gathered[i].second, want)) << names[i];

@@ -112,11 +112,12 @@ void saveCheckpoint(const std::string& dir, const std::vector<const ShardedAvera
 /// rank holds everything: a checkpoint resharded to 1 rank loads into a
 /// single process; FSDP2 and replicated, which split alike, at any);
 /// c10::ValueError naming both layouts and pointing to `shardema export
-/// --world-size` / reshardCheckpoint otherwise; this rank's file must have the recorded size and checksum,
-/// metadata naming this rank, world size, layout and the manifest's step,
-/// and exactly the layout's tensors with this rank's sizes; its step and
-/// last decay must be in range. Errors name the file (and tensor or key).
-/// Then Averager::loadState (strict). A failed load changes nothing.
+/// --world-size` / reshardCheckpoint otherwise; this rank's file must have
+/// the recorded size and checksum, metadata naming this rank, world size,
+/// layout and the manifest's step, and exactly the layout's tensors with
+/// this rank's sizes; its step and last decay must be in range. Errors name
+/// the file (and tensor or key). Then Averager::loadState (strict). A
+/// failed load changes nothing.
 void loadCheckpoint(const std::string& dir, ShardedAverager& averager);
 
 // --- offline tools (no communication) ---
