@@ -102,6 +102,11 @@ void printCheckpoint(const std::string& dir, std::ostream& out) {
     for (const shard::ElementRange& range : spec.ranges) {
       out << " [" << range.begin << ", " << range.end << ")";
     }
+    const auto aliases = manifest.aliases.find(spec.name);
+    if (aliases != manifest.aliases.end()) {
+      out << " also";
+      for (const std::string& alias : aliases->second) out << ' ' << alias;
+    }
     out << '\n';
   }
 }

@@ -2,12 +2,14 @@
 #include <c10/util/Exception.h>
 
 #include <cstdio>
+#include <cstring>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "ema_store.h"
 #include "load_matching.h"
 #include "shardema/averager.h"
+#include "shardema/core/checksum.h"
 #include "shardema/core/file_metadata.h"
 
 namespace shardema {
@@ -79,6 +81,51 @@ void checkLoadableType(const std::string& name, at::ScalarType given, at::Scalar
                    "; the value belongs to another tensor or another model");
 }
 
+// The keys a load takes its meaning from, in the order they are digested:
+// an edit of any of them to another valid value (a copy's role made
+// "average", another schedule, another step) passes every check of the
+// value itself, and only the Averager loaded into could tell.
+constexpr const char* kStateKeys[] = {detail::kKindKey,        detail::kStepKey,
+                                      detail::kInitializedKey, detail::kLastDecayKey,
+                                      detail::kScheduleKey,    detail::kRolesKey};
+
+std::string stateKeysText() {
+  std::string text;
+  for (const char* key : kStateKeys) text += std::string(text.empty() ? "" : ", ") + key;
+  return text;
+}
+
+// XXH64 of each state key and its value, NUL-separated (an absent key
+// differs from an empty value), so a file without one no longer matches.
+uint64_t stateDigest(const Metadata& metadata) {
+  Xxh64 hash;
+  for (const char* key : kStateKeys) {
+    const auto it = metadata.find(key);
+    hash.update(key, std::strlen(key) + 1);
+    const std::string value = it == metadata.end() ? std::string("\x01absent") : it->second;
+    hash.update(value.data(), value.size() + 1);
+  }
+  return hash.digest();
+}
+
+// Checked last, so a value that is invalid on its own is named by its own
+// check first; absent in files of older versions and other writers.
+void checkStateDigest(const Metadata& metadata, const char* api) {
+  const auto it = metadata.find(detail::kStateChecksumKey);
+  if (it == metadata.end()) return;
+  uint64_t recorded = 0;
+  try {
+    recorded = parseChecksumHex(it->second);
+  } catch (const c10::ValueError& error) {
+    TORCH_CHECK_VALUE(false, api, ": ", detail::kStateChecksumKey, ": ",
+                      error.what_without_backtrace());
+  }
+  const uint64_t computed = stateDigest(metadata);
+  TORCH_CHECK_VALUE(computed == recorded, api, ": ", detail::kStateChecksumKey, " is ", it->second,
+                    " but the keys it covers (", stateKeysText(), ") give ", checksumHex(computed),
+                    ": one was edited or corrupted after the save");
+}
+
 }  // namespace
 
 AveragerStateInfo checkAveragerStateMetadata(const Metadata& metadata, const char* api) {
@@ -103,6 +150,7 @@ AveragerStateInfo checkAveragerStateMetadata(const Metadata& metadata, const cha
                     detail::kInitializedKey, " must be true or false, got '", initialized, "'");
   info.initialized = initialized == "true";
   info.roles = savedRoles(metadata, api);
+  checkStateDigest(metadata, api);
   return info;
 }
 
@@ -175,6 +223,7 @@ TensorFile Averager::state() const {
   file.metadata[detail::kLastDecayKey] = detail::formatDecimal17(lastDecay_);
   file.metadata[detail::kScheduleKey] = options_.schedule.toJson();
   file.metadata[detail::kRolesKey] = roles.dump();
+  file.metadata[detail::kStateChecksumKey] = checksumHex(stateDigest(file.metadata));
   return file;
 }
 

@@ -81,6 +81,24 @@ std::string readWholeFile(const std::string& path) {
   return detail::readSmallRegularFile(path, "manifest", kMaxManifestBytes);
 }
 
+// "aliases": {name: [other names]}, absent in manifests without tied tensors.
+std::map<std::string, std::vector<std::string>> aliasesFromJson(const json& root,
+                                                                const std::string& source) {
+  std::map<std::string, std::vector<std::string>> out;
+  if (!root.contains("aliases")) return out;
+  const json& aliases = field(root, "aliases", json::value_t::object, source);
+  for (const auto& [name, names] : aliases.items()) {
+    TORCH_CHECK_VALUE(names.is_array(), source, ": aliases of '", name, "' is ", names.dump(),
+                      ", not a list of names");
+    for (const json& alias : names) {
+      TORCH_CHECK_VALUE(alias.is_string(), source, ": aliases of '", name, "' holds ", alias.dump(),
+                        ", not a name");
+      out[name].push_back(alias.get<std::string>());
+    }
+  }
+  return out;
+}
+
 bool endsWith(const std::string& text, const std::string& suffix) {
   return text.size() >= suffix.size() &&
          text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -132,6 +150,23 @@ void removeUnreferencedRankFiles(const std::string& dir, const RankManifest& man
   }
 }
 
+void checkTensorAliases(const shard::ShardLayout& layout,
+                        const std::map<std::string, std::vector<std::string>>& aliases,
+                        const std::string& source) {
+  std::unordered_set<std::string> names;
+  for (const shard::ShardSpec& spec : layout.specs) names.insert(spec.name);
+  std::unordered_set<std::string> taken = names;
+  for (const auto& [name, others] : aliases) {
+    TORCH_CHECK_VALUE(names.count(name), source, ": aliases are given for '", name,
+                      "', which is no tensor of the layout");
+    for (const std::string& alias : others) {
+      TORCH_CHECK_VALUE(!alias.empty(), source, ": an alias of '", name, "' is empty");
+      TORCH_CHECK_VALUE(taken.insert(alias).second, source, ": '", alias, "', an alias of '", name,
+                        "', is already the name of a tensor or of another alias");
+    }
+  }
+}
+
 std::string RankManifest::toJson() const {
   json files = json::array();
   for (const RankFileRecord& record : this->files) {
@@ -148,6 +183,7 @@ std::string RankManifest::toJson() const {
                {"layout", json::parse(layout.toJson())},
                {"layout_fingerprint", layout.fingerprint()},
                {"files", files}};
+  if (!aliases.empty()) root["aliases"] = aliases;
   return root.dump(2) + "\n";
 }
 
@@ -182,6 +218,8 @@ RankManifest RankManifest::fromJson(const std::string& text, const std::string& 
   for (int64_t rank = 0; rank < worldSize; ++rank) {
     manifest.files.push_back(recordFromJson(files[rank], rank, source));
   }
+  manifest.aliases = aliasesFromJson(root, source);
+  checkTensorAliases(manifest.layout, manifest.aliases, source);
   return manifest;
 }
 

@@ -3,9 +3,11 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "sharded_internal.h"
+#include "shardema/sharded_checkpoint.h"
 
 namespace shardema {
 namespace {
@@ -30,6 +32,17 @@ void checkShard(const LocalShard& shard, int64_t rank, int64_t worldSize) {
   TORCH_CHECK_VALUE(shard.local.scalar_type() == spec.dtype, kShardedApi, ": tensor '", spec.name,
                     "' has a local shard of dtype ", shard.local.scalar_type(),
                     " but its spec says ", spec.dtype);
+  if (shard.splitDim == 0) return;
+  const int64_t dims = static_cast<int64_t>(spec.globalShape.size());
+  TORCH_CHECK_VALUE(shard.splitDim > 0 && shard.splitDim < dims && shard.local.dim() == dims,
+                    kShardedApi, ": tensor '", spec.name, "' has splitDim ", shard.splitDim,
+                    " but a spec of ", dims, " dims and a local shard of ", shard.local.dim(),
+                    "; splitDim must name a dim > 0 of both");
+  std::vector<int64_t> moved = shard.local.movedim(shard.splitDim, 0).sizes().vec();
+  TORCH_CHECK_VALUE(std::equal(moved.begin() + 1, moved.end(), spec.globalShape.begin() + 1),
+                    kShardedApi, ": tensor '", spec.name, "' has a local shard of shape ",
+                    shard.local.sizes(), ", which with dim ", shard.splitDim,
+                    " moved first does not fit its spec's shape ", spec.globalShape);
 }
 
 // Validates before the Averager copies anything, so errors name the shard
@@ -49,6 +62,14 @@ shard::ShardLayout layoutOf(const std::vector<LocalShard>& shards) {
   shard::ShardLayout layout;
   for (const LocalShard& shard : shards) layout.specs.push_back(shard.spec);
   return layout;
+}
+
+std::map<std::string, std::vector<std::string>> aliasesOf(const std::vector<LocalShard>& shards) {
+  std::map<std::string, std::vector<std::string>> aliases;
+  for (const LocalShard& shard : shards) {
+    if (!shard.aliases.empty()) aliases[shard.spec.name] = shard.aliases;
+  }
+  return aliases;
 }
 
 std::vector<TrackedTensor> trackedOf(const std::vector<LocalShard>& shards) {
@@ -111,6 +132,11 @@ ShardedAverager::ShardedAverager(int64_t rank, int64_t worldSize, std::vector<Lo
       averager_(trackedOf(shards_), std::move(options)) {
   TORCH_CHECK_VALUE(rank >= 0 && rank < worldSize, kShardedApi, ": rank ", rank,
                     " is outside the world size ", worldSize);
+  checkTensorAliases(layout_, aliases(), kShardedApi);
+}
+
+std::map<std::string, std::vector<std::string>> ShardedAverager::aliases() const {
+  return aliasesOf(shards_);
 }
 
 void ShardedAverager::rebindLocal(const std::string& name, const at::Tensor& local) {
@@ -133,28 +159,79 @@ std::vector<at::Tensor> ShardedAverager::localEma() const {
   return pieces;
 }
 
+std::vector<at::Tensor> ShardedAverager::piecesInSpecOrder() const {
+  std::vector<at::Tensor> pieces = localEma();
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    const LocalShard& shard = shards_[i];
+    if (shard.splitDim == 0) continue;
+    pieces[i] =
+        pieces[i].view(shard.local.sizes()).movedim(shard.splitDim, 0).contiguous().view({-1});
+  }
+  return pieces;
+}
+
 std::vector<std::pair<std::string, at::Tensor>> ShardedAverager::fullStateDict(
     shard::Communicator& comm, shard::GatherOptions options,
     const std::optional<std::vector<std::string>>& only) const {
   std::vector<at::Tensor> pieces;
   try {
-    pieces = localEma();
+    pieces = piecesInSpecOrder();
   } catch (...) {
     // A background failure rethrown here: join the gather's first exchange
     // with it, so every rank fails at once naming this one.
     options.localError = detail::currentErrorMessage();
   }
-  if (!only) return shard::gatherFull(comm, layout_, pieces, options);
-  const std::unordered_set<std::string> wanted(only->begin(), only->end());
-  for (const std::string& name : wanted) layout_.at(name);  // IndexError naming it
+  // Each tensor gathered once, then given under each name asked for.
+  std::vector<std::vector<std::string>> namesOf(shards_.size());
+  if (only) {
+    std::unordered_map<std::string, size_t> index;
+    for (size_t i = 0; i < shards_.size(); ++i) {
+      index[shards_[i].spec.name] = i;
+      for (const std::string& alias : shards_[i].aliases) index[alias] = i;
+    }
+    const std::unordered_set<std::string> wanted(only->begin(), only->end());
+    for (const std::string& name : wanted) {
+      TORCH_CHECK_INDEX(index.count(name), kShardedApi, "::fullStateDict: no tensor '", name,
+                        "' (neither a tracked name nor an alias)");
+    }
+    for (size_t i = 0; i < shards_.size(); ++i) {
+      if (wanted.count(shards_[i].spec.name)) namesOf[i].push_back(shards_[i].spec.name);
+      for (const std::string& alias : shards_[i].aliases) {
+        if (wanted.count(alias)) namesOf[i].push_back(alias);
+      }
+    }
+  } else {
+    for (size_t i = 0; i < shards_.size(); ++i) {
+      namesOf[i].push_back(shards_[i].spec.name);
+      namesOf[i].insert(namesOf[i].end(), shards_[i].aliases.begin(), shards_[i].aliases.end());
+    }
+  }
   shard::ShardLayout subset;
   std::vector<at::Tensor> subsetPieces;
+  std::vector<size_t> gathered;
   for (size_t i = 0; i < layout_.specs.size(); ++i) {
-    if (wanted.count(layout_.specs[i].name) == 0) continue;
+    if (namesOf[i].empty()) continue;
     subset.specs.push_back(layout_.specs[i]);
     if (!pieces.empty()) subsetPieces.push_back(pieces[i]);
+    gathered.push_back(i);
   }
-  return shard::gatherFull(comm, subset, subsetPieces, options);
+  std::vector<std::pair<std::string, at::Tensor>> full =
+      shard::gatherFull(comm, subset, subsetPieces, options);
+  if (full.empty()) return full;  // not a receiving rank
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (size_t k = 0; k < gathered.size(); ++k) {
+    const LocalShard& shard = shards_[gathered[k]];
+    if (shard.splitDim > 0) {
+      full[k].second = full[k].second.movedim(0, shard.splitDim).contiguous();
+    }
+    const std::vector<std::string>& names = namesOf[gathered[k]];
+    for (size_t n = 0; n < names.size(); ++n) {
+      // A copy per further name: one storage under two names is what
+      // safetensors refuses to save.
+      out.emplace_back(names[n], n == 0 ? full[k].second : full[k].second.clone());
+    }
+  }
+  return out;
 }
 
 std::vector<LocalShard> shardsFromFullTensors(const std::vector<TrackedTensor>& full,

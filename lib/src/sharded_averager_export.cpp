@@ -1,11 +1,14 @@
 // ShardedAverager::exportWeights (streaming gather into a deployable file) and
 // the export helpers the offline tools share.
+#include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <exception>
 #include <memory>
+#include <unordered_map>
 
 #include "sharded_internal.h"
 #include "shardema/core/tensor_file_writer.h"
@@ -16,17 +19,96 @@ namespace shardema {
 
 namespace {
 
+using detail::ExportedTensor;
+
+const ExportedTensor& exportedTensor(const std::vector<ExportedTensor>& tensors, size_t i) {
+  static const ExportedTensor kPlain;
+  return tensors.empty() ? kPlain : tensors[i];
+}
+
+// The tensor's own shape: the spec's, with dim 0 moved back to splitDim.
+std::vector<int64_t> heldShape(const shard::ShardSpec& spec, int64_t splitDim) {
+  std::vector<int64_t> shape = spec.globalShape;
+  if (splitDim > 0) {
+    const int64_t rows = shape.front();
+    shape.erase(shape.begin());
+    shape.insert(shape.begin() + splitDim, rows);
+  }
+  return shape;
+}
+
+// Each tensor under its name, then under each of its aliases.
 std::vector<TensorFileEntry> deployableEntries(const shard::ShardLayout& layout,
                                                const std::vector<at::Tensor>& pieces,
-                                               c10::ScalarType dtype) {
+                                               c10::ScalarType dtype,
+                                               const std::vector<ExportedTensor>& tensors) {
   std::vector<TensorFileEntry> entries;
   for (size_t i = 0; i < layout.specs.size(); ++i) {
     const shard::ShardSpec& spec = layout.specs[i];
-    entries.push_back(
-        {spec.name, detail::exportedDtype(pieces[i].scalar_type(), dtype), spec.globalShape});
+    const ExportedTensor& tensor = exportedTensor(tensors, i);
+    const c10::ScalarType type = detail::exportedDtype(pieces[i].scalar_type(), dtype);
+    const std::vector<int64_t> shape = heldShape(spec, tensor.splitDim);
+    entries.push_back({spec.name, type, shape});
+    for (const std::string& alias : tensor.aliases) entries.push_back({alias, type, shape});
   }
   return entries;
 }
+
+// Bytes of a moved-back tensor's rows appended per call: its view is
+// strided, and a contiguous copy of all of it would be a second full tensor
+// on the root. 1 MiB writes are far above a file's per-call cost.
+constexpr int64_t kReorderBytes = int64_t{1} << 20;
+
+// The root's side of the gather: appends each piece as it arrives, except
+// for a tensor written under more than one name, which it assembles whole
+// first (one full tensor at a time) and then appends once per name.
+class DeployableSink {
+ public:
+  DeployableSink(TensorFileWriter& writer, const shard::ShardLayout& layout,
+                 const std::vector<ExportedTensor>& tensors, c10::ScalarType dtype)
+      : writer_(writer), tensors_(tensors), dtype_(dtype) {
+    for (size_t i = 0; i < layout.specs.size(); ++i) index_[layout.specs[i].name] = i;
+  }
+
+  void operator()(const shard::ShardSpec& spec, int64_t offset, const at::Tensor& piece) {
+    const ExportedTensor& tensor = exportedTensor(tensors_, index_.at(spec.name));
+    if (tensor.aliases.empty() && tensor.splitDim == 0) {
+      append(piece);
+      return;
+    }
+    if (offset == 0) whole_ = at::empty({spec.numel()}, piece.options());
+    whole_.narrow(0, offset, piece.numel()).copy_(piece);
+    if (offset + piece.numel() < spec.numel()) return;
+    for (size_t n = 0; n <= tensor.aliases.size(); ++n) {
+      if (tensor.splitDim == 0 || whole_.numel() == 0) {
+        append(whole_);
+      } else {
+        appendMovedBack(whole_.view(spec.globalShape).movedim(0, tensor.splitDim));
+      }
+    }
+    whole_ = at::Tensor();
+  }
+
+ private:
+  void append(const at::Tensor& piece) {
+    writer_.append(piece.to(detail::exportedDtype(piece.scalar_type(), dtype_)));
+  }
+
+  void appendMovedBack(const at::Tensor& held) {
+    const int64_t rows = held.size(0);
+    const int64_t rowBytes = held.numel() / rows * static_cast<int64_t>(held.element_size());
+    const int64_t step = std::max<int64_t>(1, kReorderBytes / std::max<int64_t>(rowBytes, 1));
+    for (int64_t row = 0; row < rows; row += step) {
+      append(held.narrow(0, row, std::min(step, rows - row)).contiguous().view({-1}));
+    }
+  }
+
+  TensorFileWriter& writer_;
+  const std::vector<ExportedTensor>& tensors_;
+  c10::ScalarType dtype_;
+  std::unordered_map<std::string, size_t> index_;
+  at::Tensor whole_;  // the tensor being assembled
+};
 
 // The root opens the file first (when its own pieces are there) and tells
 // the others whether it could, so a bad path fails every rank at once
@@ -37,7 +119,8 @@ std::unique_ptr<TensorFileWriter> openOnRoot(shard::Communicator& comm, const st
                                              const std::vector<at::Tensor>& pieces,
                                              c10::ScalarType dtype,
                                              const std::map<std::string, std::string>& metadata,
-                                             const shard::GatherOptions& options, const char* api) {
+                                             const shard::GatherOptions& options, const char* api,
+                                             const std::vector<ExportedTensor>& tensors) {
   std::unique_ptr<TensorFileWriter> writer;
   std::exception_ptr failure;
   at::Tensor ok = at::ones({1}, at::kInt);
@@ -46,8 +129,8 @@ std::unique_ptr<TensorFileWriter> openOnRoot(shard::Communicator& comm, const st
   } else if (comm.rank() == options.root) {
     try {
       detail::checkExportDestination(path, api);
-      writer = std::make_unique<TensorFileWriter>(path, deployableEntries(layout, pieces, dtype),
-                                                  metadata);
+      writer = std::make_unique<TensorFileWriter>(
+          path, deployableEntries(layout, pieces, dtype, tensors), metadata);
     } catch (...) {
       failure = std::current_exception();
       ok.fill_(0);
@@ -77,16 +160,20 @@ void agreeOnCommit(shard::Communicator& comm, const std::string& path, int64_t r
 void detail::exportPieces(shard::Communicator& comm, const std::string& path,
                           const shard::ShardLayout& layout, const std::vector<at::Tensor>& pieces,
                           c10::ScalarType dtype, const std::map<std::string, std::string>& metadata,
-                          shard::GatherOptions options, const char* api) {
+                          shard::GatherOptions options, const char* api,
+                          const std::vector<ExportedTensor>& tensors) {
+  TORCH_INTERNAL_ASSERT(tensors.empty() || tensors.size() == layout.specs.size());
   std::unique_ptr<TensorFileWriter> writer =
-      openOnRoot(comm, path, layout, pieces, dtype, metadata, options, api);
+      openOnRoot(comm, path, layout, pieces, dtype, metadata, options, api, tensors);
   std::exception_ptr sinkFailure;
+  std::unique_ptr<DeployableSink> sink;
+  if (writer) sink = std::make_unique<DeployableSink>(*writer, layout, tensors, dtype);
   try {
     shard::gatherStreaming(
         comm, layout, pieces,
-        [&](const shard::ShardSpec&, int64_t, const at::Tensor& piece) {
+        [&](const shard::ShardSpec& spec, int64_t offset, const at::Tensor& piece) {
           try {
-            writer->append(piece.to(detail::exportedDtype(piece.scalar_type(), dtype)));
+            (*sink)(spec, offset, piece);
           } catch (...) {
             sinkFailure = std::current_exception();
             throw;
@@ -120,14 +207,16 @@ void ShardedAverager::exportWeights(shard::Communicator& comm, const std::string
                     " but this averager is rank ", rank_, " of ", worldSize_);
   std::vector<at::Tensor> pieces;
   try {
-    pieces = localEma();
+    pieces = piecesInSpecOrder();
   } catch (...) {
     // A background failure: join the gather's checks with it (see gather.h).
     options.localError = detail::currentErrorMessage();
   }
+  std::vector<ExportedTensor> tensors;
+  for (const LocalShard& shard : shards_) tensors.push_back({shard.aliases, shard.splitDim});
   detail::exportPieces(comm, path, layout_, pieces, outputDtype,
                        detail::exportedMetadata(averager_.step(), averager_.schedule(), worldSize_),
-                       options, kExportApi);
+                       options, kExportApi, tensors);
 }
 
 }  // namespace shardema

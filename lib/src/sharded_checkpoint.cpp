@@ -29,6 +29,19 @@ shard::ShardLayout tensorsOnly(shard::ShardLayout layout) {
   return layout;
 }
 
+// Whether every rank holds the same elements of every tensor under both
+// layouts, whatever they are called: at world size 1 every layout holds all
+// of each tensor on the one rank (an FSDP2 checkpoint resharded to 1 rank is
+// a single process's), and the replicated layout splits its EMA as FSDP2's
+// rows. The rank files hold exactly those elements, so either loads.
+bool sameElementsPerRank(const shard::ShardLayout& a, const shard::ShardLayout& b) {
+  if (a.specs.size() != b.specs.size()) return false;
+  for (size_t i = 0; i < a.specs.size(); ++i) {
+    if (a.specs[i].ranges != b.specs[i].ranges) return false;
+  }
+  return true;
+}
+
 // Another world size can be resharded; another set of tensors (a load into
 // another model) cannot, and the message names the first tensor that
 // differs instead of comparing fingerprints.
@@ -41,6 +54,7 @@ void checkSameJob(const ShardedAverager& averager, const RankManifest& manifest,
   const int64_t w = here.worldSize();
   TORCH_CHECK_VALUE(tensors.empty(), kLoadApi, ": the checkpoint at ", dir,
                     " is not of this model: ", tensors);
+  if (manifest.worldSize() == w && sameElementsPerRank(manifest.layout, here)) return;
   TORCH_CHECK_VALUE(manifest.worldSize() == w, kLoadApi, ": the checkpoint at ", dir,
                     " was saved with layout ", manifest.layout.describe(),
                     " but this job has layout ", here.describe(),
@@ -95,6 +109,13 @@ RankFileRecord writeRankFile(const std::string& dir, const ShardedAverager& aver
                              const std::string& name) {
   TORCH_CHECK_VALUE(isRankFileName(name, averager.rank()), "writeRankFile: '", name,
                     "' is not a rank file name of rank ", averager.rank());
+  for (const LocalShard& shard : averager.shards()) {
+    // The file would call rows of dim 0 what is a piece along another dim.
+    TORCH_CHECK_VALUE(shard.splitDim == 0, "writeRankFile: tensor '", shard.spec.name,
+                      "' is split along dim ", shard.splitDim,
+                      " (LocalShard::splitDim); a per-rank checkpoint describes each rank's part "
+                      "as rows of dim 0 and cannot hold it");
+  }
   detail::ensureDirectory(dir, "writeRankFile");
   const TensorFile state = averager.averager().state();
   std::vector<TensorFileEntry> entries;
@@ -115,6 +136,7 @@ RankManifest manifestFor(const ShardedAverager& averager) {
   manifest.step = averager.step();
   manifest.schedule = averager.averager().schedule();
   manifest.layout = averager.layout();
+  manifest.aliases = averager.aliases();
   return manifest;
 }
 
@@ -158,6 +180,13 @@ void loadCheckpoint(const std::string& dir, ShardedAverager& averager) {
   checkNoUnknownTensors(reader, averager.layout());
   detail::checkRankMetadata(reader.path(), reader.header().metadata, averager.rank(),
                             manifest.worldSize(), manifest.layout.fingerprint(), manifest.step);
+  // Before any tensor is read, in the words inspect and export use for the
+  // same file (loadState makes the same check again).
+  try {
+    checkAveragerStateMetadata(reader.header().metadata, "Averager state");
+  } catch (const c10::ValueError& error) {
+    TORCH_CHECK_VALUE(false, reader.path(), ": ", error.what_without_backtrace());
+  }
   const TensorFile state = readRankTensors(reader, averager);
   try {
     averager.averager().loadState(state, LoadStrictness::kStrict);

@@ -181,22 +181,33 @@ ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFil
   detail::refuseOutputOverInput("exportCheckpoint", outFile, {dir});
   const OpenCheckpoint source = openCheckpoint(dir, options.bufferBytes);
   const shard::ShardLayout& layout = source.manifest.layout;
+  // Each tensor under its name and then its aliases (a tied weight's other
+  // state_dict keys), each copy read again from the rank files.
   std::vector<TensorFileEntry> entries;
+  std::vector<size_t> specOf;
   for (size_t i = 0; i < layout.specs.size(); ++i) {
-    entries.push_back({layout.specs[i].name,
-                       detail::exportedDtype(source.dtypes[i], options.outputDtype),
-                       layout.specs[i].globalShape});
+    const shard::ShardSpec& spec = layout.specs[i];
+    const auto aliases = source.manifest.aliases.find(spec.name);
+    std::vector<std::string> names = {spec.name};
+    if (aliases != source.manifest.aliases.end()) {
+      names.insert(names.end(), aliases->second.begin(), aliases->second.end());
+    }
+    for (const std::string& name : names) {
+      entries.push_back(
+          {name, detail::exportedDtype(source.dtypes[i], options.outputDtype), spec.globalShape});
+      specOf.push_back(i);
+    }
   }
   TensorFileWriter writer(outFile, entries,
                           detail::exportedMetadata(source.manifest.step, source.manifest.schedule,
                                                    source.manifest.worldSize()));
-  for (size_t i = 0; i < layout.specs.size(); ++i) {
-    const shard::ShardSpec& spec = layout.specs[i];
+  for (size_t e = 0; e < entries.size(); ++e) {
+    const shard::ShardSpec& spec = layout.specs[specOf[e]];
     int64_t largest = 0;
     for (const shard::ElementRange& range : spec.ranges) largest = std::max(largest, range.size());
-    const at::Tensor buffer = pieceBuffer(largest, source.dtypes[i], options);
+    const at::Tensor buffer = pieceBuffer(largest, source.dtypes[specOf[e]], options);
     for (int64_t r = 0; r < spec.worldSize(); ++r) {
-      copyRange(source.readers[r], spec.name, 0, spec.rangeOf(r).size(), buffer, entries[i].dtype,
+      copyRange(source.readers[r], spec.name, 0, spec.rangeOf(r).size(), buffer, entries[e].dtype,
                 writer);
     }
   }

@@ -59,17 +59,31 @@ std::map<std::string, std::string> exportedMetadata(int64_t step, const DecaySch
 /// Elements per piece for a buffer bound of `bufferBytes` (at least 1).
 int64_t elementsPerPiece(int64_t bufferBytes, c10::ScalarType dtype);
 
+/// How exportPieces writes one tensor of the layout beyond its spec.
+struct ExportedTensor {
+  /// Its other names (LocalShard::aliases): the tensor is written again
+  /// under each, right after it, from one full copy the root holds while
+  /// it writes them.
+  std::vector<std::string> aliases;
+  /// LocalShard::splitDim: > 0 when the pieces are in the order of the
+  /// tensor with this dim moved first (the spec's shape); the root then
+  /// assembles it whole and writes it in its own order and shape.
+  int64_t splitDim = 0;
+};
+
 /// The collective behind ShardedAverager::exportWeights, for any pieces of
 /// `layout` (this rank's, layout order, 1-D CPU): options.root opens `path`
 /// first and tells every rank whether it could, the pieces are gathered
 /// into it (floating ones written as `dtype`), and the root's commit
 /// outcome is broadcast, so every rank returns or throws together. A
 /// non-empty options.localError fails every rank before anything moves.
-/// `api` names the caller in errors.
+/// `api` names the caller in errors. `tensors`: one per spec, or empty for
+/// none with aliases.
 void exportPieces(shard::Communicator& comm, const std::string& path,
                   const shard::ShardLayout& layout, const std::vector<at::Tensor>& pieces,
                   c10::ScalarType dtype, const std::map<std::string, std::string>& metadata,
-                  shard::GatherOptions options, const char* api);
+                  shard::GatherOptions options, const char* api,
+                  const std::vector<ExportedTensor>& tensors = {});
 
 }  // namespace detail
 }  // namespace shardema

@@ -146,7 +146,9 @@ def _layout(ema: Any, raw: Optional[Dict[str, Any]] = None) -> _Layout:
                          "was built from local shards or named tensors; use save_checkpoint() "
                          "and load_checkpoint() (same world size), or build the EMA from the "
                          "model")
-    progress_keys = {key for key, _ in _PROGRESS.values()}
+    # The state's checksum of its keys (shardema.state_xxh64) is left out
+    # with the progress it covers: a load gives other progress.
+    progress_keys = {key for key, _ in _PROGRESS.values()} | {"shardema.state_xxh64"}
     out.identity = {k: v for k, v in raw["metadata"].items() if k not in progress_keys}
     out.own_schedule_and_roles = {key: raw["metadata"][key]
                                   for key in ("shardema.schedule", "shardema.roles")}

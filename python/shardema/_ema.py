@@ -148,9 +148,10 @@ class EMA:
         self._watched = plan.watched
         self._replicas = plan.replicas  # HSDP: only the first replica writes files
         self._timeout_s = _seconds(timeout)  # HSDP's waiting replicas honour it too
-        # Shard(d > 0) DTensors by name: gathered with DTensor collectives,
-        # kept out of the engine's files (_tensor_parallel.py).
+        # Shard(d > 0) DTensors by name: kept out of the engine's per-rank
+        # files (refuse_tensor_parallel); its gathers reorder them.
         self._tensor_parallel = plan.tensor_parallel
+        self._aliases = plan.aliases  # tied tensors' other names, for load_ema_values()
         self._schedule = schedule
         self._more_schedules = list(more_schedules)
         # The parameters whose requires_grad decides, at each update, whether
@@ -420,7 +421,6 @@ class EMA:
     def export_weights(self, path: str, dtype: torch.dtype = torch.float32) -> None:
         """Collective: rank 0 writes deployable safetensors of the full
         tensors (floating ones as `dtype`)."""
-        refuse_tensor_parallel(self._tensor_parallel, "export_weights")
         write_on_first_replica(self._replicas,
                                lambda: self._engine.export_weights(str(path), dtype),
                                self._timeout_s, "export_weights")
@@ -432,10 +432,6 @@ class EMA:
         rank): just those, else all. For small models and tests;
         export_weights() streams large ones."""
         chosen = None if names is None else [str(n) for n in names]
-        if self._tensor_parallel:
-            from . import _tensor_parallel
-            return _tensor_parallel.full_state_dict(self, self._tensor_parallel, rank0_only,
-                                                    chosen)
         return dict(self._engine.full_state_dict(rank0_only, chosen))
 
     def local_ema(self) -> Dict[str, torch.Tensor]:

@@ -74,8 +74,14 @@ def load_ema_values(ema: Any, held: Dict[str, Held], values: Mapping[str, Any],
                     strict: bool) -> None:
     """Sorts `values` into this rank's pieces and full tensors, checking
     every one before the engine takes any: one ValueError lists every name
-    that does not fit."""
+    that does not fit. A tied tensor's other names (what an export and the
+    model's state_dict() hold beside its own) stand for it: ignored when its
+    own name is given too."""
     tensor_parallel = getattr(ema, "_tensor_parallel", None) or {}
+    aliases = getattr(ema, "_aliases", None) or {}
+    if aliases:
+        values = {aliases.get(n, n): v for n, v in values.items()
+                  if n not in aliases or aliases[n] not in values}
     unexpected = sorted(n for n in values if n not in held)
     missing = sorted(n for n in held if n not in values) if strict else []
     wrong: List[str] = []

@@ -24,30 +24,43 @@ def unwrap(model: Any) -> Any:
 
 def module_tensors(module: torch.nn.Module, policy: str) -> List[Tracked]:
     """Parameters and buffers in state_dict order (each module's own
-    parameters, its buffers, then its children), shared tensors once, with
-    the role `policy` gives each. A model holding FSDP1 units: their
-    FlatParameters' members by clean name (_fsdp1.py)."""
+    parameters, its buffers, then its children), with the role `policy`
+    gives each. A tensor held under several keys (tied weights, a module
+    used twice) is tracked once, under its first, with the others as its
+    aliases. A model holding FSDP1 units: their FlatParameters' members by
+    clean name (_fsdp1.py)."""
     from ._fsdp1 import fsdp1_tensors
     fsdp1 = fsdp1_tensors(module, policy)
     if fsdp1 is not None:
         return fsdp1
     batch_norm = torch.nn.modules.batchnorm._BatchNorm
-    seen = set()
+    seen: Dict[int, Tracked] = {}
     out: List[Tracked] = []
-    for prefix, mod in module.named_modules():
+    # remove_duplicate=False: state_dict() lists a module held twice under
+    # both paths, so its tensors are aliases under the second.
+    for prefix, mod in module.named_modules(remove_duplicate=False):
         in_bn = isinstance(mod, batch_norm)
         own = [(n, t, False, mod._parameters) for n, t in mod._parameters.items()] + \
               [(n, t, True, mod._buffers) for n, t in mod._buffers.items()]
         for name, tensor, is_buffer, container in own:
-            if tensor is None or id(tensor) in seen:
+            if tensor is None:
                 continue
-            seen.add(id(tensor))
+            if id(tensor) in seen:
+                if not (is_buffer and name in mod._non_persistent_buffers_set):
+                    seen[id(tensor)].aliases.append(f"{prefix}.{name}" if prefix else name)
+                continue
             role = _C.role_for(policy, is_buffer, _is_floating(tensor),
                                bool(tensor.requires_grad), in_bn)
             check_dense(f"{prefix}.{name}" if prefix else name, tensor)
             out.append(Tracked(f"{prefix}.{name}" if prefix else name, tensor, role, is_buffer,
                                container, name))
+            seen[id(tensor)] = out[-1]
     return out
+
+
+def aliases_of(tracked: List[Tracked]) -> Dict[str, str]:
+    """Each tied tensor's other names, to the name it is tracked under."""
+    return {alias: t.name for t in tracked for alias in t.aliases}
 
 
 def named_tensors(items: Iterable[Tuple[str, Any]], policy: str) -> List[Tracked]:
@@ -126,16 +139,19 @@ def _fsdp2_local(name: str, t: Any) -> torch.Tensor:
     return local
 
 
+def split_dim(t: Any) -> int:
+    """d of a Shard(d) DTensor's last placement."""
+    return tuple(t.placements)[-1].dim % t.dim()
+
+
 def tensor_parallel_spec(name: str, t: Any, local: torch.Tensor, world: int) -> Any:
     """The engine's spec of this rank's Shard(d) piece, d > 0: the dim-0 rows
     of the tensor with dim d moved first. torch.chunk along d gives each rank
-    the same number of elements as those rows, so the ranges are right for
-    what the engine does with them (average, copy, swap this rank's piece);
-    the order of the elements inside a piece is to_local()'s, which only a
-    gather would misread, and shardema gathers these with DTensor
-    collectives instead (_tensor_parallel.py)."""
+    the same elements as those rows, in to_local()'s order: the engine keeps
+    the piece as it is (average, copy, swap) and its gathers move dim d
+    first and back (LocalShard split_dim)."""
     shape = list(t.shape)
-    dim = tuple(t.placements)[-1].dim % len(shape)
+    dim = split_dim(t)
     moved = [shape[dim]] + shape[:dim] + shape[dim + 1:]
     return layout_spec(name, moved, local.dtype, "fsdp2", world)
 
@@ -153,8 +169,8 @@ def refuse_tensor_parallel(tensor_parallel: Dict[str, Any], api: str) -> None:
                      "(tensor parallelism): shardema's sharded files describe each rank's "
                      "part as rows of dim 0 and cannot hold this split. Save the EMA with "
                      "torch.distributed.checkpoint instead, dcp.save({'ema': "
-                     "ema.state_dict(), ...}) (it reshards at load), or read it with "
-                     "full_state_dict()")
+                     "ema.state_dict(), ...}) (it reshards at load), or write it whole with "
+                     "export_weights()")
 
 
 def plan_layout(tracked: List[Tracked], layout: str, process_group: Any) -> Plan:
@@ -184,10 +200,13 @@ def plan_layout(tracked: List[Tracked], layout: str, process_group: Any) -> Plan
     shards = _C.shards_from_full_tensors([(t.name, t.tensor) for t in tracked],
                                          [t.role for t in tracked],
                                          [t.is_buffer for t in tracked], kind, rank, world)
+    for shard, t in zip(shards, tracked):
+        shard.aliases = t.aliases
     whole = [(t.name, t.tensor) for t in tracked] if world > 1 else []
     name = "single" if group is None else kind
     owners = [(t.tensor, kind, t.tensor) for t in tracked]
-    return Plan(name, group, shards, whole, owners, watched_of(tracked))
+    return Plan(name, group, shards, whole, owners, watched_of(tracked),
+                aliases=aliases_of(tracked))
 
 
 def _mesh_groups(mesh: Any) -> Tuple[Any, Any]:
@@ -231,10 +250,12 @@ def _plan_fsdp2(tracked: List[Tracked], dtensors: List[Tracked], layout: str,
         if is_dtensor(t.tensor) and splits[id(t)] in ("fsdp2", "tensor_parallel"):
             if splits[id(t)] == "fsdp2":
                 spec = layout_spec(t.name, list(t.tensor.shape), local.dtype, "fsdp2", world)
+                shards.append(LocalShard(local, spec, t.role, t.is_buffer, aliases=t.aliases))
             else:
                 spec = tensor_parallel_spec(t.name, t.tensor, local, world)
                 tensor_parallel[t.name] = t.tensor
-            shards.append(LocalShard(local, spec, t.role, t.is_buffer))
+                shards.append(LocalShard(local, spec, t.role, t.is_buffer, aliases=t.aliases,
+                                         split_dim=split_dim(t.tensor)))
             # requires_grad is the DTensor's: the engine asks it at each update.
             owners.append((None, None, t.tensor))
             continue
@@ -242,6 +263,7 @@ def _plan_fsdp2(tracked: List[Tracked], dtensors: List[Tracked], layout: str,
         # each rank keeps the EMA of its rows; a swap gathers them into it.
         shards += _C.shards_from_full_tensors([(t.name, local)], [t.role], [t.is_buffer],
                                               "replicated", rank, world)
+        shards[-1].aliases = t.aliases
         if world > 1:
             whole.append((t.name, local))
         # A DTensor's local cannot be followed when replaced (FSDP2 swaps it
@@ -249,4 +271,4 @@ def _plan_fsdp2(tracked: List[Tracked], dtensors: List[Tracked], layout: str,
         owners.append((None, None, t.tensor) if is_dtensor(t.tensor)
                       else (t.tensor, "replicated", t.tensor))
     return Plan("fsdp2", group, shards, whole, owners, watched_of(tracked), replicas,
-                tensor_parallel)
+                tensor_parallel, aliases_of(tracked))

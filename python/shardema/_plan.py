@@ -24,6 +24,10 @@ class Tracked:
     # into the FlatParameter's local shard (_fsdp1.py); `tensor` is then the
     # parameter whose requires_grad decides the role at each update.
     piece: Any = None
+    # The tensor's other state_dict keys: a tied weight (head.weight =
+    # emb.weight) is tracked once, under its first name, and exported under
+    # every one.
+    aliases: List[str] = field(default_factory=list)
 
 
 
@@ -50,6 +54,8 @@ class Plan:
     # laid out there; the engine's files, which describe rows of dim 0,
     # cannot hold them (see refuse_tensor_parallel).
     tensor_parallel: Dict[str, Any] = field(default_factory=dict)
+    # Tied tensors' other names, each to the name the tensor is tracked under.
+    aliases: Dict[str, str] = field(default_factory=dict)
 
 
 

@@ -110,12 +110,14 @@ TEST(ShardedBadInputTest, AnotherWorldSizeNamesBothLayoutsAndPointsToResharding)
   EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *two[0].averager), saved4);
   EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *two[0].averager), here2);
   EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *two[1].averager), "--world-size 2");
-  // Same world size, other layout kind: also refused, naming the tensor
-  // (resharding would not change the kind, so no such advice).
-  std::vector<testing::RankModel> replicated =
-      testing::makeRanks(saved.job.model, shard::LayoutKind::kReplicated, 4);
-  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *replicated[1].averager),
-                     "is laid out as fsdp2 in the checkpoint but replicated here");
+  // Same world size, a layout that gives the ranks other elements: also
+  // refused, naming the tensor (resharding would not change the kind, so no
+  // such advice). Replicated splits as FSDP2 does: that one loads
+  // (ShardedCheckpointTest.AnyLayoutLoadsWhereEveryRankHoldsTheSameElements).
+  std::vector<testing::RankModel> rankZero =
+      testing::makeRanks(saved.job.model, shard::LayoutKind::kRankZero, 4);
+  EXPECT_VALUE_ERROR(loadCheckpoint(saved.ckpt(), *rankZero[1].averager),
+                     "is laid out as fsdp2 in the checkpoint but rank0 here");
   // A failed load changed nothing.
   EXPECT_EQ(two[0].averager->step(), 0);
 }
@@ -277,6 +279,52 @@ TEST(ShardedBadInputTest, ManifestRefusesOutOfRangeIntegersAndUnsafeNames) {
   bad = manifest;
   bad["files"][1]["name"] = "rank_00001.safetensors";  // the older fixed name is still read
   EXPECT_EQ(RankManifest::fromJson(bad.dump()).files[1].name, "rank_00001.safetensors");
+}
+
+// LocalShard::splitDim must name a dim > 0 of the spec, and the local piece
+// with that dim moved first must fit the spec's other dims.
+TEST(ShardedBadInputTest, ASplitDimThatDoesNotFitThePieceIsRefusedNamingTheTensor) {
+  auto shard = [](at::Tensor local, int64_t splitDim) {
+    LocalShard out{std::move(local), shard::fsdp2Spec("w", {6, 4}, at::kFloat, 2)};
+    out.splitDim = splitDim;
+    return std::vector<LocalShard>{out};
+  };
+  EXPECT_NO_THROW(ShardedAverager(0, 2, shard(at::zeros({4, 3}), 1)));
+  EXPECT_VALUE_ERROR(ShardedAverager(0, 2, shard(at::zeros({4, 3}), 2)),
+                     "tensor 'w' has splitDim 2 but a spec of 2 dims");
+  EXPECT_VALUE_ERROR(ShardedAverager(0, 2, shard(at::zeros({12}), 1)), "tensor 'w'");
+  EXPECT_VALUE_ERROR(ShardedAverager(0, 2, shard(at::zeros({3, 4}), 1)),
+                     "does not fit its spec's shape");
+}
+
+// A tied tensor's other names must name nothing else: not a tracked tensor,
+// not another alias, not empty; a manifest's may only alias its tensors.
+TEST(ShardedBadInputTest, AliasesThatNameSomethingElseAreRefusedNamingIt) {
+  auto shards = [](std::vector<std::string> aliasesOfRows) {
+    std::vector<LocalShard> out = shardsFromFullTensors(
+        {{"rows", at::zeros({4, 2})}, {"bias", at::zeros({2})}}, shard::LayoutKind::kFsdp2, 0, 1);
+    out[0].aliases = std::move(aliasesOfRows);
+    return out;
+  };
+  EXPECT_VALUE_ERROR(ShardedAverager(0, 1, shards({"bias"})),
+                     "'bias', an alias of 'rows', is already the name");
+  EXPECT_VALUE_ERROR(ShardedAverager(0, 1, shards({"tied", "tied"})), "'tied'");
+  EXPECT_VALUE_ERROR(ShardedAverager(0, 1, shards({""})), "an alias of 'rows' is empty");
+  EXPECT_EQ(ShardedAverager(0, 1, shards({"tied"})).aliases().at("rows"),
+            std::vector<std::string>{"tied"});
+  SavedJob saved;
+  nlohmann::json manifest =
+      nlohmann::json::parse(testing::readFileBytes(saved.ckpt() + "/manifest.json"));
+  EXPECT_EQ(RankManifest::fromJson(manifest.dump()).aliases.size(), 0u) << "none written";
+  manifest["aliases"] = {{"big", {"big_tied"}}};
+  EXPECT_EQ(RankManifest::fromJson(manifest.dump()).aliases.at("big"),
+            std::vector<std::string>{"big_tied"});
+  manifest["aliases"] = {{"nothing", {"x"}}};
+  EXPECT_VALUE_ERROR(RankManifest::fromJson(manifest.dump()), "'nothing', which is no tensor");
+  manifest["aliases"] = {{"big", {"rows"}}};
+  EXPECT_VALUE_ERROR(RankManifest::fromJson(manifest.dump()), "'rows', an alias of 'big'");
+  manifest["aliases"] = {{"big", "big_tied"}};
+  EXPECT_VALUE_ERROR(RankManifest::fromJson(manifest.dump()), "not a list of names");
 }
 
 }  // namespace

@@ -127,6 +127,40 @@ TEST(ShardedCheckpointTest, ReshardFrom4ToOtherWorldSizesLoadsTheFullEma) {
   }
 }
 
+// At world size 1 every layout holds every element on the one rank: a
+// checkpoint of any layout resharded to 1 rank (`shardema export
+// --world-size 1`, what the refusal of a W = 1 load advises) loads into a
+// single process's EMA (replicated over 1 rank) and into every other layout
+// of one rank. Replicated and FSDP2 split alike at any world size. Once
+// refused as "laid out as fsdp2 in the checkpoint but replicated here".
+TEST(ShardedCheckpointTest, AnyLayoutLoadsWhereEveryRankHoldsTheSameElements) {
+  const std::vector<shard::LayoutKind> kinds = {
+      shard::LayoutKind::kFsdp2, shard::LayoutKind::kReplicated, shard::LayoutKind::kRankZero};
+  for (const shard::LayoutKind saved : kinds) {
+    testing::TempDir dir;
+    PerTensorJob job(testing::unevenModel(at::kBFloat16, true), saved, 3);
+    job.run(1, 5);
+    saveCheckpoint(dir.file("w3"), job.averagers());
+    reshardCheckpoint(dir.file("w3"), dir.file("w1"), 1);
+    for (const shard::LayoutKind here : kinds) {
+      const std::string what =
+          std::string(shard::layoutKindName(saved)) + " 3 -> 1 into " + shard::layoutKindName(here);
+      const auto loaded = loadInto(job.model, here, 1, dir.file("w1"));
+      testing::expectEqualsReference(job.reference, loaded[0].averager->layout(),
+                                     testing::unionOfRanks(testing::averagersOf(loaded)), what);
+      EXPECT_EQ(loaded[0].averager->step(), 5) << what;
+    }
+  }
+  testing::TempDir dir;
+  PerTensorJob job(testing::unevenModel(at::kFloat, true), shard::LayoutKind::kFsdp2, 3);
+  job.run(1, 4);
+  saveCheckpoint(dir.path(), job.averagers());
+  const auto replicated = loadInto(job.model, shard::LayoutKind::kReplicated, 3, dir.path());
+  testing::expectEqualsReference(job.reference, replicated[0].averager->layout(),
+                                 testing::unionOfRanks(testing::averagersOf(replicated)),
+                                 "fsdp2 into replicated over 3 ranks");
+}
+
 void expectExportedEqualsReference(const std::string& file, const PerTensorJob& job,
                                    at::ScalarType dtype) {
   const TensorFile exported = readTensorFile(file);

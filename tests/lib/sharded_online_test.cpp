@@ -4,11 +4,13 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <mutex>
 
 #include "lib/sharded_fixture.h"
+#include "shardema/core/tensor_file.h"
 #include "shardema/sharded_averager.h"
 #include "shardema/sharded_checkpoint.h"
 #include "support/file_bytes.h"
@@ -22,15 +24,22 @@ namespace fs = std::filesystem;
 constexpr int64_t kWorld = 3;
 constexpr int64_t kSteps = 5;
 
-// Rank `rank`'s own model and averager, stepped kSteps times.
+using Aliases = std::map<std::string, std::vector<std::string>>;
+
+// Rank `rank`'s own model and averager, stepped kSteps times; `aliases`:
+// tied tensors' other names.
 std::unique_ptr<ShardedAverager> trainedRank(const std::vector<testing::ModelTensor>& model,
-                                             int64_t rank, std::vector<at::Tensor>& tensors) {
+                                             int64_t rank, std::vector<at::Tensor>& tensors,
+                                             const Aliases& aliases = {}) {
   tensors = testing::makeModel(model, 0);
-  auto averager = std::make_unique<ShardedAverager>(
-      rank, kWorld,
-      shardsFromFullTensors(testing::trackedModel(model, tensors), shard::LayoutKind::kFsdp2, rank,
-                            kWorld),
-      testing::smallChunkOptions());
+  std::vector<LocalShard> shards = shardsFromFullTensors(testing::trackedModel(model, tensors),
+                                                         shard::LayoutKind::kFsdp2, rank, kWorld);
+  for (LocalShard& shard : shards) {
+    const auto found = aliases.find(shard.spec.name);
+    if (found != aliases.end()) shard.aliases = found->second;
+  }
+  auto averager = std::make_unique<ShardedAverager>(rank, kWorld, std::move(shards),
+                                                    testing::smallChunkOptions());
   for (int64_t step = 1; step <= kSteps; ++step) {
     testing::setModel(model, tensors, step);
     averager->update(step);
@@ -69,6 +78,119 @@ TEST(ShardedOnlineTest, OnlineSaveAndStreamingExportMatchTheOfflineTools) {
   exportCheckpoint(dir.file("ckpt"), dir.file("offline.safetensors"), bf16);
   EXPECT_EQ(testing::readFileBytes(dir.file("online.safetensors")),
             testing::readFileBytes(dir.file("offline.safetensors")));
+}
+
+// A tied tensor (one tensor under several state_dict keys) is written under
+// each name, right after its own, with its own bytes: by the streaming
+// export (pieces of 40 bytes, so the root assembles it from several), by
+// fullStateDict (names asked for may be aliases), and by the offline export
+// of the online save, whose manifest records the aliases: the same bytes.
+TEST(ShardedOnlineTest, TiedTensorsAreWrittenUnderEveryName) {
+  testing::TempDir dir;
+  const auto model = testing::unevenModel(at::kBFloat16, true);
+  const Aliases aliases = {
+      {"big", {"big_tied", "big_too"}}, {"scalar", {"scalar_tied"}}, {"empty", {"empty_tied"}}};
+  testing::PerTensorJob job(model, shard::LayoutKind::kFsdp2, 1);
+  job.run(1, kSteps);
+  std::mutex mutex;
+  std::vector<std::pair<std::string, at::Tensor>> gathered, some;
+  testing::runThreadRanks(kWorld, [&](shard::Communicator& comm) {
+    std::vector<at::Tensor> tensors;
+    const auto averager = trainedRank(model, comm.rank(), tensors, aliases);
+    EXPECT_EQ(averager->aliases(), aliases);
+    saveCheckpoint(comm, dir.file("ckpt"), *averager);
+    shard::GatherOptions small;
+    small.bufferBytes = 40;
+    averager->exportWeights(comm, dir.file("online.safetensors"), at::kFloat, small);
+    auto full = averager->fullStateDict(comm, small);
+    auto only = averager->fullStateDict(comm, small, std::vector<std::string>{"big_too", "one"});
+    std::lock_guard<std::mutex> lock(mutex);
+    if (comm.rank() == 0) gathered = std::move(full), some = std::move(only);
+  });
+  std::vector<std::string> names;
+  for (const testing::ModelTensor& tensor : model) {
+    names.push_back(tensor.name);
+    const auto found = aliases.find(tensor.name);
+    if (found != aliases.end())
+      names.insert(names.end(), found->second.begin(), found->second.end());
+  }
+  auto owner = [&](const std::string& name) {
+    for (const auto& [tracked, others] : aliases) {
+      if (std::find(others.begin(), others.end(), name) != others.end()) return tracked;
+    }
+    return name;
+  };
+  const TensorFile online = readTensorFile(dir.file("online.safetensors"));
+  ASSERT_EQ(online.tensors.size(), names.size());
+  ASSERT_EQ(gathered.size(), names.size());
+  for (size_t i = 0; i < names.size(); ++i) {
+    const at::Tensor want = job.reference.ema(owner(names[i]));
+    EXPECT_EQ(online.tensors[i].first, names[i]) << "each alias right after its tensor";
+    // Floating tensors are written as float32 (a bf16 copy too).
+    EXPECT_TRUE(testing::sameTensor(online.tensors[i].second, at::isFloatingType(want.scalar_type())
+                                                                  ? want.to(at::kFloat)
+                                                                  : want))
+        << names[i];
+    EXPECT_EQ(gathered[i].first, names[i]);
+    EXPECT_TRUE(testing::sameTensor(gathered[i].second, want)) << names[i];
+  }
+  EXPECT_NE(gathered[9].second.data_ptr(), gathered[10].second.data_ptr()) << "big, big_tied";
+  ASSERT_EQ(some.size(), 2u);
+  EXPECT_EQ(some[0].first, "one");
+  EXPECT_EQ(some[1].first, "big_too");
+  EXPECT_TRUE(testing::sameTensor(some[1].second, job.reference.ema("big")));
+  EXPECT_EQ(inspectCheckpoint(dir.file("ckpt")).aliases, aliases);
+  exportCheckpoint(dir.file("ckpt"), dir.file("offline.safetensors"));
+  EXPECT_EQ(testing::readFileBytes(dir.file("online.safetensors")),
+            testing::readFileBytes(dir.file("offline.safetensors")));
+}
+
+// Tensor parallelism's Shard(2) pieces (torch.chunk along dim 2, 7 over 3
+// ranks: 3 + 3 + 1 columns, each piece in its own shape, as a DTensor's
+// to_local()), given with the spec of the tensor with dim 2 moved first
+// and LocalShard::splitDim: fullStateDict and exportWeights (pieces of 40
+// bytes) give the tensor in its own shape and order; a per-rank checkpoint
+// is refused naming it. Values encode their index, so a misplaced element
+// shows. Once only the Python front could gather these (DTensor
+// collectives), and export_weights refused them.
+TEST(ShardedOnlineTest, SplitDimPiecesGatherAndExportInTheTensorsOwnOrder) {
+  testing::TempDir dir;
+  const at::Tensor whole = at::arange(4 * 5 * 7, at::kFloat).reshape({4, 5, 7});
+  std::mutex mutex;
+  std::vector<std::pair<std::string, at::Tensor>> gathered;
+  std::vector<std::string> saveErrors(kWorld);
+  testing::runThreadRanks(kWorld, [&](shard::Communicator& comm) {
+    const auto pieces = whole.chunk(kWorld, 2);
+    at::Tensor local = comm.rank() < static_cast<int64_t>(pieces.size())
+                           ? pieces[comm.rank()].contiguous()
+                           : whole.narrow(2, 0, 0).contiguous();
+    LocalShard shard{local, shard::fsdp2Spec("w", {7, 4, 5}, at::kFloat, kWorld)};
+    shard.splitDim = 2;
+    ShardedAverager averager(comm.rank(), kWorld, {shard}, testing::smallChunkOptions());
+    shard::GatherOptions small;
+    small.bufferBytes = 40;
+    averager.exportWeights(comm, dir.file("w.safetensors"), at::kFloat, small);
+    auto full = averager.fullStateDict(comm, small);
+    try {
+      saveCheckpoint(comm, dir.file("ckpt"), averager);
+    } catch (const c10::Error& error) {
+      std::lock_guard<std::mutex> lock(mutex);
+      saveErrors[comm.rank()] = error.what_without_backtrace();
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    if (comm.rank() == 0) gathered = std::move(full);
+  });
+  ASSERT_EQ(gathered.size(), 1u);
+  EXPECT_TRUE(testing::sameTensor(gathered[0].second, whole));
+  EXPECT_EQ(gathered[0].second.sizes(), whole.sizes());
+  const TensorFile exported = readTensorFile(dir.file("w.safetensors"));
+  ASSERT_EQ(exported.tensors.size(), 1u);
+  EXPECT_EQ(exported.tensors[0].second.sizes(), whole.sizes());
+  EXPECT_TRUE(testing::sameTensor(exported.tensors[0].second, whole));
+  for (const std::string& error : saveErrors) {
+    EXPECT_NE(error.find("tensor 'w' is split along dim 2"), std::string::npos) << error;
+  }
+  EXPECT_FALSE(fs::exists(dir.file("ckpt") + "/manifest.json"));
 }
 
 // Runs the online save on every rank, rank `bad` with another rank's

@@ -3,8 +3,9 @@ Gloo) with its optimizer and shardema.EMA, saved and loaded through
 torch.distributed.checkpoint. Usage:
 dcp_worker.py SCENARIO RANK WORLD PORT OUT [CHECKPOINT]
 
-save: 3 steps, then `OUT/ckpt` (model, optimizer, EMA; async_save) and
-      `OUT/model_only` (no EMA). Rank 0 writes OUT/saved.pt.
+save: 3 steps, then `OUT/ckpt` (model, optimizer, EMA; async_save),
+      `OUT/model_only` (no EMA) and the EMA's own per-rank checkpoint
+      `OUT/engine` (save_checkpoint). Rank 0 writes OUT/saved.pt.
 load: a fresh model and EMA load CHECKPOINT, take one more step and save
       `OUT/ckpt` again. Rank 0 writes OUT/loaded.pt.
 cold: as load, then a fresh model and EMA load CHECKPOINT/../model_only.
@@ -33,12 +34,18 @@ class ToFloat(torch.nn.Module):
         return x.float()
 
 
-def make_model(seed, world):
+def plain_model(seed):
     """A bf16 layer and fp32 ones, with row counts that split unevenly over
-    2 and 3 ranks (5 rows: 3+2, 2+2+1; 2 rows: 1+1+0) and a 0-dim buffer."""
+    2 and 3 ranks (5 rows: 3+2, 2+2+1; 2 rows: 1+1+0) and a 0-dim buffer;
+    not sharded (what one process without a process group builds)."""
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 5).to(torch.bfloat16), ToFloat(),
-                                torch.nn.Linear(5, 2), torch.nn.BatchNorm1d(2))
+    return torch.nn.Sequential(torch.nn.Linear(4, 5).to(torch.bfloat16), ToFloat(),
+                               torch.nn.Linear(5, 2), torch.nn.BatchNorm1d(2))
+
+
+def make_model(seed, world):
+    """plain_model(seed) under FSDP2 over `world` ranks, and its optimizer."""
+    model = plain_model(seed)
     mesh = init_device_mesh("cpu", (world,))
     fully_shard(model[0], mesh=mesh)  # FSDP2 all-gathers one dtype per group
     fully_shard(model, mesh=mesh)
@@ -82,14 +89,26 @@ def full_weights(model):
 
 
 def save_all(model, optimizer, ema, folder, with_ema=True, plain=()):
+    """With the EMA: dcp.async_save on a group of its own, as docs/python.md
+    says (its thread runs DCP's collectives)."""
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     if with_ema:
         state["ema"] = ema.state_dict()
         state.update((f"plain_{i}", e.state_dict()) for i, e in enumerate(plain))
-        dcp.async_save(state, checkpoint_id=folder).result()
+        dcp.async_save(state, checkpoint_id=folder, process_group=checkpoint_group()).result()
     else:
         dcp.save(state, checkpoint_id=folder)
+
+
+_GROUPS = []
+
+
+def checkpoint_group():
+    """async_save's own group, made once (every rank makes it)."""
+    if not _GROUPS:
+        _GROUPS.append(dist.new_group(backend="gloo"))
+    return _GROUPS[0]
 
 
 def load_all(model, optimizer, ema, folder, planner=None):
@@ -116,6 +135,7 @@ def run(scenario, rank, world, out, checkpoint):
         result["plain"] = [e.full_state_dict() for e in emas]
         save_all(model, optimizer, ema, os.path.join(out, "ckpt"), plain=emas)
         save_all(model, optimizer, ema, os.path.join(out, "model_only"), with_ema=False)
+        ema.save_checkpoint(os.path.join(out, "engine"))
         result.update(ema=ema.full_state_dict(), step=ema.step, weights=full_weights(model))
     else:
         model, optimizer = make_model(1, world)

@@ -115,6 +115,17 @@ DAMAGES = {
     "decay NaN in the rank file, re-signed": (
         lambda f: edit_header(f, set_metadata("shardema.last_decay", "nan")),
         r"shardema\.last_decay"),
+    # Valid values the load refuses only against the EMA it loads into (a
+    # role, a schedule): inspect and export once passed them.
+    "roles edited in the rank file, re-signed": (
+        lambda f: edit_header(f, set_metadata("shardema.roles", json.dumps(
+            {"0.weight": "copy", "0.bias": "average_if_trainable", "1.weight":
+             "average_if_trainable", "1.bias": "average_if_trainable"}))),
+        r"shardema\.state_xxh64.*shardema\.roles"),
+    "schedule edited in the rank file, re-signed": (
+        lambda f: edit_header(f, set_metadata("shardema.schedule",
+                                              shardema.DecaySchedule.constant(0.25).to_json())),
+        r"shardema\.state_xxh64.*shardema\.schedule"),
     "manifest world size edited": (
         lambda f: write_manifest(f, dict(manifest_of(f), world_size=2)), r"world_size|ranks"),
     "manifest layout edited": (
@@ -190,3 +201,14 @@ def test_the_undamaged_folder_passes_all_three(good, tmp_path):
     subprocess.run([shardema_cli, "export", "--checkpoint", str(good), "--out",
                     str(tmp_path / "out.safetensors")], check=True, capture_output=True, timeout=60)
     assert (tmp_path / "out.safetensors").stat().st_size > 0
+
+
+def test_the_state_checksum_is_the_one_docs_files_md_describes(good):
+    """shardema.state_xxh64 recomputed with the xxhash package from the rank
+    file's own keys, as docs/files.md writes it down."""
+    data = rank_file(good).read_bytes()
+    metadata = json.loads(data[8:8 + header_length(data)])["__metadata__"]
+    keys = ["shardema.kind", "shardema.step", "shardema.initialized", "shardema.last_decay",
+            "shardema.schedule", "shardema.roles"]
+    text = b"".join(k.encode() + b"\0" + metadata[k].encode() + b"\0" for k in keys)
+    assert metadata["shardema.state_xxh64"] == xxhash.xxh64(text).hexdigest()

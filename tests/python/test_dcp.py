@@ -1,6 +1,8 @@
 """EMA.state_dict() through torch.distributed.checkpoint: saved beside an
 FSDP2 model and its optimizer on W ranks, loaded on another world size
-(2 -> 3 -> 2, 2 -> 1) with no conversion step, the EMA exactly as saved,
+(2 -> 3 -> 2, 2 -> 1, and 2 -> one process with no process group; the
+engine's own checkpoint too, once resharded to one rank) with no conversion
+step, the EMA exactly as saved,
 then one more step checked against a float64 recomputation; a checkpoint
 without an EMA cold-starts it; the EMA stays fp32 for a bf16 model."""
 import math
@@ -135,6 +137,55 @@ def test_2_to_1_resumes(saved_at_2, tmp_path):
     assert_resumed(saved, launch("load", 1, tmp_path, out / "ckpt"))
 
 
+# --- W = 2 FSDP2 to one process with no process group --------------------------
+
+def assert_is_the_w2_ema(ema, saved):
+    """`ema` holds exactly the EMA the W = 2 FSDP2 run gathered with
+    full_state_dict(), at its step."""
+    assert ema.step == saved["step"]
+    assert_same(ema.full_state_dict(), saved["ema"])
+
+
+def test_one_process_without_a_process_group_loads_the_w2_dcp_checkpoint(saved_at_2):
+    """dcp.load with no process group at all (DCP reads every rank's rows
+    in one process) into the EMA of the same model, not sharded; the EMA
+    as a Stateful in DCP's dict and its state_dict() both."""
+    import torch.distributed as dist
+    out, saved = saved_at_2
+    assert not dist.is_initialized()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        ema = shardema.EMA(worker.plain_model(7))
+        state = {"ema": ema.state_dict()}
+        dcp.load(state, checkpoint_id=out / "ckpt")
+        ema.load_state_dict(state["ema"])
+        assert_is_the_w2_ema(ema, saved)
+        stateful = shardema.EMA(worker.plain_model(8))
+        dcp.load({"ema": stateful}, checkpoint_id=out / "ckpt")
+        assert_is_the_w2_ema(stateful, saved)
+    assert ema.layout == "single" and not dist.is_initialized()
+
+
+def test_one_process_loads_the_w2_checkpoint_resharded_to_one_rank(saved_at_2, tmp_path):
+    """save_checkpoint() on 2 FSDP2 ranks; the refusal of a one-process load
+    says `shardema export --world-size 1`; what that writes loads. Once
+    refused again: "laid out as fsdp2 in the checkpoint but replicated
+    here"."""
+    out, saved = saved_at_2
+    shardema_cli = os.environ.get("SHARDEMA_CLI")
+    if not shardema_cli:
+        pytest.skip("SHARDEMA_CLI is not set: the build has no shardema CLI (tools off)")
+    ema = shardema.EMA(worker.plain_model(7))
+    with pytest.raises(ValueError, match="--world-size 1"):
+        ema.load_checkpoint(str(out / "engine"))
+    assert ema.step == 0
+    subprocess.run([shardema_cli, "export", "--checkpoint", str(out / "engine"), "--world-size",
+                    "1", "--out", str(tmp_path / "w1")], check=True, capture_output=True,
+                   timeout=60)
+    ema.load_checkpoint(str(tmp_path / "w1"))
+    assert_is_the_w2_ema(ema, saved)
+
+
 # --- one process: plain tensors, the same structure -----------------------------
 
 def bf16_model(seed=0):
@@ -170,6 +221,32 @@ def test_one_process_state_dict_is_fp32_full_tensors_and_plain_progress():
     # Fresh tensors: DCP loads into them; the EMA changes only through load_state_dict.
     weights["0.weight"].fill_(7.0)
     assert not torch.equal(ema.full_state_dict()["0.weight"], weights["0.weight"])
+
+
+def test_state_dict_is_the_ema_at_the_call_in_fresh_copies():
+    """What docs/python.md says of dcp.async_save rests on this: updates
+    after state_dict() do not change its tensors (the update in flight is
+    finished first), and writing into them does not change the EMA (test
+    below: fresh copies both ways)."""
+    model = bf16_model()
+    ema = trained(model)
+    ema.fence()
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    ema.update()  # in flight while state_dict() runs
+    state = ema.state_dict()
+    at_the_call = ema.full_state_dict()
+    assert_same(state["weights"], at_the_call)
+    kept = {name: t.clone() for name, t in state["weights"].items()}
+    for step in range(3):
+        ema.fence()
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        ema.update()
+    ema.wait()
+    assert not torch.equal(ema.full_state_dict()["0.weight"], kept["0.weight"])
+    assert_same(state["weights"], kept)
+    assert state["progress"]["step"] == 4
 
 
 def test_one_process_dcp_round_trip_and_cold_start(tmp_path):

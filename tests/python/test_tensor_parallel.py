@@ -4,7 +4,9 @@ a float64 EMA of the full tensors (tensor_parallel_worker.py); here, that
 each scenario passed on every rank. Three launches, each started once and
 in order, since a later one reads the checkpoints of an earlier one:
 W = 4 (HSDP 2 x 2), W = 2 (tensor parallelism; HSDP's checkpoint under
-FSDP2), W = 1 (tensor parallelism's checkpoint)."""
+FSDP2), W = 1 (tensor parallelism's checkpoint). export_weights() of
+tensor-parallel EMAs runs apart (tensor_parallel_export_worker.py), at
+W = 2 and W = 4 (HSDP over tensor parallelism)."""
 import os
 import sys
 
@@ -37,6 +39,25 @@ def runs(tmp_path_factory):
                 done[each] = (out, codes, errors)
             if each == world:
                 return done[each]
+    return run
+
+
+EXPORT_RUNS = {2: ["tp_export", "tp_export_memory"], 4: ["tp_hsdp_export"]}
+
+
+@pytest.fixture(scope="module")
+def export_runs(tmp_path_factory):
+    """world -> (folder, exit codes, errors) of the export worker, run once."""
+    base = tmp_path_factory.mktemp("tensor_parallel_export")
+    done = {}
+
+    def run(world):
+        if world not in done:
+            out = base / f"w{world}"
+            out.mkdir()
+            done[world] = (out, *launch("tensor_parallel_export_worker.py",
+                                        ",".join(EXPORT_RUNS[world]), world, out, timeout=150))
+        return done[world]
     return run
 
 
@@ -82,3 +103,15 @@ def test_swap_and_copy_to_gather_only_the_tensors_held_whole(runs):
 
 def test_tensor_parallel_checkpoint_loads_at_w1(runs):
     assert_passed(runs, 1, "tp_load_one")
+
+
+def test_export_weights_of_tensor_parallel_shards_equals_full_state_dict(export_runs):
+    assert_passed(export_runs, 2, "tp_export")
+
+
+def test_export_weights_holds_at_most_one_full_tensor_at_a_time(export_runs):
+    assert_passed(export_runs, 2, "tp_export_memory")
+
+
+def test_export_weights_under_hsdp_over_tensor_parallelism(export_runs):
+    assert_passed(export_runs, 4, "tp_hsdp_export")

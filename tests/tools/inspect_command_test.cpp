@@ -148,6 +148,53 @@ TEST(InspectCommandTest, AnAveragerStateThatLoadRefusesIsRefusedNamingTheKey) {
   }
 }
 
+// Edits to values that are valid on their own: a copied tensor's role made
+// "average", another schedule. Averager::load refuses both by comparing with
+// the Averager it loads into (its roles, its schedule), which inspect does
+// not have; inspect once passed them with status 0. The state's own
+// checksum of its keys (shardema.state_xxh64, checkAveragerStateMetadata,
+// the check both make) refuses both the same way, naming the key.
+TEST(InspectCommandTest, AnAveragerStateWithEditedRolesOrScheduleIsRefusedAsLoadRefusesIt) {
+  testing::TempDir dir;
+  auto tracked = [] {
+    return std::vector<TrackedTensor>{{"w", at::full({2}, 7.0f), TrackRole::kAverage},
+                                      {"b", at::zeros({3}), TrackRole::kCopy}};
+  };
+  Averager saved(tracked());
+  saved.update(1);
+  saved.fence();
+  const std::string good = dir.file("good.safetensors");
+  saved.save(good);
+  const TensorFile original = readTensorFile(good);
+  const std::vector<std::pair<std::string, std::string>> edits = {
+      {"shardema.roles", R"({"b":"average","w":"average"})"},
+      {"shardema.schedule", DecaySchedule::constant({0.5}).toJson()},
+      {"shardema.step", "2"},
+  };
+  for (const auto& [key, value] : edits) {
+    SCOPED_TRACE(key + "=" + value);
+    TensorFile file = original;
+    file.metadata[key] = value;
+    const std::string path = dir.file("edited.safetensors");
+    writeTensorFile(path, file);
+    const auto result = runCli("inspect " + path);
+    EXPECT_EQ(result.status, 2);
+    EXPECT_EQ(testing::countLines(result.err), 1u) << result.err;
+    EXPECT_TRUE(has(result.err, path + ": ")) << result.err;
+    EXPECT_TRUE(has(result.err, "shardema.state_xxh64")) << result.err;
+    EXPECT_TRUE(has(result.err, key)) << result.err;
+    Averager fresh(tracked());
+    EXPECT_VALUE_ERROR(fresh.load(path), "shardema.state_xxh64");
+    EXPECT_EQ(fresh.step(), 0) << "a refused load changes nothing";
+  }
+  // A state without the key (older files, other writers) is not checked.
+  TensorFile unsigned_ = original;
+  unsigned_.metadata.erase("shardema.state_xxh64");
+  writeTensorFile(dir.file("unsigned.safetensors"), unsigned_);
+  EXPECT_EQ(runCli("inspect " + dir.file("unsigned.safetensors")).status, 0);
+  EXPECT_NO_THROW(Averager(tracked()).load(dir.file("unsigned.safetensors")));
+}
+
 // A kind no shardema writer uses is an edited or foreign file.
 TEST(InspectCommandTest, AnUnknownKindIsRefused) {
   testing::TempDir dir;

@@ -204,7 +204,11 @@ struct AveragerStateInfo {
 /// shardema.step plain decimal digits within int64; shardema.last_decay a
 /// finite number in [0, 1]; shardema.initialized true or false;
 /// shardema.roles, when present, a JSON object of tensor names to role
-/// names. c10::ValueError "<api>: <key> ..." naming the key and its text.
+/// names; then shardema.state_xxh64, when present (state() writes it), the
+/// XXH64 of those six keys and their values: a role or schedule edited to
+/// another valid value, which only the Averager loaded into could refuse
+/// (checkRoles, the schedule), fails here for every reader. c10::ValueError
+/// "<api>: <key> ..." naming the key and its text.
 AveragerStateInfo checkAveragerStateMetadata(const std::map<std::string, std::string>& metadata,
                                              const char* api);
 

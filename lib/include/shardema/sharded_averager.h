@@ -10,6 +10,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -45,6 +46,27 @@ struct LocalShard {
   /// The version counter writes to the tensor bump when it is not the
   /// local's own (see TrackedTensor::writeVersion): a DTensor's.
   std::optional<c10::VariableVersion> writeVersion = std::nullopt;
+  /// The tensor's other names: a tied weight is one tensor under several
+  /// state_dict keys (`head.weight = emb.weight`), tracked once under
+  /// spec.name. fullStateDict and exportWeights give it under each of them
+  /// too, as a copy of its own (safetensors refuses two names over one
+  /// storage), so a strict load_state_dict of an export into the model
+  /// finds every key; checkpoints record them (RankManifest::aliases).
+  /// Unique across the job's names and aliases. Default none.
+  std::vector<std::string> aliases = {};
+  /// 0 (default): `local` holds this rank's range of the spec's elements in
+  /// their order (FSDP2's rows, a replicated tensor's rows, an FSDP1 range).
+  /// d > 0: tensor parallelism's Shard(d): `local` is torch.chunk's piece
+  /// along dim d (a DTensor's to_local(), in its own shape), and the spec
+  /// describes the tensor with dim d moved first, whose rows of this rank
+  /// hold the same elements in another order. update, swaps and localEma
+  /// work on the piece as it is; fullStateDict and exportWeights move dim d
+  /// of each piece first and the assembled tensor's back, so they give the
+  /// tensor in its own shape. Needs local.dim() == the spec's rank and
+  /// local's other dims equal to the spec's (c10::ValueError naming the
+  /// tensor). Per-rank checkpoint files cannot record it: saveCheckpoint
+  /// refuses such a shard.
+  int64_t splitDim = 0;
 };
 
 class ShardedAverager {
@@ -71,6 +93,8 @@ class ShardedAverager {
   const shard::ShardLayout& layout() const { return layout_; }
   /// This rank's live local shards, attach order.
   const std::vector<LocalShard>& shards() const { return shards_; }
+  /// LocalShard::aliases of the tensors that have any, by name.
+  std::map<std::string, std::vector<std::string>> aliases() const;
   /// The shard `name` is now `local` (its tensor was replaced by one of the
   /// same shape, dtype and device): Averager::rebindSource, whose
   /// c10::ValueError names what differs.
@@ -92,14 +116,17 @@ class ShardedAverager {
   /// for the kPinnedHost storage; host copies for kDevice.
   std::vector<at::Tensor> localEma() const;
 
-  /// Collective (every rank calls it): the full EMA tensors, global shapes,
-  /// on the receiving rank(s) of `options` (shard::gatherFull). When this
+  /// Collective (every rank calls it): the full EMA tensors, global shapes
+  /// (a splitDim shard's: its own, dim 0 moved back), on the receiving
+  /// rank(s) of `options` (shard::gatherFull), each followed by a copy under
+  /// each of its aliases. When this
   /// rank's localEma() throws (e.g. a failed background update), it
   /// joins with GatherOptions::localError, so every rank fails at once.
-  /// `only`: just these tensors (layout order; every rank the same names;
-  /// an untracked name is a c10::IndexError naming it, on every rank before
-  /// any exchange), e.g. the replicated buffers of an FSDP2 model whose
-  /// parameters a caller reads as local shards.
+  /// `only`: just these names, tracked names or aliases (layout order,
+  /// under the names asked for; every rank the same names; another name is
+  /// a c10::IndexError naming it, on every rank before any exchange), e.g.
+  /// the replicated buffers of an FSDP2 model whose parameters a caller
+  /// reads as local shards.
   std::vector<std::pair<std::string, at::Tensor>> fullStateDict(
       shard::Communicator& comm, shard::GatherOptions options = {},
       const std::optional<std::vector<std::string>>& only = std::nullopt) const;
@@ -107,7 +134,14 @@ class ShardedAverager {
   /// Collective: streams the full EMA to options.root (>= 0), which writes
   /// one deployable safetensors file at `path` tensor by tensor
   /// (TensorFileWriter), never holding more than options.bufferBytes of
-  /// gathered data. Floating tensors are written as `outputDtype` (float32,
+  /// gathered data; a tensor with aliases is written again under each, right
+  /// after it, from one full copy the root holds while it writes them (the
+  /// file holds its bytes once per name), and a splitDim shard's tensor is
+  /// assembled whole on the root the same way and written in its own order
+  /// a few rows at a time: beyond the gather's buffer, the root holds at
+  /// most one full tensor, the other ranks a reordered copy of their own
+  /// piece. Floating tensors are written as
+  /// `outputDtype` (float32,
   /// bfloat16 or float16); integer/bool copies keep their dtype. Metadata:
   /// shardema.kind=deployable_weights, shardema.step, shardema.schedule.
   /// Crash-safe: a failure leaves any old file at `path` as it was. If the
@@ -120,6 +154,10 @@ class ShardedAverager {
                      shard::GatherOptions options = {}) const;
 
  private:
+  // localEma() with each splitDim piece in its spec's element order (what
+  // the gathers assemble).
+  std::vector<at::Tensor> piecesInSpecOrder() const;
+
   int64_t rank_ = 0;
   int64_t worldSize_ = 0;
   std::vector<LocalShard> shards_;

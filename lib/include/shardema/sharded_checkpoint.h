@@ -22,6 +22,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -60,6 +61,11 @@ struct RankManifest {
   shard::ShardLayout layout;
   /// One per rank, in rank order (size = layout.worldSize()).
   std::vector<RankFileRecord> files;
+  /// The other names of tied tensors (LocalShard::aliases), by the layout
+  /// name they alias: exportCheckpoint writes the tensor under each too.
+  /// In the JSON as "aliases": {"emb.weight": ["head.weight"]}, written only
+  /// when there are some (a manifest without the key has none).
+  std::map<std::string, std::vector<std::string>> aliases;
 
   int64_t worldSize() const { return static_cast<int64_t>(files.size()); }
 
@@ -68,9 +74,17 @@ struct RankManifest {
   /// Parses and validates toJson() output: format 1, kind, types, a layout
   /// whose fingerprint matches the recorded one, integers in range (step and
   /// sizes of at most INT64_MAX), one file per rank with a rank file name of
-  /// that rank. c10::ValueError "<source>: <what is wrong>".
+  /// that rank, aliases of layout tensors that name nothing else
+  /// (checkTensorAliases). c10::ValueError "<source>: <what is wrong>".
   static RankManifest fromJson(const std::string& text, const std::string& source = "manifest");
 };
+
+/// Checks tied tensors' other names against `layout`: each key a tensor of
+/// it, each alias a non-empty name that is no tensor's and no other
+/// alias's. c10::ValueError "<source>: ..." naming the name.
+void checkTensorAliases(const shard::ShardLayout& layout,
+                        const std::map<std::string, std::vector<std::string>>& aliases,
+                        const std::string& source);
 
 // --- save and load ---
 
@@ -93,13 +107,17 @@ void saveCheckpoint(shard::Communicator& comm, const std::string& dir,
 void saveCheckpoint(const std::string& dir, const std::vector<const ShardedAverager*>& averagers);
 
 /// Loads this rank's state: the manifest must exist and have this
-/// averager's world size and layout (c10::ValueError naming both layouts
-/// and pointing to `shardema export --world-size` / reshardCheckpoint
-/// otherwise); this rank's file must have the recorded size and checksum,
-/// metadata naming this rank, world size, layout and the manifest's step,
-/// and exactly the layout's tensors with this rank's sizes; its step and
-/// last decay must be in range. Errors name the file (and tensor or key).
-/// Then Averager::loadState (strict). A failed load changes nothing.
+/// averager's world size and layout, or a layout that gives every rank the
+/// same elements of every tensor (any layout at world size 1, where the one
+/// rank holds everything: a checkpoint resharded to 1 rank loads into a
+/// single process; FSDP2 and replicated, which split alike, at any);
+/// c10::ValueError naming both layouts and pointing to `shardema export
+/// --world-size` / reshardCheckpoint otherwise; this rank's file must have
+/// the recorded size and checksum, metadata naming this rank, world size,
+/// layout and the manifest's step, and exactly the layout's tensors with
+/// this rank's sizes; its step and last decay must be in range. Errors name
+/// the file (and tensor or key). Then Averager::loadState (strict). A
+/// failed load changes nothing.
 void loadCheckpoint(const std::string& dir, ShardedAverager& averager);
 
 // --- offline tools (no communication) ---
@@ -137,7 +155,9 @@ struct ExportSummary {
 
 /// Merges an inspected checkpoint into one deployable safetensors file of
 /// full tensors (global names and shapes, layout order), streaming tensor by
-/// tensor. Metadata: shardema.kind=deployable_weights, shardema.step,
+/// tensor, each tensor with aliases (RankManifest::aliases) again under
+/// each, read again from the rank files. Metadata:
+/// shardema.kind=deployable_weights, shardema.step,
 /// shardema.schedule, shardema.source_world_size. The checkpoint is
 /// checked as inspectCheckpoint does (tensor checksums included) before
 /// `outFile` is opened: a failed check writes nothing. Crash-safe: on any
