@@ -137,7 +137,9 @@ def _layout(ema: Any, raw: Optional[Dict[str, Any]] = None) -> _Layout:
     if known is not None:
         return known
     if raw is None:
-        raw = ema._engine.state_dict()
+        # The structure alone (no values, no wait): a failed EMA answers too,
+        # so that a load can restore it.
+        raw = ema._engine.state_template()
     out = _Layout(rank=ema.rank, world=ema.world_size)
     sources = _sources(ema)
     if out.world > 1 and not sources:

@@ -176,6 +176,11 @@ void bindEma(py::module_& m) {
              }
              return tensorsAndMetadata(state.tensors, state.metadata);
            })
+      .def("state_template",
+           [](const PythonEma& e) {
+             RankState state = e.stateTemplate();
+             return tensorsAndMetadata(state.tensors, state.metadata);
+           })
       .def(
           "load_state_dict",
           [](PythonEma& e, const py::dict& state) {

@@ -287,6 +287,20 @@ RankState PythonEma::stateDict() const {
   return state;
 }
 
+RankState PythonEma::stateTemplate() const {
+  RankState state;
+  const Averager& averager = averager_->averager();
+  for (const std::string& name : averager.names()) {
+    const auto [dtype, shape] = averager.emaDtypeAndShape(name);
+    state.tensors.emplace_back(name, at::empty({1}, at::TensorOptions().dtype(dtype)).expand(shape));
+  }
+  state.metadata = averager.stateMetadata();
+  state.metadata[detail::kRankKey] = toString(rank());
+  state.metadata[detail::kWorldSizeKey] = toString(worldSize());
+  state.metadata[detail::kLayoutFingerprintKey] = averager_->layout().fingerprint();
+  return state;
+}
+
 void PythonEma::loadStateDict(const RankState& state) {
   const std::string& rank = metadataValue(state, detail::kRankKey);
   const std::string& world = metadataValue(state, detail::kWorldSizeKey);

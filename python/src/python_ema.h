@@ -112,6 +112,11 @@ class PythonEma {
   LoadReport loadLocalValues(const std::vector<std::pair<std::string, at::Tensor>>& local);
 
   RankState stateDict() const;
+  /// stateDict()'s structure without the EMA values, so a failed EMA can
+  /// be told what loads into it: each tensor an expanded one-element tensor
+  /// of its EMA's dtype and local shape (no memory), the metadata as
+  /// stateDict()'s at the current progress. Does not wait.
+  RankState stateTemplate() const;
   /// Checks rank, world size and layout before anything changes.
   void loadStateDict(const RankState& state);
 

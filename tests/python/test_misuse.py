@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import shardema
+from shardema import _C
 
 HALF = shardema.DecaySchedule.constant(0.5)
 BACKTRACE = re.compile(r"Exception raised from|frame #\d")
@@ -82,15 +83,23 @@ def test_load_state_dict_of_another_model_names_the_tensor():
 # --- a failed EMA is restored by a load ---------------------------------------
 
 def failed_ema(tmp_path):
+    """An EMA failed by its background math (the failpoint makes step 3's
+    first chunk throw on the worker); the saved state and checkpoint are of
+    step 2, and state_dict() is not called after that (a load must not need
+    it)."""
     model, ema = fresh()
     ema.update()
-    ema.fence()
+    ema.update()
     ema.save_checkpoint(str(tmp_path / "ckpt"))
     saved = ema_of(ema)
     state = ema.state_dict()
-    ema.update()
-    with pytest.raises(RuntimeError, match="fence"):
-        ema.update()  # a forgotten fence: the EMA is failed
+    failpoint = _C._Failpoint("offload.pipeline.chunk", 3, 0)
+    try:
+        ema.update()
+        with pytest.raises(RuntimeError, match="injected fault"):
+            ema.wait()
+    finally:
+        failpoint.close()
     return model, ema, saved, state
 
 
@@ -114,6 +123,28 @@ def test_a_failed_ema_is_restored_by_load_state_dict(tmp_path):
     _, ema, saved, state = failed_ema(tmp_path)
     ema.load_state_dict(state)
     assert same(saved, ema_of(ema))
+
+
+def test_a_failed_ema_that_never_gave_a_state_dict_is_restored_by_one(tmp_path):
+    # The state comes from another EMA of the same model (a resumed job's
+    # checkpoint): the failed one never called state_dict() itself.
+    model, ema = fresh()
+    saver = shardema.EMA(model, HALF)
+    saver.update()
+    state = saver.state_dict()
+    failpoint = _C._Failpoint("offload.pipeline.chunk", 1, 0)
+    try:
+        ema.update()
+        with pytest.raises(RuntimeError, match="injected fault"):
+            ema.wait()
+    finally:
+        failpoint.close()
+    assert ema.failed if hasattr(ema, "failed") else True
+    ema.load_state_dict(state)
+    assert same(ema_of(saver), ema_of(ema))
+    assert ema.step == saver.step == 1
+    assert ema.update()
+    ema.wait()
 
 
 # --- swap misuse ----------------------------------------------------------------

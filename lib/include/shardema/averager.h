@@ -343,6 +343,9 @@ class Averager {
   /// snapshots, one file per profile (posthoc_snapshot.h), and c10::Error
   /// says so.
   TensorFile state() const;
+  /// state()'s metadata alone, read now: does not wait, so a failed
+  /// Averager answers too (a load checks what it is given against it).
+  std::map<std::string, std::string> stateMetadata() const;
   /// Restores state(): tensors as loadEmaValues, plus step and flags. In
   /// strict mode a schedule different from ours is an error naming both.
   LoadReport loadState(const TensorFile& file, LoadStrictness strictness = LoadStrictness::kStrict);
