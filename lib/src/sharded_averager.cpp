@@ -139,14 +139,49 @@ std::map<std::string, std::vector<std::string>> ShardedAverager::aliases() const
   return aliasesOf(shards_);
 }
 
-void ShardedAverager::rebindLocal(const std::string& name, const at::Tensor& local) {
+void ShardedAverager::rebindLocal(const std::string& name, const at::Tensor& local,
+                                  bool newWriter) {
   for (LocalShard& shard : shards_) {
     if (shard.spec.name != name) continue;
-    averager_.rebindSource(name, local);
+    averager_.rebindSource(name, local, newWriter);
     shard.local = local;
+    if (newWriter) shard.writeVersion = std::nullopt;
     return;
   }
   TORCH_CHECK_INDEX(false, kShardedApi, "::rebindLocal: no tensor '", name, "'");
+}
+
+void ShardedAverager::followReplaced(const std::string& name, const at::Tensor& full) {
+  const char* api = "ShardedAverager::followReplaced";
+  for (LocalShard& shard : shards_) {
+    if (shard.spec.name != name) continue;
+    TORCH_CHECK_VALUE(full.defined(), api, ": tensor '", name, "' was removed from its module");
+    TORCH_CHECK_VALUE(!full.key_set().has(c10::DispatchKey::Python), api, ": tensor '", name,
+                      "' was replaced by a tensor subclass (Python dispatch, e.g. a DTensor: ",
+                      "the model sharded after the EMA was built); build the EMA after sharding");
+    TORCH_CHECK_VALUE(shard.spec.kind != shard::LayoutKind::kFsdp1 && shard.splitDim == 0, api,
+                      ": tensor '", name, "' was replaced, and its ",
+                      shard.splitDim != 0 ? "tensor-parallel piece" : "FSDP1 flat-shard piece",
+                      " cannot be cut from the new tensor; build a new EMA");
+    TORCH_CHECK_VALUE(full.layout() == at::kStrided, api, ": tensor '", name,
+                      "' was replaced by a ", full.layout(), " tensor; the EMA follows dense ",
+                      "tensors only");
+    const bool same = full.scalar_type() == shard.spec.dtype &&
+                      full.sizes() == c10::IntArrayRef(shard.spec.globalShape) &&
+                      full.device() == shard.local.device();
+    TORCH_CHECK_VALUE(same, api, ": tensor '", name, "' changed after the EMA was built, from ",
+                      shard.spec.dtype, " ", c10::IntArrayRef(shard.spec.globalShape), " on ",
+                      shard.local.device(), " to ", full.scalar_type(), " ", full.sizes(), " on ",
+                      full.device(),
+                      ": the EMA cannot follow it (convert or move the model before building "
+                      "the EMA)");
+    TORCH_CHECK_VALUE(full.is_contiguous(), api, ": tensor '", name,
+                      "' was replaced by a non-contiguous tensor; the EMA follows contiguous ones");
+    rebindLocal(name, localRowsOf(full.detach(), shard.spec.kind, rank_, worldSize_),
+                /*newWriter=*/true);
+    return;
+  }
+  TORCH_CHECK_INDEX(false, api, ": no tensor '", name, "'");
 }
 
 std::vector<at::Tensor> ShardedAverager::localEma() const {

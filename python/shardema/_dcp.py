@@ -130,7 +130,7 @@ def _sources(ema: Any) -> Dict[str, Any]:
     return {t.name: t.tensor for t in module_tensors(ema._model, "versatil")}
 
 
-def _layout(ema: Any, raw: Optional[Dict[str, Any]] = None) -> _Layout:
+def _layout(ema: Any, engine: Any, raw: Optional[Dict[str, Any]] = None) -> _Layout:
     """This EMA's _Layout, worked out once from the engine's state (`raw`,
     or one taken here) and the model's tensors."""
     known = _LAYOUTS.get(ema)
@@ -139,7 +139,7 @@ def _layout(ema: Any, raw: Optional[Dict[str, Any]] = None) -> _Layout:
     if raw is None:
         # The structure alone (no values, no wait): a failed EMA answers too,
         # so that a load can restore it.
-        raw = ema._engine.state_template()
+        raw = engine.state_template()
     out = _Layout(rank=ema.rank, world=ema.world_size)
     sources = _sources(ema)
     if out.world > 1 and not sources:
@@ -191,12 +191,12 @@ def _layout(ema: Any, raw: Optional[Dict[str, Any]] = None) -> _Layout:
     return out
 
 
-def state_dict(ema: Any) -> Dict[str, Any]:
+def state_dict(ema: Any, engine: Any) -> Dict[str, Any]:
     """{"weights": {name: DTensor or tensor}, "progress": {...}}: fresh
     tensors (DCP may load into them), nothing shared with the engine."""
     from torch.distributed.tensor import DTensor
-    raw = ema._engine.state_dict()  # clones of this rank's pieces
-    layout = _layout(ema, raw)
+    raw = engine.state_dict()  # clones of this rank's pieces
+    layout = _layout(ema, engine, raw)
     weights: Dict[str, Any] = {}
     for name, local in raw["tensors"].items():
         piece = layout.pieces[name]
@@ -304,11 +304,11 @@ def _pieces_of(values: Dict[str, Any], layout: _Layout) -> Dict[str, torch.Tenso
     return out
 
 
-def load_state_dict(ema: Any, state: Dict[str, Any]) -> None:
+def load_state_dict(ema: Any, engine: Any, state: Dict[str, Any]) -> None:
     """Adopts what state_dict() returned (after DCP loaded into it, or
     torch.load gave it back); {} cold-starts the EMA from the weights."""
     if not state:
-        cold_start(ema)
+        cold_start(ema, engine)
         return
     if set(state) != {"weights", "progress"}:
         raise ValueError("shardema.EMA.load_state_dict: expected what state_dict() returns, "
@@ -319,16 +319,16 @@ def load_state_dict(ema: Any, state: Dict[str, Any]) -> None:
     if not isinstance(weights, dict):
         raise TypeError(f"shardema.EMA.load_state_dict: 'weights' is a "
                         f"{type(weights).__name__}, not a dict")
-    layout = _layout(ema)
+    layout = _layout(ema, engine)
     pieces = _pieces_of(weights, layout)
-    ema._engine.load_state_dict({"tensors": pieces, "metadata": {**layout.identity, **metadata}})
+    engine.load_state_dict({"tensors": pieces, "metadata": {**layout.identity, **metadata}})
 
 
-def cold_start(ema: Any) -> None:
+def cold_start(ema: Any, engine: Any) -> None:
     """The EMA restarts from the model's current weights (step 0), as if
     built now: what a checkpoint without an EMA resumes with. An EMA built
     from tensors, not a model, copies them at its next update instead."""
-    layout = _layout(ema)
+    layout = _layout(ema, engine)
     sources = _sources(ema)
     warnings.warn("shardema.EMA: the checkpoint holds no EMA; it starts again from the "
                   "model's weights at step 0", stacklevel=4)
@@ -337,11 +337,11 @@ def cold_start(ema: Any) -> None:
         pieces = _pieces_of({n: v.detach() for n, v in values.items()}, layout)
         initialized = "true"
     else:
-        pieces = dict(ema._engine.state_dict()["tensors"])
+        pieces = dict(engine.state_dict()["tensors"])
         initialized = "false"
     restart = {"shardema.step": "0", "shardema.initialized": initialized,
                "shardema.last_decay": "0"}
-    ema._engine.load_state_dict({"tensors": pieces, "metadata": {
+    engine.load_state_dict({"tensors": pieces, "metadata": {
         **layout.identity, **layout.own_schedule_and_roles, **restart}})
 
 

@@ -6,11 +6,11 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from . import _C
-from ._plan import Plan, Tracked, _is_floating, check_dense, checked_group, is_dtensor, \
-    watched_of
+from ._plan import Plan, Tracked, _is_floating, alias_slots_of, check_dense, checked_group, \
+    is_dtensor, watched_of
 from ._shards import LocalShard, layout_spec
 
-_LAYOUTS = ("auto", "replicated", "rank0", "fsdp2")
+LAYOUTS = ("auto", "replicated", "rank0", "fsdp2")
 
 
 def unwrap(model: Any) -> Any:
@@ -48,6 +48,7 @@ def module_tensors(module: torch.nn.Module, policy: str) -> List[Tracked]:
             if id(tensor) in seen:
                 if not (is_buffer and name in mod._non_persistent_buffers_set):
                     seen[id(tensor)].aliases.append(f"{prefix}.{name}" if prefix else name)
+                    seen[id(tensor)].alias_slots.append((container, name))
                 continue
             role = _C.role_for(policy, is_buffer, _is_floating(tensor),
                                bool(tensor.requires_grad), in_bn)
@@ -177,15 +178,23 @@ def plan_layout(tracked: List[Tracked], layout: str, process_group: Any) -> Plan
     """This rank's local shards (and the whole tensors a swap writes into
     after a gather) for `layout`; ValueError naming the tensor for what is
     not supported."""
-    if layout not in _LAYOUTS:
-        raise ValueError(f"layout must be one of {_LAYOUTS}, got '{layout}'")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got '{layout}'")
     checked_group(process_group)
     if any(t.piece is not None for t in tracked):
         from ._fsdp1 import plan_fsdp1
         return plan_fsdp1(tracked, layout, process_group)
     dtensors = [t for t in tracked if is_dtensor(t.tensor)]
     if dtensors or layout == "fsdp2":
-        return _plan_fsdp2(tracked, dtensors, layout, process_group)
+        plan = _plan_fsdp2(tracked, dtensors, layout, process_group)
+    else:
+        plan = _plan_plain(tracked, layout, process_group)
+    plan.alias_slots = alias_slots_of(tracked)
+    return plan
+
+
+def _plan_plain(tracked: List[Tracked], layout: str, process_group: Any) -> Plan:
+    """One process, DDP (replicated) or rank0: plain tensors."""
     group = process_group if process_group is not None else _default_group()
     if layout in ("replicated", "rank0") and group is None:
         raise RuntimeError(f"layout='{layout}' needs an initialised torch.distributed group "

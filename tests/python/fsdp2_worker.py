@@ -180,7 +180,7 @@ def fully_shard_model(rank, world, out):
     fully_shard(model[2], mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh)
     model[2].requires_grad_(False)
-    ema = shardema.EMA(model, schedule=schedule(), timeout=60)
+    ema = shardema.EMA(model, schedule=schedule(), policy="versatil", timeout=60)
     assert (ema.layout, ema.rank, ema.world_size) == ("fsdp2", rank, world), ema.layout
     tensors = module_tensors(model)
     assert all(isinstance(p, DTensor) and p.dtype == torch.float32
@@ -205,7 +205,7 @@ def partly_sharded(rank, world, out):
     model = nn.Sequential(nn.Linear(3, 7), nn.Linear(7, 3))
     fully_shard(model[0], mesh=mesh)
     assert not isinstance(model[1].weight, DTensor)
-    ema = shardema.EMA(model, schedule=schedule(), timeout=60)
+    ema = shardema.EMA(model, schedule=schedule(), policy="versatil", timeout=60)
     assert ema.layout == "fsdp2", ema.layout
     tensors = module_tensors(model)
     reference = Float64Ema(lambda: tensors, lambda: versatil_averaged(model))
@@ -218,7 +218,7 @@ def ddp_model(rank, world, out):
     """DistributedDataParallel, each rank its own inputs: layout replicated."""
     torch.manual_seed(2)
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 1)))
-    ema = shardema.EMA(model, schedule=schedule(), timeout=60)
+    ema = shardema.EMA(model, schedule=schedule(), policy="versatil", timeout=60)
     assert ema.layout == "replicated", ema.layout
     tensors = module_tensors(model.module)
     reference = Float64Ema(lambda: tensors, lambda: versatil_averaged(model.module))
@@ -234,7 +234,7 @@ def replicated_dtensor(rank, world, out):
     rows = nn.Parameter(distribute_tensor(torch.arange(5.0), mesh, [Shard(0)]))
     tensors = {"whole": whole, "rows": rows}
     check_split(tensors, rank, world)
-    ema = shardema.EMA(list(tensors.items()), schedule=schedule(), timeout=60)
+    ema = shardema.EMA(list(tensors.items()), schedule=schedule(), policy="versatil", timeout=60)
     assert ema.layout == "fsdp2", ema.layout
     reference = Float64Ema(lambda: tensors, lambda: set(tensors))
     check = Checker(ema, reference, rank, world)
@@ -260,7 +260,7 @@ def hsdp_model(rank, world, out):
     model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 1))
     fully_shard(model[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
-    ema = shardema.EMA(model, schedule=schedule(), timeout=60)
+    ema = shardema.EMA(model, schedule=schedule(), policy="versatil", timeout=60)
     assert (ema.layout, ema.rank, ema.world_size) == ("fsdp2", shard_rank, 2), \
         (ema.layout, ema.rank, ema.world_size)
     tensors = module_tensors(model)

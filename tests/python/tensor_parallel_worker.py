@@ -154,7 +154,7 @@ def tp_train(rank, world, out):
     model = tp_model(0, mesh)
     tensors = module_tensors(model)
     assert tensors["2.weight"].placements == (Shard(1),), tensors["2.weight"].placements
-    ema = shardema.EMA(model, schedule=schedule(), timeout=60)
+    ema = shardema.EMA(model, schedule=schedule(), policy="versatil", timeout=60)
     assert (ema.layout, ema.rank, ema.world_size) == ("fsdp2", rank, world)
     reference = Float64Ema(lambda: tensors, lambda: versatil_averaged(model))
     check = Checker(ema, reference, tensors, rank, world)
@@ -195,7 +195,7 @@ def tp_train(rank, world, out):
         torch.save({"full": full, "step": ema.step}, os.path.join(base, "tp_saved.pt"))
 
     # A fresh EMA of another model, the same split, loads it back exactly.
-    other = shardema.EMA(tp_model(5, mesh), timeout=60)
+    other = shardema.EMA(tp_model(5, mesh), policy="versatil", timeout=60)
     loaded = {"ema": other.state_dict()}
     dcp.load(loaded, checkpoint_id=os.path.join(base, "tp_dcp"))
     other.load_state_dict(loaded["ema"])
@@ -220,7 +220,7 @@ def tp_load_one(rank, world, out):
     base = os.path.dirname(out)
     saved = torch.load(os.path.join(base, "tp_saved.pt"))
     for mesh in (None, init_device_mesh("cpu", (1,))):
-        ema = shardema.EMA(tp_model(7, mesh), timeout=60)
+        ema = shardema.EMA(tp_model(7, mesh), policy="versatil", timeout=60)
         state = {"ema": ema.state_dict()}
         dcp.load(state, checkpoint_id=os.path.join(base, "tp_dcp"))
         ema.load_state_dict(state["ema"])
@@ -252,9 +252,9 @@ def tp_load_full(rank, world, out):
     tensors = module_tensors(model)
     assert tensors["inner"].shape[1] % world != 0 and tensors["inner"].placements == (Shard(1),)
     given = full_values(tensors, 11)
-    ema = shardema.EMA(model, timeout=60)
+    ema = shardema.EMA(model, policy="versatil", timeout=60)
     ema.load_ema_values(given)
-    by_dtensor = shardema.EMA(tp_model(9, mesh), timeout=60)
+    by_dtensor = shardema.EMA(tp_model(9, mesh), policy="versatil", timeout=60)
     by_dtensor.load_ema_values({n: distribute_tensor(v, mesh, tensors[n].placements)
                                 if isinstance(tensors[n], DTensor) else v
                                 for n, v in given.items()})
@@ -270,7 +270,7 @@ def tp_load_full(rank, world, out):
         assert torch.equal(mine[name], theirs[name]), f"'{name}': full and DTensor loads differ"
         assert torch.equal(full[name], want), f"'{name}': full_state_dict after the load"
 
-    lone = shardema.EMA(tp_model(10, mesh), timeout=60)
+    lone = shardema.EMA(tp_model(10, mesh), policy="versatil", timeout=60)
     if rank == 0:
         lone.load_ema_values(given)
         assert torch.equal(lone.ema_tensors(["inner"])["inner"], mine["inner"])
@@ -356,7 +356,7 @@ def whole_gather_only(rank, world, out):
     model.register_buffer("plain", torch.randn(7, 11))
     big_bytes, whole_bytes = 2048 * 128 * 4, 3001 * 4
     tensors = module_tensors(model)
-    ema = shardema.EMA(model, schedule=schedule(), timeout=60)
+    ema = shardema.EMA(model, schedule=schedule(), policy="versatil", timeout=60)
     reference = Float64Ema(lambda: tensors, lambda: versatil_averaged(model))
     for step in range(1, STEPS + 1):
         ema.fence()
@@ -407,7 +407,7 @@ def hsdp_dcp(rank, world, out):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     shard_rank = mesh.get_local_rank("shard")
     model = hsdp_model(3, mesh)
-    ema = shardema.EMA(model, schedule=schedule(), timeout=60)
+    ema = shardema.EMA(model, schedule=schedule(), policy="versatil", timeout=60)
     tensors = module_tensors(model)
     reference = Float64Ema(lambda: tensors, lambda: versatil_averaged(model))
     check = Checker(ema, reference, tensors, shard_rank, 2)
@@ -458,7 +458,7 @@ def hsdp_load_fsdp2(rank, world, out):
     """W = 2: the 2 x 2 HSDP checkpoint into plain FSDP2 (a 1-D mesh of 2)."""
     base = os.path.dirname(out)
     saved = torch.load(os.path.join(base, "hsdp_saved.pt"))
-    ema = shardema.EMA(hsdp_model(4, init_device_mesh("cpu", (world,))), timeout=60)
+    ema = shardema.EMA(hsdp_model(4, init_device_mesh("cpu", (world,))), policy="versatil", timeout=60)
     state = {"ema": ema.state_dict()}
     dcp.load(state, checkpoint_id=os.path.join(base, "hsdp_dcp"))
     ema.load_state_dict(state["ema"])
@@ -475,7 +475,7 @@ def hsdp_missing_writer(rank, world, out):
     timeout, naming it, instead of the group's. The writers wait until the
     waiters have reported, so no rank leaves while a peer still waits."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    ema = shardema.EMA(hsdp_model(6, mesh), timeout=2.0)
+    ema = shardema.EMA(hsdp_model(6, mesh), policy="versatil", timeout=2.0)
     replica = mesh.get_local_rank("replicate")
     flags = [os.path.join(out, f"waited{r}") for r in (2, 3)]
     if replica == 0:
@@ -528,7 +528,7 @@ def hsdp_slow_writer(rank, world, out):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     replica = mesh.get_local_rank("replicate")
     model = hsdp_model(7, mesh)
-    ema = shardema.EMA(model, schedule=schedule(), timeout=1.0)
+    ema = shardema.EMA(model, schedule=schedule(), policy="versatil", timeout=1.0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
     for step in range(1, STEPS + 1):
         model(inputs(3, 100 * step + 7)).square().mean().backward()

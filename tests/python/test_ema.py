@@ -64,7 +64,7 @@ def test_ema_matches_float64_recomputation(dtype):
 def test_versatil_policy_copies_buffers_batchnorm_and_frozen():
     model = make_model()
     model[2].weight.requires_grad_(False)
-    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(0.5))
+    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(0.5), policy="versatil")
     for step in range(1, 4):
         ema.fence()
         train_step(model, step)

@@ -98,7 +98,21 @@ class ShardedAverager {
   /// The shard `name` is now `local` (its tensor was replaced by one of the
   /// same shape, dtype and device): Averager::rebindSource, whose
   /// c10::ValueError names what differs.
-  void rebindLocal(const std::string& name, const at::Tensor& local);
+  /// `newWriter` as Averager::rebindSource's (LocalShard::writeVersion is
+  /// dropped with it).
+  void rebindLocal(const std::string& name, const at::Tensor& local, bool newWriter = false);
+  /// The one rule of a replaced tensor (its module now holds `full` under
+  /// `name`: a new nn.Parameter, `p.data = t`, a submodule swapped for one
+  /// of the same shape): from the next update on the EMA reads this rank's
+  /// piece of `full`, cut as the spec's kind cuts it (kFsdp2/kReplicated:
+  /// its rows; kRankZero: all of it on rank 0). `full` must be a plain dense
+  /// contiguous tensor of the spec's shape, the shard's dtype and device:
+  /// c10::ValueError naming the tensor and what differs otherwise (a tensor
+  /// subclass such as a DTensor: the model was sharded after the EMA was
+  /// built), before anything changes. kFsdp1 pieces and splitDim shards
+  /// cannot be cut from a full tensor: refused naming the tensor. An update
+  /// in flight keeps reading the old tensor until fence(). Does not block.
+  void followReplaced(const std::string& name, const at::Tensor& full);
 
   /// Averager::update / fence / wait of the local shards (no communication).
   bool update(int64_t step) { return averager_.update(step); }
