@@ -24,11 +24,12 @@ void checkShard(const LocalShard& shard, int64_t rank, int64_t worldSize) {
                     " is outside the world size ", worldSize, " of tensor '", spec.name, "'");
   TORCH_CHECK_VALUE(shard.local.defined(), kShardedApi, ": tensor '", spec.name,
                     "' has an undefined local shard");
-  const int64_t expected = spec.rangeOf(rank).size();
-  TORCH_CHECK_VALUE(shard.local.numel() == expected, kShardedApi, ": tensor '", spec.name,
+  const shard::ElementRange held = spec.heldRange(rank);
+  TORCH_CHECK_VALUE(shard.local.numel() == held.size(), kShardedApi, ": tensor '", spec.name,
                     "' has a local shard of ", shard.local.numel(), " elements but rank ", rank,
-                    " owns ", expected, " (range [", spec.rangeOf(rank).begin, ", ",
-                    spec.rangeOf(rank).end, ") of ", spec.numel(), ")");
+                    " holds ", held.size(), " (range [", held.begin, ", ", held.end, ") of ",
+                    spec.numel(), spec.kind == shard::LayoutKind::kPerRank ? ", per_rank" : "",
+                    ")");
   TORCH_CHECK_VALUE(shard.local.scalar_type() == spec.dtype, kShardedApi, ": tensor '", spec.name,
                     "' has a local shard of dtype ", shard.local.scalar_type(),
                     " but its spec says ", spec.dtype);
@@ -92,6 +93,7 @@ std::pair<int64_t, int64_t> chunkRows(int64_t d0, int64_t rank, int64_t worldSiz
 
 at::Tensor localRowsOf(const at::Tensor& full, shard::LayoutKind kind, int64_t rank,
                        int64_t worldSize) {
+  if (kind == shard::LayoutKind::kPerRank) return full;  // every rank its own, whole
   if (full.dim() == 0) {
     // 0-dim: rank 0 owns the one element; the others an empty piece.
     return rank == 0 ? full : full.reshape({-1}).narrow(0, 1, 0);
@@ -114,6 +116,8 @@ shard::ShardSpec specFor(const TrackedTensor& tensor, shard::LayoutKind kind, in
       return shard::replicatedSpec(tensor.name, shape, dtype, worldSize);
     case shard::LayoutKind::kRankZero:
       return shard::rankZeroSpec(tensor.name, shape, dtype, worldSize);
+    case shard::LayoutKind::kPerRank:
+      return shard::perRankSpec(tensor.name, shape, dtype, worldSize);
     case shard::LayoutKind::kFsdp1:
       break;
   }
@@ -198,6 +202,7 @@ std::vector<at::Tensor> ShardedAverager::piecesInSpecOrder() const {
   std::vector<at::Tensor> pieces = localEma();
   for (size_t i = 0; i < shards_.size(); ++i) {
     const LocalShard& shard = shards_[i];
+    pieces[i] = detail::rangeOfHeld(shard.spec, rank_, pieces[i]);
     if (shard.splitDim == 0) continue;
     pieces[i] =
         pieces[i].view(shard.local.sizes()).movedim(shard.splitDim, 0).contiguous().view({-1});

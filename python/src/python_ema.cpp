@@ -175,7 +175,7 @@ LoadReport PythonEma::loadFullValues(const std::vector<std::pair<std::string, at
   return loadPieces(*averager_, full, [this](const LocalShard& s, const at::Tensor& tensor) {
     TORCH_CHECK_VALUE(tensor.numel() == s.spec.numel(), kApi, ": '", s.spec.name, "' has ",
                       tensor.numel(), " elements, the tracked tensor ", s.spec.numel());
-    const shard::ElementRange range = s.spec.rangeOf(rank());
+    const shard::ElementRange range = s.spec.heldRange(rank());
     at::Tensor piece = tensor.detach().reshape({-1}).slice(0, range.begin, range.end);
     return piece.reshape(s.local.sizes());
   });

@@ -58,7 +58,10 @@ def tp_model(seed, mesh):
 def piece_of(value, t, shard_rank, shard_world):
     """What a rank holds of full tensor `value` for tensor `t`: torch.chunk
     along a DTensor's sharded dim (its to_local()), else the rows shardema
-    gives each rank of what all hold whole (Replicate(), plain tensors)."""
+    gives each rank of what all hold whole and equal (Replicate(), plain
+    parameters); a buffer (a plain tensor) each rank keeps whole."""
+    if not isinstance(t, (DTensor, nn.Parameter)):
+        return value
     if isinstance(t, DTensor) and t.placements[-1].is_shard():
         dim = t.placements[-1].dim % value.dim()
         chunks = value.chunk(shard_world, dim=dim)
@@ -398,8 +401,8 @@ def hsdp_model(seed, mesh):
 
 def hsdp_dcp(rank, world, out):
     """HSDP (2 x 2): state_dict() holds fp32 DTensors on the 2-D mesh with
-    the parameters' placements (and (Replicate(), Shard(0)) rows for the
-    buffers); DCP stores each chunk once, not once per replica; loading it
+    the parameters' placements (the buffers: plain tensors, rank 0's);
+    DCP stores each chunk once, not once per replica; loading it
     back at W = 4 restores the EMA exactly. test_tensor_parallel.py reads it
     at W = 2 under plain FSDP2."""
     base = os.path.dirname(out)
@@ -425,7 +428,7 @@ def hsdp_dcp(rank, world, out):
     state = ema.state_dict()
     for name, value in state["weights"].items():
         t = tensors[name]
-        if name == "2.num_batches_tracked":  # 0-dim: shard rank 0 of each replica
+        if not isinstance(t, (DTensor, nn.Parameter)):  # a buffer: rank 0's, plain
             assert not isinstance(value, DTensor), name
             continue
         assert isinstance(value, DTensor) and value.device_mesh == mesh, name
@@ -458,7 +461,8 @@ def hsdp_load_fsdp2(rank, world, out):
     """W = 2: the 2 x 2 HSDP checkpoint into plain FSDP2 (a 1-D mesh of 2)."""
     base = os.path.dirname(out)
     saved = torch.load(os.path.join(base, "hsdp_saved.pt"))
-    ema = shardema.EMA(hsdp_model(4, init_device_mesh("cpu", (world,))), policy="versatil", timeout=60)
+    ema = shardema.EMA(hsdp_model(4, init_device_mesh("cpu", (world,))), policy="versatil",
+                       timeout=60)
     state = {"ema": ema.state_dict()}
     dcp.load(state, checkpoint_id=os.path.join(base, "hsdp_dcp"))
     ema.load_state_dict(state["ema"])
@@ -466,6 +470,41 @@ def hsdp_load_fsdp2(rank, world, out):
     full = ema.full_state_dict(rank0_only=False)
     for name, value in saved["full"].items():
         assert torch.equal(full[name], value), f"'{name}' at W = {world}"
+
+
+def hsdp_buffers(rank, world, out):
+    """HSDP (2 x 2), each rank its own inputs: the four ranks' BatchNorm
+    statistics differ. Each rank keeps the EMA of its own; what stands for
+    the job is global rank 0's: the DCP state dict on every rank (each
+    replica's shard group gathers its own rank 0's, the first replica's
+    wins), and a load of the files the first replica wrote."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = hsdp_model(8, mesh)
+    ema = shardema.EMA(model, schedule=schedule(), policy="versatil", timeout=60)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    buffers = dict(model.named_buffers())
+    for step in range(1, STEPS + 1):
+        (model(inputs(3, 100 * step + rank) * (1.0 + rank) + rank)).square().mean().backward()
+        ema.fence()
+        optimizer.step()
+        optimizer.zero_grad()
+        ema.update()
+    mine = ema.ema_tensors(list(buffers))
+    for name, b in buffers.items():  # versatil copies buffers: its own
+        assert torch.equal(mine[name], b.float() if b.is_floating_point() else b), name
+    box = [mine if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    first = box[0]
+    assert rank == 0 or not torch.equal(mine["2.running_mean"], first["2.running_mean"])
+    weights = ema.state_dict()["weights"]
+    for name in buffers:
+        assert torch.equal(weights[name], first[name]), f"state_dict '{name}' on rank {rank}"
+    folder = os.path.join(os.path.dirname(out), "hsdp_buffers_ckpt")
+    ema.save_checkpoint(folder)
+    ema.load_checkpoint(folder)
+    loaded = ema.ema_tensors(list(buffers))
+    for name in buffers:
+        assert torch.equal(loaded[name], first[name]), f"loaded '{name}' on rank {rank}"
 
 
 def hsdp_missing_writer(rank, world, out):
@@ -571,7 +610,8 @@ def hsdp_slow_writer(rank, world, out):
 SCENARIOS = {"tp_train": tp_train, "tp_load_one": tp_load_one, "hsdp_dcp": hsdp_dcp,
              "hsdp_load_fsdp2": hsdp_load_fsdp2, "hsdp_missing_writer": hsdp_missing_writer,
              "tp_load_full": tp_load_full, "tp_callback_one_file": tp_callback_one_file,
-             "whole_gather_only": whole_gather_only, "hsdp_slow_writer": hsdp_slow_writer}
+             "whole_gather_only": whole_gather_only, "hsdp_slow_writer": hsdp_slow_writer,
+             "hsdp_buffers": hsdp_buffers}
 # Scenarios after which the group is out of step (a collective abandoned).
 LAST_ONLY = {"hsdp_missing_writer"}
 
