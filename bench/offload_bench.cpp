@@ -36,7 +36,8 @@
 //                     traffic-limit columns: what kDefaultChunkBytes is
 //                     chosen from.
 //   small/<path>      1000 tensors of 16 elements, see offload_bench_small.cpp.
-// Counters staging_bytes (numSlots x chunkBytes) and device_bytes (0: the
+// Counters staging_bytes (what the staged path allocated: numSlots x
+// chunkBytes for models of more chunks than slots, 0 on the direct path) and device_bytes (0: the
 // EMA and the staging live in host memory) are reported on every row.
 #include <ATen/ops/empty.h>
 #include <benchmark/benchmark.h>

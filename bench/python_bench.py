@@ -42,13 +42,7 @@ import sys
 import tempfile
 import time
 
-import warnings
-
 import torch
-
-# The one-line "no usable CUDA device" warning of each EMA on a host
-# without a GPU says nothing the header does not.
-warnings.filterwarnings("ignore", message="shardema: no usable CUDA device")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)

@@ -12,11 +12,6 @@
 namespace shardema::offload {
 namespace {
 
-// kAuto's choice, one line per process. The no-device case is already
-// announced by probeCudaDevices(); a CUDA engine that fails to start is not.
-void logAutoChoice(const char* line) {
-  detail::warnOnce("makeCopyEngine(kAuto)", std::string("shardema: ") + line);
-}
 
 std::unique_ptr<CopyEngine> makeCuda() {
   TORCH_CHECK(CudaCopyEngine::compiledIn(),
@@ -28,14 +23,18 @@ std::unique_ptr<CopyEngine> makeCuda() {
   return std::make_unique<CudaCopyEngine>();
 }
 
+// kAuto warns only where the user probably expected a GPU to be used: a
+// machine without one, or one whose GPU works, is nothing to warn about.
 std::unique_ptr<CopyEngine> makeAuto() {
-  if (!CudaCopyEngine::compiledIn() || probeCudaDevices().deviceCount == 0) {
+  if (!CudaCopyEngine::compiledIn()) return std::make_unique<HostCopyEngine>();
+  const DeviceProbe& probe = probeCudaDevices();
+  if (probe.deviceCount == 0) {
+    const std::string warning = hostFallbackWarning(probe);
+    if (!warning.empty()) detail::warnOnce("makeCopyEngine(kAuto)", warning);  // once a process
     return std::make_unique<HostCopyEngine>();
   }
   try {
-    auto engine = std::make_unique<CudaCopyEngine>();
-    logAutoChoice("CUDA device found; using the CUDA copy engine");
-    return engine;
+    return std::make_unique<CudaCopyEngine>();
   } catch (const c10::Error& e) {
     // A device that cannot give us streams should not stop training.
     detail::warn(std::string("makeCopyEngine(kAuto): the CUDA copy engine failed to start (") +

@@ -91,12 +91,12 @@ UpdatePipeline::UpdatePipeline(UpdatePipelineOptions options) : options_(std::mo
   TORCH_CHECK_VALUE(pool_->size() >= 1, api,
                     ": the worker pool needs at least one thread, got 0 (the math must not run "
                     "on the copy engine's thread)");
-  for (int s = 0; s < options_.numSlots; ++s) {
-    staging_.push_back(options_.arena != nullptr
-                           ? options_.arena->allocate({options_.chunkBytes}, at::kByte)
-                           : at::empty({options_.chunkBytes}, at::kByte));
-    stagingData_.push_back(static_cast<char*>(staging_.back().data_ptr()));
-  }
+  // The slots themselves come when a staged chunk first needs one
+  // (reserveSlot): a model in host memory never stages, and a small one
+  // needs far less than numSlots x chunkBytes.
+  staging_.resize(options_.numSlots);
+  stagingData_.assign(options_.numSlots, nullptr);
+  slotBytes_.assign(options_.numSlots, 0);
   slotChunk_.assign(options_.numSlots, -1);
   slotCopyError_.assign(options_.numSlots, std::string());
   slotPartError_.assign(options_.numSlots, std::string());
@@ -106,7 +106,27 @@ UpdatePipeline::UpdatePipeline(UpdatePipelineOptions options) : options_(std::mo
   // a version (it runs ahead of the device); host-side engines copy on the
   // CPU's timeline, so a version read after landing is meaningful.
   checkOnLanding_ = options_.engine->copiesOnHostTimeline();
-  stats_.stagingBytes = options_.chunkBytes * options_.numSlots;
+}
+
+void UpdatePipeline::reserveSlot(int slot, int64_t bytes) {
+  if (slotBytes_[slot] >= bytes) return;
+  const int64_t size = std::min(options_.chunkBytes, (bytes + kStagingGranularity - 1) /
+                                                         kStagingGranularity * kStagingGranularity);
+  // The old slot (if any) goes first: the pipeline never holds more than
+  // numSlots x chunkBytes, not even while growing.
+  staging_[slot] = at::Tensor();
+  stagingData_[slot] = nullptr;
+  const int64_t before = std::exchange(slotBytes_[slot], 0);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.stagingBytes -= before;
+  }
+  staging_[slot] = options_.arena != nullptr ? options_.arena->allocate({size}, at::kByte)
+                                             : at::empty({size}, at::kByte);
+  stagingData_[slot] = static_cast<char*>(staging_[slot].data_ptr());
+  slotBytes_[slot] = size;
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.stagingBytes += size;
 }
 
 UpdatePipeline::~UpdatePipeline() {
@@ -195,6 +215,11 @@ void UpdatePipeline::issueChunk(int64_t chunk, int slot) {
   for (int p = 0; p < pieces; ++p) {
     const Piece& piece = pieces_[c.begin + p];
     try {
+      // The slot's first chunk of this update (submit()'s thread: see
+      // reserveSlot) allocates or grows it to what every staged chunk of
+      // the update needs; a refill finds it large enough. A failed
+      // allocation fails the chunk like a failed copy.
+      if (p == 0) reserveSlot(slot, stagedSlotBytes_);
       options_.engine->copyToHost(piece.src, stagingData_[slot] + piece.stagingOffset,
                                   static_cast<size_t>(piece.bytes),
                                   [this, slot](std::exception_ptr e) { onPieceLanded(slot, e); });

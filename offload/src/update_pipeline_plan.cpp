@@ -83,6 +83,13 @@ void UpdatePipeline::plan(const std::vector<PipelineJob>& jobs,
   for (size_t j = 0; j < jobs.size(); ++j) {
     if (!inPlace_[j]) cut(j);
   }
+  // What a slot must hold for this update: the largest staged chunk's end
+  // in its slot (its pieces are in offset order).
+  stagedSlotBytes_ = 0;
+  for (size_t k = static_cast<size_t>(directChunks_); k < chunks_.size(); ++k) {
+    const Piece& last = pieces_[chunks_[k].end - 1];
+    stagedSlotBytes_ = std::max(stagedSlotBytes_, last.stagingOffset + last.bytes);
+  }
 }
 
 }  // namespace shardema::offload

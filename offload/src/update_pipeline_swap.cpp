@@ -2,6 +2,7 @@
 // destinations (the model's tensors, on any device) through the engine.
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <mutex>
 #include <vector>
@@ -21,6 +22,16 @@ void checkSwapJob(const SwapJob& job) {
   TORCH_CHECK_VALUE(job.host.sizes() == job.destination.sizes(), api, ": tensor '", job.name,
                     "' has host shape ", job.host.sizes(), " but destination shape ",
                     job.destination.sizes());
+}
+
+// Whether queueSwapCopies converts `job` through a staging slot: a
+// contiguous destination of another dtype, unless it is in host memory and
+// the engine copies on the host's timeline (then nothing queued on another
+// timeline can still read it, and ATen converts it in place, unstaged).
+bool stagesConversion(const SwapJob& job, const CopyEngine& engine) {
+  const at::Tensor& dst = job.destination;
+  return dst.numel() > 0 && dst.is_contiguous() && dst.scalar_type() != job.host.scalar_type() &&
+         !(dst.device().is_cpu() && engine.copiesOnHostTimeline());
 }
 
 }  // namespace
@@ -54,7 +65,23 @@ void UpdatePipeline::SwapState::done(int slot, const std::string* name, std::exc
 
 void UpdatePipeline::copyTo(const std::vector<SwapJob>& jobs) {
   wait();
-  for (const SwapJob& job : jobs) checkSwapJob(job);
+  int64_t converted = 0;  // the largest staged conversion, bytes
+  int64_t chunks = 0;     // the staging slots they take in turn
+  for (const SwapJob& job : jobs) {
+    checkSwapJob(job);
+    if (stagesConversion(job, *options_.engine)) {
+      // queueSwapCopies' cut: chunkBytes / element size elements a chunk.
+      const int64_t perChunk = options_.chunkBytes / job.destination.element_size();
+      converted = std::max(converted, std::min(perChunk, job.destination.numel()) *
+                                          job.destination.element_size());
+      chunks += (job.destination.numel() + perChunk - 1) / perChunk;
+    }
+  }
+  // Nothing is in flight (wait() above): the slots the conversions take in
+  // turn (chunk k in slot k % numSlots) are allocated or grown here, before
+  // the first copy.
+  const auto slots = static_cast<int>(std::min<int64_t>(options_.numSlots, chunks));
+  for (int slot = 0; slot < slots; ++slot) reserveSlot(slot, converted);
   SwapState state;
   state.slotBusy.assign(options_.numSlots, false);
   CopyEngine& engine = *options_.engine;
@@ -82,6 +109,10 @@ void UpdatePipeline::queueSwapCopies(const std::vector<SwapJob>& jobs, SwapState
       // Rare (parameters are contiguous): ATen's own copy on this thread.
       engine.synchronize();
       dst.detach().copy_(job.host);
+      continue;
+    }
+    if (dst.scalar_type() != job.host.scalar_type() && !stagesConversion(job, engine)) {
+      dst.detach().copy_(job.host);  // see stagesConversion
       continue;
     }
     auto* dstBytes = static_cast<char*>(dst.data_ptr());

@@ -32,6 +32,19 @@ void bindSchedules(py::module_& m) {
       .def(py::self == py::self)
       .def(py::self != py::self)
       .def("__repr__", &DecaySchedule::describe)
+      // pickle, copy and deepcopy (Lightning's ddp_spawn pickles the
+      // callbacks holding one) through the JSON form, which reproduces the
+      // schedule exactly. __reduce__ as well as the state pair: without it
+      // protocols 0 and 1 take copyreg's path, which pybind11 aborts on;
+      // with it every protocol rebuilds as protocol 2 does (__new__, then
+      // __setstate__).
+      .def(py::pickle([](const DecaySchedule& s) { return s.toJson(); },
+                      [](const std::string& json) { return DecaySchedule::fromJson(json); }))
+      .def("__reduce__",
+           [](const DecaySchedule& s) {
+             return py::make_tuple(py::module_::import("copyreg").attr("__newobj__"),
+                                   py::make_tuple(py::type::of<DecaySchedule>()), s.toJson());
+           })
       // The three factories of the C++ class, with its defaults.
       .def_static(
           "warmup",

@@ -191,6 +191,30 @@ TEST(HostCopyEngineTest, DestructorDrains) {
   for (const auto& d : dst) EXPECT_EQ(d, source);
 }
 
+// The first engine of a process (its own suite: ctest runs each suite in a
+// fresh process, so the probe runs here): kAuto warns only where a driver
+// is installed and no device can be used. A machine without a GPU, or one
+// whose GPU works, gets no warning.
+TEST(AutoEngineWarningTest, AutoWarnsOnlyAboutAGpuThatCannotBeUsed) {
+  struct Recorder : c10::WarningHandler {
+    void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+    std::vector<std::string> messages;
+  } recorder;
+  {
+    c10::WarningUtils::WarningHandlerGuard guard(&recorder);
+    makeCopyEngine(EngineChoice::kAuto);
+    makeCopyEngine(EngineChoice::kAuto);
+  }
+  const DeviceProbe& probe = probeCudaDevices();
+  if (!probe.unusableDevice) {
+    EXPECT_TRUE(recorder.messages.empty())
+        << "nothing to warn about (" << probe.reason << "), got: " << recorder.messages.front();
+    return;
+  }
+  ASSERT_EQ(recorder.messages.size(), 1u) << "one warning per process";
+  EXPECT_NE(recorder.messages[0].find(probe.reason), std::string::npos) << recorder.messages[0];
+}
+
 TEST(MakeCopyEngineTest, AutoPicksCudaOnlyWithADevice) {
   const bool cuda = CudaCopyEngine::compiledIn() && probeCudaDevices().deviceCount > 0;
   EXPECT_STREQ(makeCopyEngine(EngineChoice::kAuto)->name(), cuda ? "cuda" : "host");

@@ -119,8 +119,11 @@ struct AveragerOffloadOptions {
   int64_t chunkBytes = int64_t{8} << 20;
   /// Staging slots (default 4, offload::kDefaultNumSlots; 2 is double
   /// buffering). More slots let copies run further ahead of the math when
-  /// their rates vary, each for chunkBytes more staging (numSlots x
-  /// chunkBytes, held for the Averager's life; 32 MiB by default).
+  /// their rates vary, each for up to chunkBytes more staging. Staging is
+  /// allocated at the first update that stages (device sources) and held
+  /// for the Averager's life: at most numSlots x chunkBytes (32 MiB by
+  /// default), less for a model of fewer chunks, none for a model in host
+  /// memory (offload/update_pipeline.h, "Staging memory").
   int numSlots = 4;
   /// false (default, DESIGN.md section 2): update() returns at once and the
   /// caller calls fence() before the sources change (update after the

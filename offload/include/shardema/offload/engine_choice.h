@@ -7,7 +7,10 @@ namespace shardema {
 namespace offload {
 
 enum class EngineChoice {
-  /// CUDA when a device is present at run time, else host (logged once).
+  /// CUDA when a device is present at run time, else host: silently on a
+  /// machine without a GPU (no driver, or no device), with one warning per
+  /// process where a driver is installed but no device can be used
+  /// (detail/device_probe.h says why and what to do).
   kAuto,
   /// HostCopyEngine: one copy thread, memcpy. For CPU training.
   kHost,

@@ -32,7 +32,10 @@ struct PipelineStats {
   int64_t stagedParts = 0;
   /// Seconds the last fence() blocked.
   double lastFenceWaitSeconds = 0.0;
-  /// Staging memory held for the pipeline's life: numSlots x chunkBytes.
+  /// Staging memory held now: 0 until a staged chunk needs a slot (always
+  /// 0 for sources in host memory), then what the largest update's staged
+  /// chunks needed, each slot rounded up to a page, never more than
+  /// numSlots x chunkBytes (update_pipeline.h, "Staging memory").
   int64_t stagingBytes = 0;
 };
 

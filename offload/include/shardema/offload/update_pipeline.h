@@ -19,6 +19,21 @@
 // staged chunks' math competes for the workers, so their reads (which
 // fence() waits for) finish early.
 //
+// Staging memory: allocated when first needed, never per update. The
+// constructor allocates none. A slot is allocated (from the arena) when a
+// staged chunk first needs it, on the submitting thread (submit() issues
+// every slot's first chunk of an update; the workers' refills find it
+// large enough), as large as the largest staged chunk of that update
+// rounded up to kStagingGranularity, at most chunkBytes, and only as many
+// slots as the update has staged chunks, at most numSlots. copyTo()
+// allocates the same way for the conversions it stages (a dtype change
+// into a device tensor; host destinations are converted in place). A slot
+// is kept for the pipeline's life and replaced by a larger one only when
+// a later update needs more (a model whose staged bytes grew). So a model
+// in host memory holds no staging, a small one on a device one small slot,
+// and one of more than numSlots chunks numSlots x chunkBytes, its most,
+// all allocated at its first update (PipelineStats::stagingBytes).
+//
 // Threads: submit/fence/wait/copyTo are for one user thread
 // (the training loop); the math runs on the WorkerPool, each chunk or part
 // on one thread (the kernels start none, so no work nests in a worker), copy completions on
@@ -94,6 +109,10 @@ class PinnedArena;
 /// fill (the first math waits for a whole chunk).
 constexpr int64_t kDefaultChunkBytes = int64_t{8} << 20;
 constexpr int kDefaultNumSlots = 4;
+/// Staging slots smaller than chunkBytes are allocated in multiples of this
+/// (a page: the arena hands out whole pages anyway), so a model whose
+/// staged bytes change by a few bytes does not reallocate.
+constexpr int64_t kStagingGranularity = 4096;
 
 struct UpdatePipelineOptions {
   /// Bytes per staging slot and the most per direct chunk, >= 64 (default
@@ -104,8 +123,10 @@ struct UpdatePipelineOptions {
   /// than the last-level cache is evicted before the worker reads it back,
   /// so its bytes cross the memory bus twice more (see kDefaultChunkBytes).
   int64_t chunkBytes = kDefaultChunkBytes;
-  /// Staging slots, >= 1 (default kDefaultNumSlots). Staging memory is
-  /// numSlots x chunkBytes, allocated once, whatever the model size.
+  /// Staging slots, >= 1 (default kDefaultNumSlots). Staging memory is at
+  /// most numSlots x chunkBytes, and only what the staged bytes need: none
+  /// for sources in host memory, one slot of about the model's size for a
+  /// device model smaller than a chunk (see the file comment).
   int numSlots = kDefaultNumSlots;
   /// Threads for the math; not owned, must outlive the pipeline and have
   /// at least one worker (the engine's thread must not run the math).
@@ -164,7 +185,8 @@ struct SwapJob {
 
 class UpdatePipeline {
  public:
-  /// Allocates the staging slots. c10::ValueError for bad options.
+  /// Checks the options; allocates no staging (see the file comment).
+  /// c10::ValueError for bad options.
   explicit UpdatePipeline(UpdatePipelineOptions options);
   /// Waits for an update in flight (an error is dropped with a warning).
   ~UpdatePipeline();
@@ -250,6 +272,12 @@ class UpdatePipeline {
   // Whether job `job`'s source takes the direct path.
   bool readsInPlace(const PipelineJob& job, size_t index) const;
   void issueChunk(int64_t chunk, int slot);
+  // Makes slot `slot` hold at least `bytes` (rounded up to
+  // kStagingGranularity, at most chunkBytes), allocating or replacing it.
+  // It allocates only on the submitting thread, while no copy uses the
+  // slot (submit() issuing a slot's first chunk, copyTo()); a worker's
+  // refill finds the slot large enough and returns.
+  void reserveSlot(int slot, int64_t bytes);
   void onPieceLanded(int slot, std::exception_ptr error);
   int64_t chunkInSlot(int slot) const;
   // How many parts (one worker task each) a landed staged chunk's math takes.
@@ -285,8 +313,11 @@ class UpdatePipeline {
 
   UpdatePipelineOptions options_;
   WorkerPool* pool_ = nullptr;
-  std::vector<at::Tensor> staging_;  // numSlots slots of chunkBytes
+  // numSlots entries from the constructor on (so that a slot's entries
+  // never move); a slot is undefined / nullptr / 0 until reserveSlot().
+  std::vector<at::Tensor> staging_;
   std::vector<char*> stagingData_;
+  std::vector<int64_t> slotBytes_;
 
   // The update in flight. Written by submit() before any copy is queued and
   // read-only afterwards (the engine and pool hand-offs order it).
@@ -295,6 +326,7 @@ class UpdatePipeline {
   std::vector<Chunk> chunks_;   // direct chunks first, then staged ones
   std::vector<char> inPlace_;   // per job: takes the direct path (plan())
   int64_t directChunks_ = 0;    // chunks_[0, directChunks_) are direct
+  int64_t stagedSlotBytes_ = 0;  // the largest staged chunk's extent in its slot
   std::vector<float> weights_;  // one per profile
   int64_t step_ = 0;
 
