@@ -18,6 +18,7 @@
 #include "shardema/core/tensor_update.h"
 #include "shardema/core/update_kernels.h"
 #include "shardema/core/warning.h"
+#include "shardema/weight_swap.h"
 
 namespace shardema {
 namespace {
@@ -35,6 +36,13 @@ void checkReadable(const TrackedTensor& tracked) {
   TORCH_CHECK_VALUE(source.layout() == at::kStrided, "Averager: tensor '", tracked.name,
                     "' has layout ", source.layout(),
                     "; only dense (strided) tensors can be tracked (densify it with to_dense())");
+  // A tensor subclass (a DTensor, a wrapper) may have no data of its own,
+  // or data that is not its values: the engine reads bytes, so it tracks
+  // the plain tensor inside (a DTensor's to_local()).
+  TORCH_CHECK_VALUE(!source.key_set().has(c10::DispatchKey::Python), "Averager: tensor '",
+                    tracked.name,
+                    "' is a tensor subclass (Python dispatch, e.g. a DTensor); track the plain "
+                    "tensor that holds its values (a DTensor's to_local())");
   TORCH_CHECK_VALUE(source.has_storage(), "Averager: tensor '", tracked.name,
                     "' has no storage to read its values from (a ", source.toString(),
                     "); track a dense tensor");
@@ -48,7 +56,11 @@ void checkTracked(const TrackedTensor& tracked, std::unordered_set<std::string>&
                     "' has an undefined source");
   checkReadable(tracked);
   if (isAveragingRole(tracked.role)) {
-    sourceTypeOf(tracked.source, tracked.name);  // float32/bfloat16/float16, else TypeError
+    const at::ScalarType dtype = tracked.source.scalar_type();
+    TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                     "Averager: tensor '", tracked.name, "' is ", c10::getDtypeNames(dtype).first,
+                     "; the EMA averages float32, bfloat16 and float16 tensors (in float32): "
+                     "convert the model first (to float32), or leave the tensor out of the EMA");
   } else {
     TORCH_CHECK_TYPE(tensorFilesCanHold(tracked.source.scalar_type()), "Averager: tensor '",
                      tracked.name, "' is tracked as a copy (role ", trackRoleName(tracked.role),
@@ -232,7 +244,7 @@ void Averager::judgeWrites() const {
     return out.str();
   };
   std::ostringstream message;
-  message << "EMA: " << names(written) << (written.size() > 1 ? " were" : " was")
+  message << "Averager: " << names(written) << (written.size() > 1 ? " were" : " was")
           << " written in place after update(" << step_
           << ") returned and before the next fence() (the next optimizer step), while the "
              "update may have been reading "
@@ -261,6 +273,14 @@ bool Averager::update(int64_t step) {
                     step);
   TORCH_CHECK_VALUE(step > step_, "Averager::update: step must increase; got step ", step,
                     " after step ", step_);
+  // Inside a swap the model holds EMA weights (this one's or another's):
+  // averaging them as the model's would fold an EMA into itself.
+  for (const TrackedTensor& t : tracked_) {
+    const std::optional<std::string> owner = swappedInBy(t.source);
+    TORCH_CHECK_VALUE(!owner, "Averager::update: tensor '", t.name, "' holds the EMA weights ",
+                      *owner, " swapped in; update() after that swap ends (the model's ",
+                      "weights are not in it until then)");
+  }
   // Read before the wait below releases the sources.
   const bool fenced = emaStore.sourcesReleased();
   settle("update");  // the one wait; a written source seen by it is reported first
@@ -366,7 +386,7 @@ std::vector<std::pair<std::string, at::Tensor>> Averager::emaTensors(int profile
   return out;
 }
 
-void Averager::rebindSource(const std::string& name, const at::Tensor& source) {
+void Averager::rebindSource(const std::string& name, const at::Tensor& source, bool newWriter) {
   const size_t index = indexOf(name, "rebindSource");
   TrackedTensor replacement = tracked_[index];
   replacement.source = source;
@@ -381,7 +401,8 @@ void Averager::rebindSource(const std::string& name, const at::Tensor& source) {
                     source.device(), " but the EMA follows a ", old.scalar_type(),
                     " tensor of shape ", old.sizes(), " on ", old.device());
   // No wait: an update in flight reads its own handles of the old source.
-  store("rebindSource").rebind(index, source);
+  if (newWriter) replacement.writeVersion = std::nullopt;
+  store("rebindSource").rebind(index, source, newWriter);
   tracked_[index] = std::move(replacement);
 }
 

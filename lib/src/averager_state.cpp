@@ -215,16 +215,22 @@ TensorFile Averager::state() const {
               "restoreProgress");
   TensorFile file;
   file.tensors = emaTensors();
+  file.metadata = stateMetadata();
+  return file;
+}
+
+std::map<std::string, std::string> Averager::stateMetadata() const {
   nlohmann::json roles = nlohmann::json::object();
   for (const TrackedTensor& t : tracked_) roles[t.name] = trackRoleName(t.role);
-  file.metadata[kKindKey] = kAveragerKind;
-  file.metadata[detail::kStepKey] = std::to_string(step_);
-  file.metadata[detail::kInitializedKey] = initialized_ ? "true" : "false";
-  file.metadata[detail::kLastDecayKey] = detail::formatDecimal17(lastDecay_);
-  file.metadata[detail::kScheduleKey] = options_.schedule.toJson();
-  file.metadata[detail::kRolesKey] = roles.dump();
-  file.metadata[detail::kStateChecksumKey] = checksumHex(stateDigest(file.metadata));
-  return file;
+  std::map<std::string, std::string> metadata;
+  metadata[kKindKey] = kAveragerKind;
+  metadata[detail::kStepKey] = std::to_string(step_);
+  metadata[detail::kInitializedKey] = initialized_ ? "true" : "false";
+  metadata[detail::kLastDecayKey] = detail::formatDecimal17(lastDecay_);
+  metadata[detail::kScheduleKey] = options_.schedule.toJson();
+  metadata[detail::kRolesKey] = roles.dump();
+  metadata[detail::kStateChecksumKey] = checksumHex(stateDigest(metadata));
+  return metadata;
 }
 
 LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness) {

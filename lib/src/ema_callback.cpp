@@ -145,31 +145,24 @@ void EmaCallback::onValidationStart() {
   TORCH_CHECK(!emaSwappedIn(),
               "EmaCallback::onValidationStart: the EMA weights are already "
               "swapped in");
-  // The update in flight reads the weights we are about to replace, and its
-  // math must be done before the EMA is copied out.
+  // The math of the update in flight must be done before the EMA is
+  // copied out (the swap itself fences every Averager before it writes).
   averager_->wait();
-  // The raw weights wait in host memory: a second copy on the accelerator
-  // is exactly what an offloaded EMA must not cost.
-  NamedTensors raw;
-  for (const TrackedTensor& t : averager_->tracked()) {
-    raw.emplace_back(t.name, t.source.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
-  }
-  rawDuringValidation_ = std::move(raw);
+  NamedTensors targets;
+  for (const TrackedTensor& t : averager_->tracked()) targets.emplace_back(t.name, t.source);
+  swap_ = std::make_unique<WeightSwap>(std::move(targets), "EmaCallback");
   try {
     averager_->copyTo();
   } catch (...) {
-    onValidationEnd();  // a partial swap must not leave the module half EMA
+    swap_.reset();  // a partial swap must not leave the module half EMA
     throw;
   }
 }
 
 void EmaCallback::onValidationEnd() {
   if (!emaSwappedIn()) return;
-  c10::NoGradGuard noGrad;
-  std::unordered_map<std::string, at::Tensor> sources;
-  for (const TrackedTensor& t : averager_->tracked()) sources[t.name] = t.source;
-  for (const auto& [name, raw] : rawDuringValidation_) sources.at(name).detach().copy_(raw);
-  rawDuringValidation_.clear();
+  swap_->restore();
+  swap_.reset();
 }
 
 EmaValidationScope::~EmaValidationScope() {

@@ -61,7 +61,12 @@ class EmaStore {
   virtual void copyTo() = 0;
   /// Reads `source` for tracked tensor `index` from now on (the Averager
   /// has checked it against the old one). The caller has waited.
-  void rebind(size_t index, const at::Tensor& source) { bound_[index].source = source; }
+  /// `newWriter`: the source's own version counter from now on (see
+  /// Averager::rebindSource).
+  void rebind(size_t index, const at::Tensor& source, bool newWriter) {
+    bound_[index].source = source;
+    if (newWriter) bound_[index].writeVersion = std::nullopt;
+  }
   /// The pipeline's counters (zero for the device store).
   virtual offload::PipelineStats stats() const = 0;
 

@@ -110,23 +110,21 @@ bool PostHocCallback::onValidationStart() {
 
 void PostHocCallback::onValidationEnd() {
   if (!emaSwappedIn()) return;
-  torch::NoGradGuard noGrad;
-  std::unordered_map<std::string, at::Tensor> raw = byName(rawDuringValidation_);
-  for (TrackedTensor& target : swapTargets_) {
-    const auto found = raw.find(target.name);
-    if (found != raw.end()) target.source.copy_(found->second);
-  }
-  rawDuringValidation_.clear();
+  swap_->restore();
+  swap_.reset();
 }
 
+// The swap (weight_swap.h) of the floating targets: their raw values in
+// host memory, every Averager fenced first, a module another swap holds
+// refused naming the holder.
 void PostHocCallback::keepRawForValidation() {
-  NamedTensors raw;
+  NamedTensors targets;
   for (const TrackedTensor& target : swapTargets_) {
     if (at::isFloatingType(target.source.scalar_type())) {
-      raw.emplace_back(target.name, target.source.detach().clone());
+      targets.emplace_back(target.name, target.source);
     }
   }
-  rawDuringValidation_ = std::move(raw);
+  swap_ = std::make_unique<WeightSwap>(std::move(targets), kFinishApi);
 }
 
 void PostHocCallback::swapInValues(const std::unordered_map<std::string, at::Tensor>& values) {

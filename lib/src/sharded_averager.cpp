@@ -24,11 +24,12 @@ void checkShard(const LocalShard& shard, int64_t rank, int64_t worldSize) {
                     " is outside the world size ", worldSize, " of tensor '", spec.name, "'");
   TORCH_CHECK_VALUE(shard.local.defined(), kShardedApi, ": tensor '", spec.name,
                     "' has an undefined local shard");
-  const int64_t expected = spec.rangeOf(rank).size();
-  TORCH_CHECK_VALUE(shard.local.numel() == expected, kShardedApi, ": tensor '", spec.name,
+  const shard::ElementRange held = spec.heldRange(rank);
+  TORCH_CHECK_VALUE(shard.local.numel() == held.size(), kShardedApi, ": tensor '", spec.name,
                     "' has a local shard of ", shard.local.numel(), " elements but rank ", rank,
-                    " owns ", expected, " (range [", spec.rangeOf(rank).begin, ", ",
-                    spec.rangeOf(rank).end, ") of ", spec.numel(), ")");
+                    " holds ", held.size(), " (range [", held.begin, ", ", held.end, ") of ",
+                    spec.numel(), spec.kind == shard::LayoutKind::kPerRank ? ", per_rank" : "",
+                    ")");
   TORCH_CHECK_VALUE(shard.local.scalar_type() == spec.dtype, kShardedApi, ": tensor '", spec.name,
                     "' has a local shard of dtype ", shard.local.scalar_type(),
                     " but its spec says ", spec.dtype);
@@ -92,6 +93,7 @@ std::pair<int64_t, int64_t> chunkRows(int64_t d0, int64_t rank, int64_t worldSiz
 
 at::Tensor localRowsOf(const at::Tensor& full, shard::LayoutKind kind, int64_t rank,
                        int64_t worldSize) {
+  if (kind == shard::LayoutKind::kPerRank) return full;  // every rank its own, whole
   if (full.dim() == 0) {
     // 0-dim: rank 0 owns the one element; the others an empty piece.
     return rank == 0 ? full : full.reshape({-1}).narrow(0, 1, 0);
@@ -114,6 +116,8 @@ shard::ShardSpec specFor(const TrackedTensor& tensor, shard::LayoutKind kind, in
       return shard::replicatedSpec(tensor.name, shape, dtype, worldSize);
     case shard::LayoutKind::kRankZero:
       return shard::rankZeroSpec(tensor.name, shape, dtype, worldSize);
+    case shard::LayoutKind::kPerRank:
+      return shard::perRankSpec(tensor.name, shape, dtype, worldSize);
     case shard::LayoutKind::kFsdp1:
       break;
   }
@@ -139,14 +143,49 @@ std::map<std::string, std::vector<std::string>> ShardedAverager::aliases() const
   return aliasesOf(shards_);
 }
 
-void ShardedAverager::rebindLocal(const std::string& name, const at::Tensor& local) {
+void ShardedAverager::rebindLocal(const std::string& name, const at::Tensor& local,
+                                  bool newWriter) {
   for (LocalShard& shard : shards_) {
     if (shard.spec.name != name) continue;
-    averager_.rebindSource(name, local);
+    averager_.rebindSource(name, local, newWriter);
     shard.local = local;
+    if (newWriter) shard.writeVersion = std::nullopt;
     return;
   }
   TORCH_CHECK_INDEX(false, kShardedApi, "::rebindLocal: no tensor '", name, "'");
+}
+
+void ShardedAverager::followReplaced(const std::string& name, const at::Tensor& full) {
+  const char* api = "ShardedAverager::followReplaced";
+  for (LocalShard& shard : shards_) {
+    if (shard.spec.name != name) continue;
+    TORCH_CHECK_VALUE(full.defined(), api, ": tensor '", name, "' was removed from its module");
+    TORCH_CHECK_VALUE(!full.key_set().has(c10::DispatchKey::Python), api, ": tensor '", name,
+                      "' was replaced by a tensor subclass (Python dispatch, e.g. a DTensor: ",
+                      "the model sharded after the EMA was built); build the EMA after sharding");
+    TORCH_CHECK_VALUE(shard.spec.kind != shard::LayoutKind::kFsdp1 && shard.splitDim == 0, api,
+                      ": tensor '", name, "' was replaced, and its ",
+                      shard.splitDim != 0 ? "tensor-parallel piece" : "FSDP1 flat-shard piece",
+                      " cannot be cut from the new tensor; build a new EMA");
+    TORCH_CHECK_VALUE(full.layout() == at::kStrided, api, ": tensor '", name,
+                      "' was replaced by a ", full.layout(), " tensor; the EMA follows dense ",
+                      "tensors only");
+    const bool same = full.scalar_type() == shard.spec.dtype &&
+                      full.sizes() == c10::IntArrayRef(shard.spec.globalShape) &&
+                      full.device() == shard.local.device();
+    TORCH_CHECK_VALUE(same, api, ": tensor '", name, "' changed after the EMA was built, from ",
+                      shard.spec.dtype, " ", c10::IntArrayRef(shard.spec.globalShape), " on ",
+                      shard.local.device(), " to ", full.scalar_type(), " ", full.sizes(), " on ",
+                      full.device(),
+                      ": the EMA cannot follow it (convert or move the model before building "
+                      "the EMA)");
+    TORCH_CHECK_VALUE(full.is_contiguous(), api, ": tensor '", name,
+                      "' was replaced by a non-contiguous tensor; the EMA follows contiguous ones");
+    rebindLocal(name, localRowsOf(full.detach(), shard.spec.kind, rank_, worldSize_),
+                /*newWriter=*/true);
+    return;
+  }
+  TORCH_CHECK_INDEX(false, api, ": no tensor '", name, "'");
 }
 
 std::vector<at::Tensor> ShardedAverager::localEma() const {
@@ -163,6 +202,7 @@ std::vector<at::Tensor> ShardedAverager::piecesInSpecOrder() const {
   std::vector<at::Tensor> pieces = localEma();
   for (size_t i = 0; i < shards_.size(); ++i) {
     const LocalShard& shard = shards_[i];
+    pieces[i] = detail::rangeOfHeld(shard.spec, rank_, pieces[i]);
     if (shard.splitDim == 0) continue;
     pieces[i] =
         pieces[i].view(shard.local.sizes()).movedim(shard.splitDim, 0).contiguous().view({-1});

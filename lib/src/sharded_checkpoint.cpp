@@ -5,6 +5,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <memory>
 #include <system_error>
 
 #include "sharded_internal.h"
@@ -64,30 +65,67 @@ void checkSameJob(const ShardedAverager& averager, const RankManifest& manifest,
                     shard::layoutDifference(manifest.layout, here));
 }
 
-// The rank file must hold exactly the layout's tensors with this rank's
-// sizes, in the dtypes our EMA storage has (a silent conversion on load
-// would hide a file written by something else).
-TensorFile readRankTensors(const TensorFileReader& reader, const ShardedAverager& averager) {
+// `name` in `reader` must be `count` elements of `dtype` (the dtypes our EMA
+// storage has: a silent conversion on load would hide a file written by
+// something else).
+void checkStored(const TensorFileReader& reader, const std::string& name, int64_t count,
+                 c10::ScalarType dtype, int64_t rank) {
   const std::string& path = reader.path();
-  const shard::ShardLayout& layout = averager.layout();
+  TORCH_CHECK_VALUE(reader.contains(name), path, ": tensor '", name, "' of the layout is missing");
+  TORCH_CHECK_VALUE(reader.entry(name).numel() == count, path, ": tensor '", name, "' has ",
+                    reader.entry(name).numel(), " elements, rank ", rank, " owns ", count);
+  TORCH_CHECK_VALUE(reader.scalarType(name) == dtype, path, ": tensor '", name, "' is stored as ",
+                    reader.scalarType(name), " but the EMA keeps ", dtype);
+}
+
+// The rank file must hold exactly the layout's tensors with this rank's
+// sizes. A per-rank tensor is loaded from rank 0's file (`rankZero`, set on
+// the other ranks when the layout has one), as rank 0's copy stands for it:
+// every rank resumes with rank 0's, as DDP's next forward would make the
+// buffers themselves.
+TensorFile readRankTensors(const TensorFileReader& reader, const TensorFileReader* rankZero,
+                           const ShardedAverager& averager) {
+  const int64_t rank = averager.rank();
   TensorFile file;
-  for (const shard::ShardSpec& spec : layout.specs) {
-    TORCH_CHECK_VALUE(reader.contains(spec.name), path, ": tensor '", spec.name,
-                      "' of the layout is missing");
+  for (const shard::ShardSpec& spec : averager.layout().specs) {
     // The EMA's dtype and shape without waiting: a failed Averager is
     // loaded into too (that is how it recovers).
     const auto [emaDtype, emaShape] = averager.averager().emaDtypeAndShape(spec.name);
-    const int64_t expected = spec.rangeOf(averager.rank()).size();
-    TORCH_CHECK_VALUE(reader.entry(spec.name).numel() == expected, path, ": tensor '", spec.name,
-                      "' has ", reader.entry(spec.name).numel(), " elements, rank ",
-                      averager.rank(), " owns ", expected);
-    TORCH_CHECK_VALUE(reader.scalarType(spec.name) == emaDtype, path, ": tensor '", spec.name,
-                      "' is stored as ", reader.scalarType(spec.name), " but the EMA keeps ",
-                      emaDtype);
-    file.tensors.emplace_back(spec.name, reader.read(spec.name).reshape(emaShape));
+    checkStored(reader, spec.name, spec.rangeOf(rank).size(), emaDtype, rank);
+    const TensorFileReader* source = &reader;
+    if (spec.kind == shard::LayoutKind::kPerRank && rank != 0) {
+      TORCH_INTERNAL_ASSERT(rankZero != nullptr);
+      source = rankZero;
+      checkStored(*source, spec.name, spec.numel(), emaDtype, 0);
+    }
+    // read() checks the tensor's own checksum (the only check of rank 0's
+    // file made here: see openRankZero).
+    file.tensors.emplace_back(spec.name, source->read(spec.name).reshape(emaShape));
   }
   file.metadata = reader.header().metadata;
   return file;
+}
+
+// Rank 0's file, on another rank whose layout has per-rank tensors (null
+// otherwise). Its tensors are read one by one, each against its own
+// checksum, which our files always carry (required here), instead of
+// hashing all of rank 0's file on every rank; its metadata must name rank
+// 0 of this checkpoint.
+std::unique_ptr<TensorFileReader> openRankZero(const std::string& dir, const RankManifest& manifest,
+                                               const ShardedAverager& averager) {
+  bool perRank = false;
+  for (const shard::ShardSpec& spec : averager.layout().specs) {
+    perRank = perRank || spec.kind == shard::LayoutKind::kPerRank;
+  }
+  if (!perRank || averager.rank() == 0) return nullptr;
+  auto reader = std::make_unique<TensorFileReader>(detail::joinPath(dir, manifest.files[0].name));
+  TORCH_CHECK_VALUE(reader->hasChecksums(), reader->path(),
+                    ": rank 0's file carries no tensor checksums (shardema.xxh64), which a load "
+                    "of its per_rank tensors on rank ",
+                    averager.rank(), " checks");
+  detail::checkRankMetadata(reader->path(), reader->header().metadata, 0, manifest.worldSize(),
+                            manifest.layout.fingerprint(), manifest.step);
+  return reader;
 }
 
 void checkNoUnknownTensors(const TensorFileReader& reader, const shard::ShardLayout& layout) {
@@ -118,14 +156,23 @@ RankFileRecord writeRankFile(const std::string& dir, const ShardedAverager& aver
   }
   detail::ensureDirectory(dir, "writeRankFile");
   const TensorFile state = averager.averager().state();
+  // Each tensor's range of this rank (rangeOf): a per-rank tensor is in
+  // rank 0's file alone, as rank 0's copy stands for it.
+  const shard::ShardLayout& layout = averager.layout();
+  TORCH_INTERNAL_ASSERT(state.tensors.size() == layout.specs.size());
   std::vector<TensorFileEntry> entries;
-  for (const auto& [name, ema] : state.tensors) {
-    entries.push_back({name, ema.scalar_type(), {ema.numel()}});
+  for (size_t i = 0; i < state.tensors.size(); ++i) {
+    const auto& [tensorName, ema] = state.tensors[i];
+    TORCH_INTERNAL_ASSERT(tensorName == layout.specs[i].name);
+    entries.push_back(
+        {tensorName, ema.scalar_type(), {layout.specs[i].rangeOf(averager.rank()).size()}});
   }
   TensorFileWriter writer(detail::joinPath(dir, name), std::move(entries),
                           detail::rankMetadata(state.metadata, averager.rank(), averager.layout()));
-  for (const auto& [tensorName, ema] : state.tensors) {
-    writer.append(ema.is_cpu() ? ema.contiguous() : ema.to(c10::Device(c10::kCPU)).contiguous());
+  for (size_t i = 0; i < state.tensors.size(); ++i) {
+    const at::Tensor& ema = state.tensors[i].second;
+    const at::Tensor flat = (ema.is_cpu() ? ema : ema.to(c10::Device(c10::kCPU))).reshape({-1});
+    writer.append(detail::rangeOfHeld(layout.specs[i], averager.rank(), flat).contiguous());
   }
   writer.commit();
   return RankFileRecord{averager.rank(), name, writer.fileSize(), writer.checksum()};
@@ -187,7 +234,8 @@ void loadCheckpoint(const std::string& dir, ShardedAverager& averager) {
   } catch (const c10::ValueError& error) {
     TORCH_CHECK_VALUE(false, reader.path(), ": ", error.what_without_backtrace());
   }
-  const TensorFile state = readRankTensors(reader, averager);
+  const std::unique_ptr<TensorFileReader> rankZero = openRankZero(dir, manifest, averager);
+  const TensorFile state = readRankTensors(reader, rankZero.get(), averager);
   try {
     averager.averager().loadState(state, LoadStrictness::kStrict);
   } catch (const c10::ValueError& error) {

@@ -97,6 +97,12 @@ std::map<std::string, std::string> exportedMetadata(int64_t step, const DecaySch
   return deployableMetadata(info);
 }
 
+at::Tensor rangeOfHeld(const shard::ShardSpec& spec, int64_t rank, const at::Tensor& held) {
+  const shard::ElementRange range = spec.rangeOf(rank);
+  const int64_t begin = range.begin - spec.heldRange(rank).begin;
+  return range.size() == held.numel() ? held : held.narrow(0, begin, range.size());
+}
+
 int64_t elementsPerPiece(int64_t bufferBytes, c10::ScalarType dtype) {
   return std::max<int64_t>(1, bufferBytes / static_cast<int64_t>(c10::elementSize(dtype)));
 }

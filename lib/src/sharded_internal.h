@@ -56,6 +56,12 @@ c10::ScalarType exportedDtype(c10::ScalarType stored, c10::ScalarType dtype);
 std::map<std::string, std::string> exportedMetadata(int64_t step, const DecaySchedule& schedule,
                                                     int64_t sourceWorldSize);
 
+/// The part of `held` (1-D: `rank`'s local elements of `spec`, its
+/// heldRange) that `rank` stands for in gathers and files (its rangeOf): a
+/// view, all of it except under kPerRank, where rank 0's is all and the
+/// others' is empty.
+at::Tensor rangeOfHeld(const shard::ShardSpec& spec, int64_t rank, const at::Tensor& held);
+
 /// Elements per piece for a buffer bound of `bufferBytes` (at least 1).
 int64_t elementsPerPiece(int64_t bufferBytes, c10::ScalarType dtype);
 

@@ -13,7 +13,11 @@ says where its rows lie in the full tensor:
   rank averages: Shard(0) over the mesh's last dimension (the group's),
   Replicate() over the first (HSDP's replicas). DCP writes a chunk that
   replicas share once (it dedupes equal chunks), so one copy is stored;
-- a plain full tensor on every rank ("whole") with one process;
+- a plain full tensor on every rank ("whole"): with one process, and for
+  what each rank keeps whole as its own (a module's buffers under DDP and
+  FSDP2, whose ranks' BatchNorm statistics differ), where the state holds
+  rank 0's (gathered: state_dict() is then collective), so the one copy
+  DCP writes is rank 0's and every rank loads it;
 - a plain full tensor on rank 0 only ("rank0"): layout="rank0", and the
   0-dim tensors of the other layouts, which rank 0 keeps.
 
@@ -130,14 +134,16 @@ def _sources(ema: Any) -> Dict[str, Any]:
     return {t.name: t.tensor for t in module_tensors(ema._model, "versatil")}
 
 
-def _layout(ema: Any, raw: Optional[Dict[str, Any]] = None) -> _Layout:
+def _layout(ema: Any, engine: Any, raw: Optional[Dict[str, Any]] = None) -> _Layout:
     """This EMA's _Layout, worked out once from the engine's state (`raw`,
     or one taken here) and the model's tensors."""
     known = _LAYOUTS.get(ema)
     if known is not None:
         return known
     if raw is None:
-        raw = ema._engine.state_dict()
+        # The structure alone (no values, no wait): a failed EMA answers too,
+        # so that a load can restore it.
+        raw = engine.state_template()
     out = _Layout(rank=ema.rank, world=ema.world_size)
     sources = _sources(ema)
     if out.world > 1 and not sources:
@@ -154,6 +160,10 @@ def _layout(ema: Any, raw: Optional[Dict[str, Any]] = None) -> _Layout:
                                   for key in ("shardema.schedule", "shardema.roles")}
     dtensors = [t for t in sources.values() if is_dtensor(t)]
     meshes: Dict[int, Any] = {}
+    # What the planner keeps per rank (_model.py): the module's plain buffers.
+    per_rank = {t.name for t in module_tensors(ema._model, "versatil")
+                if t.is_buffer and not is_dtensor(t.tensor)} \
+        if out.world > 1 and ema.layout in ("replicated", "fsdp2") else set()
 
     def rows_mesh(source: Any, device_type: str) -> Any:
         # FSDP2: the parameters' mesh, for their buffers too; DDP: the group's.
@@ -170,7 +180,9 @@ def _layout(ema: Any, raw: Optional[Dict[str, Any]] = None) -> _Layout:
         shape = tuple(source.shape) if source is not None else tuple(local.shape)
         piece = _Piece("whole", shape, tuple(local.shape), local.dtype)
         placed = source is not None and is_dtensor(source) or out.world > 1
-        if placed and (ema.layout == "rank0" or not shape):
+        if name in per_rank:
+            pass  # "whole": each rank's own; state_dict() gives rank 0's
+        elif placed and (ema.layout == "rank0" or not shape):
             piece.owner = "rank0"  # a 0-dim tensor: rank 0 keeps it
         elif placed:
             piece.owner = "placed"
@@ -189,12 +201,24 @@ def _layout(ema: Any, raw: Optional[Dict[str, Any]] = None) -> _Layout:
     return out
 
 
-def state_dict(ema: Any) -> Dict[str, Any]:
+def state_dict(ema: Any, engine: Any) -> Dict[str, Any]:
     """{"weights": {name: DTensor or tensor}, "progress": {...}}: fresh
     tensors (DCP may load into them), nothing shared with the engine."""
     from torch.distributed.tensor import DTensor
-    raw = ema._engine.state_dict()  # clones of this rank's pieces
-    layout = _layout(ema, raw)
+    raw = engine.state_dict()  # clones of this rank's pieces
+    layout = _layout(ema, engine, raw)
+    # Rank 0's of what each rank keeps as its own (the engine's gather takes
+    # rank 0's): DCP writes one copy of a plain tensor that every rank holds,
+    # from any rank.
+    own = [n for n, p in layout.pieces.items() if p.owner == "whole"] if layout.world > 1 else []
+    rank0s = ema.full_state_dict(rank0_only=False, names=own) if own else {}
+    replicas = getattr(ema, "_replicas", None)
+    if rank0s and replicas is not None:
+        # HSDP: each replica's shard group gathered its own rank 0's; the
+        # first replica's (global rank 0's) is the job's, as in its files.
+        import torch.distributed as dist
+        for value in rank0s.values():
+            dist.broadcast(value, src=dist.get_global_rank(replicas, 0), group=replicas)
     weights: Dict[str, Any] = {}
     for name, local in raw["tensors"].items():
         piece = layout.pieces[name]
@@ -204,7 +228,7 @@ def state_dict(ema: Any) -> Dict[str, Any]:
                                                shape=torch.Size(piece.global_shape),
                                                stride=_contiguous_stride(piece.global_shape))
         elif piece.owner == "whole" or layout.rank == 0:
-            weights[name] = local.reshape(piece.global_shape)
+            weights[name] = rank0s.get(name, local).reshape(piece.global_shape)
     metadata = raw["metadata"]
     progress: Dict[str, Any] = {"format": FORMAT}
     for field_name, (key, kind) in _PROGRESS.items():
@@ -302,11 +326,11 @@ def _pieces_of(values: Dict[str, Any], layout: _Layout) -> Dict[str, torch.Tenso
     return out
 
 
-def load_state_dict(ema: Any, state: Dict[str, Any]) -> None:
+def load_state_dict(ema: Any, engine: Any, state: Dict[str, Any]) -> None:
     """Adopts what state_dict() returned (after DCP loaded into it, or
     torch.load gave it back); {} cold-starts the EMA from the weights."""
     if not state:
-        cold_start(ema)
+        cold_start(ema, engine)
         return
     if set(state) != {"weights", "progress"}:
         raise ValueError("shardema.EMA.load_state_dict: expected what state_dict() returns, "
@@ -317,16 +341,16 @@ def load_state_dict(ema: Any, state: Dict[str, Any]) -> None:
     if not isinstance(weights, dict):
         raise TypeError(f"shardema.EMA.load_state_dict: 'weights' is a "
                         f"{type(weights).__name__}, not a dict")
-    layout = _layout(ema)
+    layout = _layout(ema, engine)
     pieces = _pieces_of(weights, layout)
-    ema._engine.load_state_dict({"tensors": pieces, "metadata": {**layout.identity, **metadata}})
+    engine.load_state_dict({"tensors": pieces, "metadata": {**layout.identity, **metadata}})
 
 
-def cold_start(ema: Any) -> None:
+def cold_start(ema: Any, engine: Any) -> None:
     """The EMA restarts from the model's current weights (step 0), as if
     built now: what a checkpoint without an EMA resumes with. An EMA built
     from tensors, not a model, copies them at its next update instead."""
-    layout = _layout(ema)
+    layout = _layout(ema, engine)
     sources = _sources(ema)
     warnings.warn("shardema.EMA: the checkpoint holds no EMA; it starts again from the "
                   "model's weights at step 0", stacklevel=4)
@@ -335,11 +359,11 @@ def cold_start(ema: Any) -> None:
         pieces = _pieces_of({n: v.detach() for n, v in values.items()}, layout)
         initialized = "true"
     else:
-        pieces = dict(ema._engine.state_dict()["tensors"])
+        pieces = dict(engine.state_dict()["tensors"])
         initialized = "false"
     restart = {"shardema.step": "0", "shardema.initialized": initialized,
                "shardema.last_decay": "0"}
-    ema._engine.load_state_dict({"tensors": pieces, "metadata": {
+    engine.load_state_dict({"tensors": pieces, "metadata": {
         **layout.identity, **layout.own_schedule_and_roles, **restart}})
 
 

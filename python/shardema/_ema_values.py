@@ -18,13 +18,17 @@ from ._model import Plan, is_dtensor
 class Held:
     """How this rank holds one tracked tensor."""
 
-    __slots__ = ("shape", "global_shape", "split")
+    __slots__ = ("shape", "global_shape", "split", "parameter")
 
-    def __init__(self, shape: Tuple[int, ...], global_shape: Tuple[int, ...], split: bool):
+    def __init__(self, shape: Tuple[int, ...], global_shape: Tuple[int, ...], split: bool,
+                 parameter: Any = None):
         self.shape = shape  # of what this rank holds (a DTensor's to_local())
         self.global_shape = global_shape
         # The rank holds the whole tensor but keeps the EMA of its rows only.
         self.split = split
+        # A Shard(d > 0) DTensor (tensor parallelism): its placements cut the
+        # whole into this rank's piece.
+        self.parameter = parameter
 
 
 def held_of(plan: Plan) -> Dict[str, Held]:
@@ -41,7 +45,7 @@ def held_of(plan: Plan) -> Dict[str, Held]:
             parameter = plan.tensor_parallel.get(name)
             global_shape = tuple(parameter.shape) if parameter is not None \
                 else tuple(shard.spec.global_shape)
-            out[name] = Held(tuple(shard.local.shape), global_shape, False)
+            out[name] = Held(tuple(shard.local.shape), global_shape, False, parameter)
     return out
 
 
@@ -57,28 +61,28 @@ def _tensor_parallel_piece(full: torch.Tensor, parameter: Any) -> torch.Tensor:
     return placed.to_local().to(full.device)
 
 
-def ema_tensors(ema: Any, held: Dict[str, Held],
+def ema_tensors(engine: Any, held: Dict[str, Held],
                 names: Optional[Sequence[str]]) -> Dict[str, torch.Tensor]:
+    """The EMA of `names` (else all) in the shape this rank holds each
+    tensor, from `engine` (shardema._C.Ema); gathers the split ones."""
     chosen = list(held) if names is None else [str(n) for n in names]
     unknown = [n for n in chosen if n not in held]
     if unknown:
-        raise ValueError(f"EMA.ema_tensors: {unknown} are not tracked by this EMA")
+        raise ValueError(f"shardema.EMA.ema_tensors: {unknown} are not tracked by this EMA")
     gathered = [n for n in chosen if held[n].split]
     # Every rank asks for the same names: the gather's collectives match.
-    full = ema.full_state_dict(rank0_only=False, names=gathered) if gathered else {}
+    full = dict(engine.full_state_dict(False, gathered)) if gathered else {}
     return {n: full[n].reshape(held[n].shape) if held[n].split else
-            ema._engine.ema(n).reshape(held[n].shape) for n in chosen}
+            engine.ema(n).reshape(held[n].shape) for n in chosen}
 
 
-def load_ema_values(ema: Any, held: Dict[str, Held], values: Mapping[str, Any],
-                    strict: bool) -> None:
+def load_ema_values(engine: Any, held: Dict[str, Held], values: Mapping[str, Any],
+                    strict: bool, aliases: Mapping[str, str]) -> None:
     """Sorts `values` into this rank's pieces and full tensors, checking
     every one before the engine takes any: one ValueError lists every name
     that does not fit. A tied tensor's other names (what an export and the
     model's state_dict() hold beside its own) stand for it: ignored when its
     own name is given too."""
-    tensor_parallel = getattr(ema, "_tensor_parallel", None) or {}
-    aliases = getattr(ema, "_aliases", None) or {}
     if aliases:
         values = {aliases.get(n, n): v for n, v in values.items()
                   if n not in aliases or aliases[n] not in values}
@@ -101,8 +105,8 @@ def load_ema_values(ema: Any, held: Dict[str, Held], values: Mapping[str, Any],
         elif not h.split and shape == h.shape:
             local.append((name, piece))
         elif not h.split and not is_dtensor(value) and shape == h.global_shape:
-            if name in tensor_parallel:  # the whole of a Shard(d > 0) one: this rank's piece
-                local.append((name, _tensor_parallel_piece(piece, tensor_parallel[name])))
+            if h.parameter is not None:  # the whole of a Shard(d > 0) one: this rank's piece
+                local.append((name, _tensor_parallel_piece(piece, h.parameter)))
             else:
                 full.append((name, piece))  # a full tensor of a sharded one: this rank's rows
         else:
@@ -112,10 +116,10 @@ def load_ema_values(ema: Any, held: Dict[str, Held], values: Mapping[str, Any],
             given = f"{shape} (its to_local())" if is_dtensor(value) else f"{shape}"
             wrong.append(f"'{name}' {given}, the EMA here {wanted}")
     if unexpected or missing or wrong:
-        raise ValueError("EMA.load_ema_values: the values do not fit the tracked tensors; "
+        raise ValueError("shardema.EMA.load_ema_values: the values do not fit the tracked tensors; "
                          f"missing {missing}, unexpected {unexpected}, shapes: "
                          f"{'; '.join(wrong) if wrong else 'all fit'}. Nothing was loaded")
     if local:
-        ema._engine.load_local_values([(n, t.detach()) for n, t in local])
+        engine.load_local_values([(n, t.detach()) for n, t in local])
     if full:
-        ema._engine.load_full_values([(n, t.detach()) for n, t in full])
+        engine.load_full_values([(n, t.detach()) for n, t in full])

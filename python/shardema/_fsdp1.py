@@ -14,12 +14,13 @@ is an error here, not a wrong EMA. Buffers (FSDP1 does not shard them) and
 parameters outside every unit (ignored modules) are whole on every rank
 but not kept equal by FSDP1; their EMA is rank 0's, as FSDP1's full state
 dict holds rank 0's values."""
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import _C
-from ._plan import Plan, Tracked, _is_floating, check_dense, checked_group, watched_of
+from ._plan import Plan, Tracked, _is_floating, check_dense, checked_group, is_dtensor, \
+    watched_of
 from ._shards import FlatParamLayout, LocalShard, ShardSpec
 
 # FSDP1 inserts these module names; the full state dict's keys have none.
@@ -251,3 +252,89 @@ def reshard_fsdp1(module: Any) -> None:
         if not handle.needs_unshard():
             handle.reshard(True)
             handle.post_reshard()
+
+
+# --- the Lightning callbacks under FSDPStrategy (an FSDP1 root) ----------------
+
+def fsdp1_root(trainer: Any, pl_module: Any) -> Any:
+    """The FSDP1 root (FullyShardedDataParallel) that Lightning's
+    FSDPStrategy wraps `pl_module` in (trainer.strategy.model), or None.
+    ValueError when the root is there but does not wrap `pl_module`
+    itself: the names of the state dict (Lightning's keys) are then not the
+    LightningModule's."""
+    root = getattr(getattr(trainer, "strategy", None), "model", None)
+    if root is None or root is pl_module or not isinstance(root, torch.nn.Module):
+        return None
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # a torch without torch.distributed
+        return None
+    if not isinstance(root, FullyShardedDataParallel):
+        return None
+    if getattr(root, "module", None) is not pl_module:
+        raise ValueError("trainer.strategy.model is an FSDP1 root (FullyShardedDataParallel) "
+                         f"that does not wrap the LightningModule ({type(pl_module).__name__}) "
+                         "directly; the callbacks follow FSDPStrategy's root around the "
+                         "LightningModule")
+    return root
+
+
+def fsdp1_names(names: Sequence[str], prefix: str) -> Tuple[List[str], List[str]]:
+    """(the names under `prefix`, the others) of `names`, what shardema.EMA
+    tracks of an FSDP1 root: FSDP1's clean names, which are Lightning's
+    state_dict keys (the root wraps the LightningModule)."""
+    return [n for n in names if n.startswith(prefix)], \
+        [n for n in names if not n.startswith(prefix)]
+
+
+def fsdp1_non_persistent(root: torch.nn.Module) -> set:
+    """The clean names of root's non-persistent buffers (in no state dict)."""
+    from ._fsdp1 import clean_name
+    return {clean_name(f"{prefix}.{b}" if prefix else b) for prefix, m in root.named_modules()
+            for b in getattr(m, "_non_persistent_buffers_set", ())}
+
+
+def fsdp1_full_tensors(root: torch.nn.Module, names: Sequence[str]) -> Dict[str, torch.Tensor]:
+    """The full values of `names` in FSDP1 root `root` (parameters gathered,
+    buffers this rank's), fresh copies on every rank. Collective."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from ._fsdp1 import clean_name
+    wanted = set(names)
+    out: Dict[str, torch.Tensor] = {}
+    with FullyShardedDataParallel.summon_full_params(root, writeback=False):
+        for name, tensor in list(root.named_parameters()) + list(root.named_buffers()):
+            name = clean_name(name)
+            if name in wanted and name not in out:
+                out[name] = tensor.detach().clone()
+    return out
+
+
+def fsdp1_load_full(root: torch.nn.Module, values: Dict[str, torch.Tensor]) -> None:
+    """Writes full tensors (by clean name) into FSDP1 root `root`: each rank
+    keeps its part of the parameters (summon_full_params writes back into
+    the flat shards), the buffers whole. Every rank passes the same values.
+    Collective."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from ._fsdp1 import clean_name
+    with torch.no_grad(), FullyShardedDataParallel.summon_full_params(root, writeback=True):
+        for name, tensor in list(root.named_parameters()) + list(root.named_buffers()):
+            value = values.get(clean_name(name))
+            if value is not None:
+                tensor.copy_(value)
+
+
+def refuse_fsdp1_sharded_state(api: str, state: Dict[str, Any], keys: Sequence[str]) -> None:
+    """ValueError for a sharded FSDP1 state dict (FSDPStrategy(
+    state_dict_type="sharded")): its entries are FSDP1's row chunks of each
+    parameter, while each rank's EMA is a range of a flattened shard, so
+    neither this rank's EMA nor the full one can be put in them."""
+    for key in keys:
+        value = state.get(key)
+        if value is None:
+            continue
+        if is_dtensor(value) or type(value).__name__ == "ShardedTensor":
+            raise ValueError(f"{api}: '{key}' is a {type(value).__name__}: the FSDP1 state dict is "
+                             "sharded (FSDPStrategy(state_dict_type='sharded')), which the EMA "
+                             "cannot fill (each rank keeps a range of a flattened parameter, "
+                             "not FSDP1's row chunks). Use FSDPStrategy(state_dict_type='full')")
+

@@ -6,11 +6,11 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from . import _C
-from ._plan import Plan, Tracked, _is_floating, check_dense, checked_group, is_dtensor, \
-    watched_of
+from ._plan import Plan, Tracked, _is_floating, alias_slots_of, check_dense, checked_group, \
+    is_dtensor, watched_of
 from ._shards import LocalShard, layout_spec
 
-_LAYOUTS = ("auto", "replicated", "rank0", "fsdp2")
+LAYOUTS = ("auto", "replicated", "rank0", "fsdp2")
 
 
 def unwrap(model: Any) -> Any:
@@ -48,6 +48,7 @@ def module_tensors(module: torch.nn.Module, policy: str) -> List[Tracked]:
             if id(tensor) in seen:
                 if not (is_buffer and name in mod._non_persistent_buffers_set):
                     seen[id(tensor)].aliases.append(f"{prefix}.{name}" if prefix else name)
+                    seen[id(tensor)].alias_slots.append((container, name))
                 continue
             role = _C.role_for(policy, is_buffer, _is_floating(tensor),
                                bool(tensor.requires_grad), in_bn)
@@ -173,19 +174,32 @@ def refuse_tensor_parallel(tensor_parallel: Dict[str, Any], api: str) -> None:
                      "export_weights()")
 
 
-def plan_layout(tracked: List[Tracked], layout: str, process_group: Any) -> Plan:
+def plan_layout(tracked: List[Tracked], layout: str, process_group: Any, *,
+                buffers: str = "per_rank") -> Plan:
     """This rank's local shards (and the whole tensors a swap writes into
     after a gather) for `layout`; ValueError naming the tensor for what is
-    not supported."""
-    if layout not in _LAYOUTS:
-        raise ValueError(f"layout must be one of {_LAYOUTS}, got '{layout}'")
+    not supported. `buffers`: the kind of a model's plain buffers under DDP
+    and FSDP2, which the ranks do not keep equal: "per_rank" (each rank its
+    own whole, rank 0's for the job), or "replicated" (rows, for the
+    post-hoc snapshots, which hold each rank's rows)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got '{layout}'")
     checked_group(process_group)
     if any(t.piece is not None for t in tracked):
         from ._fsdp1 import plan_fsdp1
         return plan_fsdp1(tracked, layout, process_group)
     dtensors = [t for t in tracked if is_dtensor(t.tensor)]
     if dtensors or layout == "fsdp2":
-        return _plan_fsdp2(tracked, dtensors, layout, process_group)
+        plan = _plan_fsdp2(tracked, dtensors, layout, process_group, buffers)
+    else:
+        plan = _plan_plain(tracked, layout, process_group, buffers)
+    plan.alias_slots = alias_slots_of(tracked)
+    return plan
+
+
+def _plan_plain(tracked: List[Tracked], layout: str, process_group: Any,
+                buffers: str) -> Plan:
+    """One process, DDP (replicated) or rank0: plain tensors."""
     group = process_group if process_group is not None else _default_group()
     if layout in ("replicated", "rank0") and group is None:
         raise RuntimeError(f"layout='{layout}' needs an initialised torch.distributed group "
@@ -197,14 +211,21 @@ def plan_layout(tracked: List[Tracked], layout: str, process_group: Any) -> Plan
         if not t.tensor.is_contiguous():
             raise ValueError(f"'{t.name}': the tensor is not contiguous; shardema tracks "
                              "contiguous parameters and buffers")
-    shards = _C.shards_from_full_tensors([(t.name, t.tensor) for t in tracked],
-                                         [t.role for t in tracked],
-                                         [t.is_buffer for t in tracked], kind, rank, world)
+    # Buffers (BatchNorm statistics) differ between DDP's ranks after each
+    # forward: each rank keeps its own whole (the C++ "per_rank" kind, rank
+    # 0's standing for the job), the parameters each rank's rows. One
+    # process too, so its files reshard into a DDP job's layout.
+    kinds = [(buffers if t.is_buffer else kind) if kind == "replicated" else kind
+             for t in tracked]
+    shards = [_C.shards_from_full_tensors([(t.name, t.tensor)], [t.role], [t.is_buffer], k,
+                                          rank, world)[0] for t, k in zip(tracked, kinds)]
     for shard, t in zip(shards, tracked):
         shard.aliases = t.aliases
-    whole = [(t.name, t.tensor) for t in tracked] if world > 1 else []
+    # The tensors a swap gathers into: those of which each rank keeps rows.
+    whole = [(t.name, t.tensor) for t, k in zip(tracked, kinds) if k == "replicated"] \
+        if world > 1 else []
     name = "single" if group is None else kind
-    owners = [(t.tensor, kind, t.tensor) for t in tracked]
+    owners = [(t.tensor, k, t.tensor) for t, k in zip(tracked, kinds)]
     return Plan(name, group, shards, whole, owners, watched_of(tracked),
                 aliases=aliases_of(tracked))
 
@@ -219,7 +240,7 @@ def _mesh_groups(mesh: Any) -> Tuple[Any, Any]:
 
 
 def _plan_fsdp2(tracked: List[Tracked], dtensors: List[Tracked], layout: str,
-                process_group: Any) -> Plan:
+                process_group: Any, buffers: str = "per_rank") -> Plan:
     if layout not in ("auto", "fsdp2"):
         raise ValueError(f"layout='{layout}' but '{dtensors[0].name}' is a DTensor (FSDP2); "
                          "use layout='auto' or 'fsdp2'")
@@ -259,16 +280,19 @@ def _plan_fsdp2(tracked: List[Tracked], dtensors: List[Tracked], layout: str,
             # requires_grad is the DTensor's: the engine asks it at each update.
             owners.append((None, None, t.tensor))
             continue
-        # Whole on every rank (a plain tensor, a Replicate() DTensor's local):
-        # each rank keeps the EMA of its rows; a swap gathers them into it.
+        # Whole on every rank (a plain tensor, a Replicate() DTensor's local).
+        # A buffer (FSDP2 never makes the ranks' equal): each rank keeps its
+        # own ("per_rank"). What the ranks hold equal: each rank keeps the
+        # EMA of its rows, and a swap gathers them into it.
+        kind = buffers if t.is_buffer and not is_dtensor(t.tensor) else "replicated"
         shards += _C.shards_from_full_tensors([(t.name, local)], [t.role], [t.is_buffer],
-                                              "replicated", rank, world)
+                                              kind, rank, world)
         shards[-1].aliases = t.aliases
-        if world > 1:
+        if world > 1 and kind == "replicated":
             whole.append((t.name, local))
         # A DTensor's local cannot be followed when replaced (FSDP2 swaps it
         # itself); a plain tensor is, as under DDP.
         owners.append((None, None, t.tensor) if is_dtensor(t.tensor)
-                      else (t.tensor, "replicated", t.tensor))
+                      else (t.tensor, kind, t.tensor))
     return Plan("fsdp2", group, shards, whole, owners, watched_of(tracked), replicas,
                 tensor_parallel, aliases_of(tracked))

@@ -28,6 +28,9 @@ class Tracked:
     # emb.weight) is tracked once, under its first name, and exported under
     # every one.
     aliases: List[str] = field(default_factory=list)
+    # (container, key) of each alias, in the same order: an untied weight
+    # (a new head.weight) is a changed model (_model_watch.py).
+    alias_slots: List[Tuple[dict, str]] = field(default_factory=list)
 
 
 
@@ -56,6 +59,8 @@ class Plan:
     tensor_parallel: Dict[str, Any] = field(default_factory=dict)
     # Tied tensors' other names, each to the name the tensor is tracked under.
     aliases: Dict[str, str] = field(default_factory=dict)
+    # (container, key, tensor, shard index) of each alias held by a module.
+    alias_slots: List[Tuple[dict, str, Any, int]] = field(default_factory=list)
 
 
 
@@ -75,6 +80,12 @@ def check_dense(name: str, t: Any) -> None:
         raise ValueError(f"'{name}' has layout {t.layout}; only dense (strided) tensors can be "
                          "tracked (densify it with to_dense(), or leave it out)")
 
+
+
+def alias_slots_of(tracked: List[Tracked]) -> List[Tuple[dict, str, Any, int]]:
+    """Where each tied tensor's other names are held, as watched_of's."""
+    return [(container, key, t.tensor, i) for i, t in enumerate(tracked)
+            for container, key in t.alias_slots if not is_dtensor(t.tensor)]
 
 
 def watched_of(tracked: List[Tracked]) -> List[Tuple[dict, str, Any, int]]:

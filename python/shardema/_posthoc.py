@@ -156,7 +156,7 @@ def _sharded_plan(tracked: List[Tracked], layout: str, process_group: Any) -> Pl
         raise ValueError(f"layout='{layout}' keeps full EMAs on rank 0, but '{first}' is a "
                          "DTensor (fully_shard): each rank holds only its rows. Use "
                          "layout='sharded', where each rank keeps the profiles of its rows")
-    plan = plan_layout(tracked, "fsdp2", process_group)
+    plan = plan_layout(tracked, "fsdp2", process_group, buffers="replicated")  # rows in snapshots
     if plan.replicas is not None:
         raise ValueError(f"'{first}' lives on a 2-D device mesh (HSDP): the post-hoc EMA "
                          "writes one snapshot folder per rank of one shard group and does not "

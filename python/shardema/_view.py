@@ -3,7 +3,7 @@ the EMA weights, built beside the training model, and the model's weights
 written into the EMA. Pure PyTorch bookkeeping; the values come from the
 EMA (ema_tensors()) and the engine (load_full_values(), load_local_values())."""
 import copy
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -62,7 +62,8 @@ def _blank_like(t: Any, device: Optional[torch.device]) -> torch.Tensor:
         else blank
 
 
-def materialize(ema: Any, model: torch.nn.Module, device: Any, into: Any) -> torch.nn.Module:
+def materialize(ema: Any, model: torch.nn.Module, device: Any, into: Any,
+                tracked: Sequence[str]) -> torch.nn.Module:
     """EMA.module(): a deep copy of `model` on `device` (or `into`) holding
     what swap() would put in the model."""
     reshard_fsdp(model)  # its DTensors, not full copies left by an evaluation forward
@@ -70,7 +71,8 @@ def materialize(ema: Any, model: torch.nn.Module, device: Any, into: Any) -> tor
     if into is None:
         dtensor = next((n for n, t in sources if is_dtensor(t)), None)
         if dtensor is not None:
-            raise ValueError(f"EMA.module: '{dtensor}' is a DTensor (FSDP2), and torch refuses to "
+            raise ValueError(f"shardema.EMA.module: '{dtensor}' is a DTensor (FSDP2), and "
+                             f"torch refuses to "
                              "deep-copy a fully_shard model; build the same model, fully_shard it "
                              "the same way and pass it as EMA.module(into=...)")
         device = None if device is None else torch.device(device)
@@ -79,29 +81,30 @@ def materialize(ema: Any, model: torch.nn.Module, device: Any, into: Any) -> tor
         targets = [(name, memo[id(t)], t) for name, t in sources]
     else:
         if device is not None:
-            raise TypeError("EMA.module: give device= or into=, not both (into's tensors stay "
+            raise TypeError("shardema.EMA.module: give device= or into=, not both (into's "
+                            "tensors stay "
                             "where they are)")
         view = unwrap(into)
         if not isinstance(view, torch.nn.Module):
-            raise TypeError(f"EMA.module: into must be an nn.Module, got {type(into).__name__}")
+            raise TypeError(f"shardema.EMA.module: into must be an nn.Module, got "
+                            f"{type(into).__name__}")
         reshard_fsdp(view)
         theirs = dict(module_entries(view))
         missing = [name for name, _ in sources if name not in theirs]
         if missing:
-            raise ValueError(f"EMA.module: into has no {missing[:5]}"
+            raise ValueError(f"shardema.EMA.module: into has no {missing[:5]}"
                              f"{' ...' if len(missing) > 5 else ''}; it must be a model of the "
                              "same structure as the one the EMA tracks")
         targets = [(name, theirs[name], t) for name, t in sources]
-    _write(ema, targets)
+    _write(ema, targets, set(tracked))
     return view
 
 
-def _write(ema: Any, targets: List[Tuple[str, Any, Any]]) -> None:
+def _write(ema: Any, targets: List[Tuple[str, Any, Any]], tracked: set) -> None:
     """Each target takes the EMA of its name in the shape it holds the
     tensor in (EMA.ema_tensors(): a DTensor's to_local(), the whole of a
     plain tensor, gathered where the ranks split it), or the model's own
     value for a name the EMA does not track."""
-    tracked = set(ema._engine.names())
     batch: List[Tuple[str, torch.Tensor]] = []
     size = 0
     with torch.no_grad():
@@ -133,23 +136,24 @@ def _write_batch(ema: Any, batch: List[Tuple[str, torch.Tensor]]) -> None:
 
 def _check_size(name: str, target: torch.Tensor, value: torch.Tensor) -> None:
     if target.numel() != value.numel():
-        raise ValueError(f"EMA.module: '{name}' has {target.numel()} elements on this rank in the "
+        raise ValueError(f"shardema.EMA.module: '{name}' has {target.numel()} elements on this "
+                         f"rank in the "
                          f"module written into but {value.numel()} in the EMA; into= must be "
                          "sharded like the model")
 
 
-def copy_model_into_ema(ema: Any, full: List[Tuple[str, Any]],
-                        local: List[Tuple[str, Any]]) -> None:
+def copy_model_into_ema(ema: Any, full: List[Tuple[str, Any]], local: List[Tuple[str, Any]],
+                        tracked: Sequence[str]) -> None:
     """EMA.copy_from(): every tracked tensor's EMA becomes its current value,
     from `full` tensors or `local` pieces (what this rank holds, as a
     DTensor's to_local()), through EMA.load_ema_values(), which knows what
     this rank keeps of each. Tracked names given by neither are a
     ValueError naming them, before anything changes. No communication."""
-    tracked = ema._engine.names()
     given = {n for n, _ in full} | {n for n, _ in local}
     absent = [n for n in tracked if n not in given]
     if absent:
-        raise ValueError(f"EMA.copy_from: the model no longer holds {absent[:5]}, which the EMA "
+        raise ValueError(f"shardema.EMA.copy_from: the model no longer holds {absent[:5]}, "
+                         f"which the EMA "
                          "tracks")
     keep = set(tracked)
     ema.load_ema_values({n: t.detach() for n, t in full + local if n in keep})

@@ -19,7 +19,6 @@
 #include "process_group.h"
 #include "python_ema.h"
 #include "python_warnings.h"
-#include "watched_tensors.h"
 #include "shardema/averager_registry.h"
 #include "shardema/ema_callback.h"
 #include "shardema/ema_substitution.h"
@@ -43,6 +42,32 @@ RankState fromPython(const py::dict& state) {
     out.metadata[item.first.cast<std::string>()] = item.second.cast<std::string>();
   }
   return out;
+}
+
+// A step argument: None, or an int (numpy's too: anything with __index__),
+// never a bool or a float; TypeError naming `api`'s step otherwise.
+std::optional<int64_t> stepArgument(const py::handle& step, const char* api) {
+  if (step.is_none()) return std::nullopt;
+  if (PyBool_Check(step.ptr()) || !PyIndex_Check(step.ptr())) {
+    throw py::type_error(std::string(api) +
+                         ": step must be an int (the 1-based optimizer step) or None, got " +
+                         std::string(py::str(py::type::handle_of(step).attr("__name__"))) + " " +
+                         std::string(py::repr(step)));
+  }
+  return py::cast<int64_t>(py::reinterpret_borrow<py::object>(step).attr("__index__")());
+}
+
+// One Python warning naming the tensors the EMA followed (checkModel).
+void warnFollowed(const std::vector<std::string>& followed) {
+  if (followed.empty()) return;
+  std::string names;
+  for (const std::string& name : followed) names += (names.empty() ? "'" : ", '") + name + "'";
+  const std::string message =
+      "shardema.EMA: " + names + (followed.size() > 1 ? " were" : " was") +
+      " replaced in the model after the EMA was built (a new nn.Parameter, p.data = ..., or a "
+      "module of the same shape); the EMA follows the new tensor";
+  // stacklevel 2: the user's line that called into shardema.EMA.
+  if (PyErr_WarnEx(PyExc_UserWarning, message.c_str(), 2) != 0) throw py::error_already_set();
 }
 
 }  // namespace
@@ -77,9 +102,6 @@ void bindEma(py::module_& m) {
   m.def("fence_every_averager", &fenceEveryAverager, Release(),
         "fence() on every EMA of this process: each has read the sources of its update in "
         "flight when this returns (shardema calls it before every optimizer step)");
-  m.def("replaced_watched", &replacedWatched, py::arg("watched"),
-        "Positions in `watched` ((container, key, tensor, index) tuples) whose container no "
-        "longer holds that tensor: what update() follows or refuses");
   py::class_<LoadReport>(m, "LoadReport", "Which names a load did not match")
       .def_readonly("missing", &LoadReport::missing, "tracked here, absent in what was loaded")
       .def_readonly("unexpected", &LoadReport::unexpected, "loaded, not tracked here")
@@ -87,67 +109,90 @@ void bindEma(py::module_& m) {
         return "LoadReport(missing=" + std::string(py::str(py::cast(r.missing))) +
                ", unexpected=" + std::string(py::str(py::cast(r.unexpected))) + ")";
       });
-  py::class_<PythonEma>(m, "Ema", "The engine under shardema.EMA (one rank's shards)")
-      .def(py::init([](const py::object& group, double timeoutSeconds,
-                       std::vector<LocalShard> shards,
-                       const std::vector<std::pair<std::string, at::Tensor>>& wholeTensors,
-                       const DecaySchedule& schedule, std::vector<DecaySchedule> moreSchedules,
+  py::class_<PythonEmaOptions>(m, "EmaOptions",
+                               "shardema.EMA's options, as the engine takes them (PythonEmaOptions)")
+      .def(py::init([](const DecaySchedule& schedule, std::vector<DecaySchedule> moreSchedules,
                        bool copyOnFirstUpdate, const std::string& storage, int64_t chunkBytes,
                        int numSlots, bool fenceInUpdate, const std::string& engine,
-                       std::string layoutName,
-                       const std::vector<std::tuple<std::optional<at::Tensor>,
-                                                    std::optional<std::string>,
-                                                    std::optional<at::Tensor>>>& owners,
-                       bool refuseNonFinite) {
-             AveragerOptions options;
-             options.schedule = schedule;
-             options.moreSchedules = std::move(moreSchedules);
-             options.copyOnFirstUpdate = copyOnFirstUpdate;
-             options.storage = parseEmaStorage(storage);
-             options.offload.chunkBytes = chunkBytes;
-             options.offload.numSlots = numSlots;
-             options.offload.fenceInUpdate = fenceInUpdate;
-             options.offload.engine = parseEngine(engine);
-             options.refuseNonFinite = refuseNonFinite;
-             options.sourceWrites = SourceWrites::kAdaptive;
+                       bool refuseNonFinite, double timeoutSeconds) {
+             PythonEmaOptions options;
+             options.averager.schedule = schedule;
+             options.averager.moreSchedules = std::move(moreSchedules);
+             options.averager.copyOnFirstUpdate = copyOnFirstUpdate;
+             options.averager.storage = parseEmaStorage(storage);
+             options.averager.offload.chunkBytes = chunkBytes;
+             options.averager.offload.numSlots = numSlots;
+             options.averager.offload.fenceInUpdate = fenceInUpdate;
+             options.averager.offload.engine = parseEngine(engine);
+             options.averager.refuseNonFinite = refuseNonFinite;
+             options.timeoutSeconds = timeoutSeconds;
+             return options;
+           }),
+           py::kw_only(), py::arg("schedule"), py::arg("more_schedules"),
+           py::arg("copy_on_first_update"), py::arg("storage"), py::arg("chunk_bytes"),
+           py::arg("num_slots"), py::arg("fence_in_update"), py::arg("engine"),
+           py::arg("refuse_non_finite"), py::arg("timeout_seconds"))
+      .def_property_readonly("schedule",
+                             [](const PythonEmaOptions& o) { return o.averager.schedule; })
+      .def_property_readonly("more_schedules",
+                             [](const PythonEmaOptions& o) { return o.averager.moreSchedules; })
+      .def_property_readonly("timeout_seconds",
+                             [](const PythonEmaOptions& o) { return o.timeoutSeconds; });
+  py::class_<PythonEma>(m, "Ema", "The engine under shardema.EMA (one rank's shards)")
+      .def(py::init([](const py::object& group, std::vector<LocalShard> shards,
+                       const NamedTensors& wholeTensors, const PythonEmaOptions& options,
+                       std::string layoutName, const py::list& slots, const py::list& edges,
+                       const py::list& counted, const py::list& deciders) {
+             py::list deciderTensors;
+             std::vector<Decider> native;
+             for (const py::handle entry : deciders) {
+               const auto [tensor, shard] = entry.cast<std::pair<py::object, size_t>>();
+               deciderTensors.append(tensor);
+               native.push_back(Decider{shard, tensor.cast<at::Tensor>()});
+             }
+             ModelWatch watch(slots, edges, counted, deciderTensors);
              std::vector<TrackedTensor> whole;
              for (const auto& [name, tensor] : wholeTensors) whole.push_back({name, tensor});
-             std::vector<SourceOwner> sourceOwners;
-             for (const auto& [tensor, kind, trainable] : owners) {
-               SourceOwner owner;
-               if (tensor) owner.tensor = *tensor;
-               if (kind) owner.kind = shard::parseLayoutKind(*kind);
-               if (trainable) owner.trainable = *trainable;
-               sourceOwners.push_back(std::move(owner));
-             }
-             auto comm = communicatorFor(group, timeoutSeconds);
+             auto comm = communicatorFor(group, options.timeoutSeconds);
              PythonWarnings warnings;
              py::gil_scoped_release release;
              return std::make_unique<PythonEma>(std::move(comm), std::move(shards),
-                                                std::move(whole), std::move(options),
-                                                std::move(layoutName), std::move(sourceOwners));
+                                                std::move(whole), options,
+                                                std::move(layoutName), std::move(watch), native);
            }),
-           py::arg("process_group"), py::arg("timeout_seconds"), py::arg("shards"),
-           py::arg("whole_tensors"), py::arg("schedule"), py::arg("more_schedules"),
-           py::arg("copy_on_first_update"), py::arg("storage"), py::arg("chunk_bytes"),
-           py::arg("num_slots"), py::arg("fence_in_update"), py::arg("engine"), py::arg("layout"),
-           py::arg("owners") = std::vector<std::tuple<std::optional<at::Tensor>,
-                                                      std::optional<std::string>,
-                                                      std::optional<at::Tensor>>>(),
-           py::arg("refuse_non_finite") = false)
-      .def("update", &PythonEma::update, py::arg("step") = py::none(), Release())
+           py::kw_only(), py::arg("process_group"), py::arg("shards"), py::arg("whole_tensors"),
+           py::arg("options"), py::arg("layout"), py::arg("slots"), py::arg("edges"),
+           py::arg("counted"), py::arg("deciders"))
+      // One crossing per update: the model checked and followed, the flags
+      // mirrored (GIL held), then the update (GIL released).
       .def(
-          "mirror_trainable",
-          [](PythonEma& ema, const py::list& deciders) {
-            std::vector<bool> flags = trainableFlags(deciders);  // reads Python objects
+          "update",
+          [](PythonEma& e, const py::handle& step, const py::object& replan) {
+            const std::optional<int64_t> native = stepArgument(step, "shardema.EMA.update");
+            warnFollowed(e.checkModel(replan));
+            PythonWarnings warnings;
             py::gil_scoped_release release;
-            ema.mirrorTrainable(flags);
+            return e.update(native);
           },
-          py::arg("deciders"),
-          "Follows requires_grad of each deciding parameter (the plan's owners that decide, "
-          "in order) at this update")
-      .def("rebind", &PythonEma::rebind, py::arg("index"), py::arg("replacement"), Release())
-      .def("take_followed", &PythonEma::takeFollowed)
+          py::arg("step") = py::none(), py::arg("replan") = py::none())
+      .def(
+          "copy_to",
+          [](PythonEma& e, const py::object& replan) {
+            warnFollowed(e.checkModel(replan));
+            PythonWarnings warnings;
+            py::gil_scoped_release release;
+            e.copyTo();
+          },
+          py::arg("replan") = py::none())
+      .def(
+          "swap_in",
+          [](PythonEma& e, const py::object& replan) {
+            warnFollowed(e.checkModel(replan));
+            PythonWarnings warnings;
+            py::gil_scoped_release release;
+            e.swapIn();
+          },
+          py::arg("replan") = py::none())
       .def("fence", &PythonEma::fence, Release())
       .def("wait", &PythonEma::wait, Release())
       .def_property_readonly("step", &PythonEma::step)
@@ -163,8 +208,6 @@ void bindEma(py::module_& m) {
            "One tensor's EMA in local shape (a clone)")
       .def("load_full_values", &PythonEma::loadFullValues, py::arg("full"), Release())
       .def("load_local_values", &PythonEma::loadLocalValues, py::arg("local"), Release())
-      .def("copy_to", &PythonEma::copyTo, Release())
-      .def("swap_in", &PythonEma::swapIn, Release())
       .def("swap_out", &PythonEma::swapOut, Release())
       .def("state_dict",
            [](const PythonEma& e) {
@@ -174,6 +217,11 @@ void bindEma(py::module_& m) {
                py::gil_scoped_release release;
                state = e.stateDict();
              }
+             return tensorsAndMetadata(state.tensors, state.metadata);
+           })
+      .def("state_template",
+           [](const PythonEma& e) {
+             RankState state = e.stateTemplate();
              return tensorsAndMetadata(state.tensors, state.metadata);
            })
       .def(

@@ -12,8 +12,10 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 
 #include "bindings.h"
+#include "python_terms.h"
 #include "python_warnings.h"
 #include "shardema/core/failpoint.h"
 
@@ -89,6 +91,11 @@ class ChunkGate {
 }  // namespace
 
 void bindTestHooks(py::module_& m) {
+  // The C++ -> Python names of messages (python_terms.h), for the test
+  // that holds them to API_NAMES.md, and the rewrite itself.
+  m.def("_python_terms", [] { return pythonTermsTable(); });
+  m.def("_in_python_terms", [](const std::string& message) { return inPythonTerms(message); },
+        py::arg("message"));
   // Every method may wait for a chunk at the gate (the failpoint registry's
   // lock is held there), so each releases the GIL.
   py::class_<ChunkGate>(m, "_ChunkGate", "Tests only: hold one update step's chunk math")

@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "python_terms.h"
+
 namespace shardema::python {
 
 void registerErrorTranslation() {
@@ -16,15 +18,16 @@ void registerErrorTranslation() {
     try {
       if (error) std::rethrow_exception(error);
     } catch (const c10::ValueError& e) {
-      PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+      PyErr_SetString(PyExc_ValueError, inPythonTerms(e.what_without_backtrace()).c_str());
     } catch (const c10::TypeError& e) {
-      PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
+      PyErr_SetString(PyExc_TypeError, inPythonTerms(e.what_without_backtrace()).c_str());
     } catch (const c10::IndexError& e) {
-      PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
+      PyErr_SetString(PyExc_IndexError, inPythonTerms(e.what_without_backtrace()).c_str());
     } catch (const c10::NotImplementedError& e) {
-      PyErr_SetString(PyExc_NotImplementedError, e.what_without_backtrace());
+      PyErr_SetString(PyExc_NotImplementedError,
+                      inPythonTerms(e.what_without_backtrace()).c_str());
     } catch (const c10::Error& e) {
-      PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+      PyErr_SetString(PyExc_RuntimeError, inPythonTerms(e.what_without_backtrace()).c_str());
     }
   });
 }

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <set>
 #include <string>
 #include <utility>
 
@@ -50,131 +51,35 @@ std::string PythonEma::stateDifference(const RankState& state) const {
 }
 
 PythonEma::PythonEma(std::unique_ptr<shard::Communicator> comm, std::vector<LocalShard> shards,
-                     std::vector<TrackedTensor> wholeTensors, AveragerOptions options,
-                     std::string layoutName, std::vector<SourceOwner> owners)
+                     std::vector<TrackedTensor> wholeTensors, PythonEmaOptions options,
+                     std::string layoutName, ModelWatch watch,
+                     const std::vector<Decider>& deciders)
     : comm_(std::move(comm)),
       wholeTensors_(std::move(wholeTensors)),
-      layoutName_(std::move(layoutName)) {
-  TORCH_CHECK_VALUE(owners.empty() || owners.size() == shards.size(), kApi, ": ", owners.size(),
-                    " owners for ", shards.size(), " shards");
-  for (size_t i = 0; i < owners.size(); ++i) {
-    const SourceOwner& owner = owners[i];
-    owners_.push_back(Owner::of(owner.tensor, owner.kind));
-    owners_.back().decidesTrainable = owner.trainable.defined();
+      layoutName_(std::move(layoutName)),
+      watch_(std::move(watch)) {
+  for (const Decider& decider : deciders) {
+    TORCH_CHECK_VALUE(decider.shard < shards.size(), kApi, ": decider of shard ", decider.shard,
+                      " of ", shards.size());
     // Writes go through the parameter: a DTensor's local tensor keeps its
     // own counter while the optimizer bumps the DTensor's (a plain
     // parameter's rows share its counter, so this changes nothing there).
-    if (owner.trainable.defined()) {
-      shards[i].writeVersion = owner.trainable.unsafeGetTensorImpl()->version_counter();
-    }
+    shards[decider.shard].writeVersion =
+        decider.parameter.unsafeGetTensorImpl()->version_counter();
+    deciderShards_.push_back(decider.shard);
   }
+  // The Python front's rule for writes (averager.h, SourceWrites).
+  options.averager.sourceWrites = SourceWrites::kAdaptive;
   averager_ = std::make_unique<ShardedAverager>(comm_->rank(), comm_->worldSize(),
-                                                std::move(shards), std::move(options));
+                                                std::move(shards), std::move(options.averager));
 }
 
 PythonEma::~PythonEma() = default;
 
 bool PythonEma::update(std::optional<int64_t> step) {
-  // Inside swap() the model holds the EMA: an update would fold the EMA
-  // into itself and advance the step.
-  TORCH_CHECK(!swapped(), kApi, ".update: the EMA is swapped into the model; update() after ",
-              "leaving swap() (the model holds the EMA weights inside it)");
-  followReplacedData();
+  // Inside a swap (this EMA's or another's) the Averager refuses, naming
+  // the tensor and who swapped: weight_swap.h.
   return averager_->update(step ? *step : averager_->step() + 1);
-}
-
-// The Averager averages a kAverageIfTrainable source while it requires
-// grad and copies it otherwise; here each such source takes the flag of the
-// parameter it belongs to at this update (freezing and unfreezing during
-// training, VersatIL's rule). Where the flags differ, the source becomes a
-// detached alias of the same elements carrying the parameter's flag: no
-// copy, and nothing of the model's autograd state changes.
-void PythonEma::mirrorTrainable(const std::vector<bool>& trainable) {
-  const std::vector<LocalShard>& shards = averager_->shards();
-  size_t next = 0;
-  for (size_t i = 0; i < owners_.size(); ++i) {
-    if (!owners_[i].decidesTrainable) continue;
-    TORCH_CHECK_VALUE(next < trainable.size(), kApi, ".mirror_trainable: ", trainable.size(),
-                      " flags for more parameters");
-    const bool flag = trainable[next++];
-    if (shards[i].role != TrackRole::kAverageIfTrainable) continue;
-    if (shards[i].local.requires_grad() == flag) continue;
-    at::Tensor alias = shards[i].local.detach();
-    alias.set_requires_grad(flag);
-    averager_->rebindLocal(shards[i].spec.name, alias);
-  }
-  TORCH_CHECK_VALUE(next == trainable.size(), kApi, ".mirror_trainable: ", trainable.size(),
-                    " flags for ", next, " parameters");
-}
-
-// A parameter whose data was replaced in place (`p.data = t`,
-// `module.to(...)`) is the same TensorImpl with another storage, but the
-// shard we track is a view made from the old one: it would keep reading the
-// old values. Compared here at each update (a few comparisons per tensor).
-void PythonEma::followReplacedData() {
-  for (size_t i = 0; i < owners_.size(); ++i) {
-    Owner& owner = owners_[i];
-    if (!owner.tensor.defined()) continue;
-    const at::Tensor& t = owner.tensor;
-    if (t.unsafeGetTensorImpl()->storage().unsafeGetStorageImpl() == owner.storage &&
-        t.storage_offset() == owner.offset && t.scalar_type() == owner.dtype &&
-        t.sizes() == owner.sizes) {
-      continue;
-    }
-    rebind(i, t);
-  }
-}
-
-void PythonEma::rebind(size_t index, const at::Tensor& replacement) {
-  TORCH_CHECK_INDEX(index < owners_.size(), kApi, ": no tracked tensor ", index);
-  Owner& owner = owners_[index];
-  const LocalShard& shard = averager_->shards()[index];
-  const std::string& name = shard.spec.name;
-  TORCH_CHECK_VALUE(owner.kind.has_value(), kApi, ": tensor '", name,
-                    "' was replaced, and an EMA of local shards cannot follow it");
-  TORCH_CHECK_VALUE(replacement.layout() == at::kStrided, kApi, ": tensor '", name,
-                    "' was replaced by a ", replacement.layout(), " tensor; the EMA follows dense ",
-                    "tensors only");
-  const bool sameKind = replacement.scalar_type() == owner.dtype &&
-                        replacement.sizes() == c10::IntArrayRef(owner.sizes) &&
-                        replacement.device() == shard.local.device();
-  TORCH_CHECK_VALUE(sameKind, kApi, ": tensor '", name, "' changed after the EMA was built, from ",
-                    owner.dtype, " ", c10::IntArrayRef(owner.sizes), " on ", shard.local.device(),
-                    " to ", replacement.scalar_type(), " ", replacement.sizes(), " on ",
-                    replacement.device(),
-                    " (module.to(), p.data = ..., a new nn.Parameter): "
-                    "the EMA cannot follow it. Convert or move the model before building the EMA");
-  TORCH_CHECK_VALUE(replacement.is_contiguous(), kApi, ": tensor '", name,
-                    "' was replaced by a non-contiguous tensor; the EMA follows contiguous ones");
-  TrackedTensor full{name, replacement, shard.role, shard.changesInForward};
-  std::vector<LocalShard> local = shardsFromFullTensors({full}, *owner.kind, rank(), worldSize());
-  averager_->rebindLocal(name, local.front().local);
-  for (TrackedTensor& whole : wholeTensors_) {
-    if (whole.name == name) whole.source = replacement;
-  }
-  const bool decidesTrainable = owner.decidesTrainable;
-  owner = Owner::of(replacement, owner.kind);
-  owner.decidesTrainable = decidesTrainable;
-  followed_.push_back(name);
-}
-
-PythonEma::Owner PythonEma::Owner::of(const at::Tensor& tensor,
-                                      std::optional<shard::LayoutKind> kind) {
-  Owner owner;
-  owner.kind = kind;
-  if (!tensor.defined()) return owner;
-  owner.tensor = tensor;
-  owner.storage = tensor.unsafeGetTensorImpl()->storage().unsafeGetStorageImpl();
-  owner.offset = tensor.storage_offset();
-  owner.dtype = tensor.scalar_type();
-  owner.sizes = tensor.sizes().vec();
-  return owner;
-}
-
-std::vector<std::string> PythonEma::takeFollowed() {
-  std::vector<std::string> out;
-  out.swap(followed_);
-  return out;
 }
 
 void PythonEma::writeEmaIntoModel() {
@@ -201,38 +106,48 @@ void PythonEma::writeEmaIntoModel() {
   }
 }
 
+// What a write of the EMA into the model overwrites: the tensors held
+// whole (gathered into), and this rank's shards of the others (a shard of a
+// whole tensor is a view of it, already covered).
+std::vector<std::pair<std::string, at::Tensor>> PythonEma::modelTargets() const {
+  std::vector<std::pair<std::string, at::Tensor>> targets;
+  std::set<std::string> whole;
+  for (const TrackedTensor& t : wholeTensors_) {
+    targets.emplace_back(t.name, t.source);
+    whole.insert(t.name);
+  }
+  for (const LocalShard& s : averager_->shards()) {
+    if (whole.count(s.spec.name) == 0) targets.emplace_back(s.spec.name, s.local);
+  }
+  return targets;
+}
+
 void PythonEma::copyTo() {
   TORCH_CHECK(!swapped(), kApi, ".copy_to: the EMA is swapped in; leave swap() first");
+  checkModelWritable(modelTargets(), "shardema.EMA.copy_to");
   writeEmaIntoModel();
 }
 
 void PythonEma::swapIn() {
   TORCH_CHECK(!swapped(), kApi, ".swap: already swapped in (swap() does not nest)");
   averager_->wait();
-  std::vector<at::Tensor> raw;
-  for (const LocalShard& s : averager_->shards()) raw.push_back(s.local.detach().clone());
-  for (const TrackedTensor& t : wholeTensors_) raw.push_back(t.source.detach().clone());
-  // Kept before anything is written: a replicated swap writes this rank's
-  // rows and then gathers the others', and a gather that fails (a rank
-  // gone, a timeout) must not leave the model half EMA, half raw.
-  raw_ = std::move(raw);
+  // The raw values are kept before anything is written: a replicated swap
+  // writes this rank's rows and then gathers the others', and a gather
+  // that fails (a rank gone, a timeout) must not leave the model half EMA,
+  // half raw.
+  swap_ = std::make_unique<WeightSwap>(modelTargets(), kApi);
   try {
     writeEmaIntoModel();
   } catch (...) {
-    swapOut();
+    swap_.reset();
     throw;
   }
 }
 
 void PythonEma::swapOut() {
   if (!swapped()) return;
-  at::NoGradGuard noGrad;
-  const auto& shards = averager_->shards();
-  for (size_t i = 0; i < shards.size(); ++i) shards[i].local.copy_(raw_[i]);
-  for (size_t i = 0; i < wholeTensors_.size(); ++i) {
-    wholeTensors_[i].source.copy_(raw_[shards.size() + i]);
-  }
-  raw_.clear();
+  swap_->restore();
+  swap_.reset();
 }
 
 namespace {
@@ -260,7 +175,7 @@ LoadReport PythonEma::loadFullValues(const std::vector<std::pair<std::string, at
   return loadPieces(*averager_, full, [this](const LocalShard& s, const at::Tensor& tensor) {
     TORCH_CHECK_VALUE(tensor.numel() == s.spec.numel(), kApi, ": '", s.spec.name, "' has ",
                       tensor.numel(), " elements, the tracked tensor ", s.spec.numel());
-    const shard::ElementRange range = s.spec.rangeOf(rank());
+    const shard::ElementRange range = s.spec.heldRange(rank());
     at::Tensor piece = tensor.detach().reshape({-1}).slice(0, range.begin, range.end);
     return piece.reshape(s.local.sizes());
   });
@@ -281,6 +196,21 @@ RankState PythonEma::stateDict() const {
   RankState state;
   for (auto& [name, tensor] : file.tensors) state.tensors.emplace_back(name, tensor.clone());
   state.metadata = std::move(file.metadata);
+  state.metadata[detail::kRankKey] = toString(rank());
+  state.metadata[detail::kWorldSizeKey] = toString(worldSize());
+  state.metadata[detail::kLayoutFingerprintKey] = averager_->layout().fingerprint();
+  return state;
+}
+
+RankState PythonEma::stateTemplate() const {
+  RankState state;
+  const Averager& averager = averager_->averager();
+  for (const std::string& name : averager.names()) {
+    const auto [dtype, shape] = averager.emaDtypeAndShape(name);
+    // One element seen at every index (an expanded scalar): the shape, no memory.
+    state.tensors.emplace_back(name, at::empty({}, at::TensorOptions().dtype(dtype)).expand(shape));
+  }
+  state.metadata = averager.stateMetadata();
   state.metadata[detail::kRankKey] = toString(rank());
   state.metadata[detail::kWorldSizeKey] = toString(worldSize());
   state.metadata[detail::kLayoutFingerprintKey] = averager_->layout().fingerprint();

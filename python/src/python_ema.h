@@ -17,9 +17,11 @@
 #include <utility>
 #include <vector>
 
+#include "model_watch.h"
 #include "shardema/offload/pipeline_stats.h"
 #include "shardema/shard/communicator.h"
 #include "shardema/sharded_averager.h"
+#include "shardema/weight_swap.h"
 
 namespace shardema::python {
 
@@ -31,19 +33,25 @@ struct RankState {
   std::map<std::string, std::string> metadata;
 };
 
-/// The tensor a module holds (the nn.Parameter or buffer as tracked) of a
-/// shard cut from it by shardsFromFullTensors(kind): what update() watches
-/// for replacement. Undefined tensor: none (FSDP2 DTensors, local shards).
-struct SourceOwner {
-  at::Tensor tensor;
-  std::optional<shard::LayoutKind> kind;
-  /// The tensor whose requires_grad decides, at each update, whether a
-  /// kAverageIfTrainable shard is averaged or copied: the parameter (a
-  /// DTensor one too). The shard's local cannot say: a view cut from a
-  /// parameter keeps requiring grad after the parameter is frozen, and a
-  /// DTensor's local tensor never requires grad. Undefined: the local's own
-  /// flag decides (local shards given by hand).
-  at::Tensor trainable;
+/// shardema.EMA's options (shardema._C.EmaOptions): the Averager's, with
+/// SourceWrites::kAdaptive always (the Python front's rule, averager.h),
+/// and the timeout of the collectives.
+struct PythonEmaOptions {
+  AveragerOptions averager;
+  /// Seconds a collective (gather, checkpoint agreement) waits for the
+  /// other ranks before failing naming them. Default 300.
+  double timeoutSeconds = 300.0;
+};
+
+/// A parameter whose requires_grad decides, at each update, whether shard
+/// `shard` (kAverageIfTrainable) is averaged or copied: the module's
+/// parameter, a DTensor one too. Neither a view cut from a parameter nor a
+/// DTensor's local tensor follows its flag. Its version counter is the one
+/// writes to the shard bump (the DTensor's; a plain parameter's is its
+/// rows' own).
+struct Decider {
+  size_t shard = 0;
+  at::Tensor parameter;  // read at construction only, never kept
 };
 
 class PythonEma {
@@ -51,35 +59,34 @@ class PythonEma {
   /// `wholeTensors` are the full tensors of a replicated model whose EMA is
   /// split over ranks (layout "replicated" with more than one rank): the
   /// swap writes the gathered EMA into them. Empty otherwise: the swap
-  /// writes each rank's local shards.
+  /// writes each rank's local shards. `watch`: what checkModel() checks of
+  /// the model (empty for an EMA of named tensors or local shards).
   PythonEma(std::unique_ptr<shard::Communicator> comm, std::vector<LocalShard> shards,
-            std::vector<TrackedTensor> wholeTensors, AveragerOptions options,
-            std::string layoutName, std::vector<SourceOwner> owners = {});
+            std::vector<TrackedTensor> wholeTensors, PythonEmaOptions options,
+            std::string layoutName, ModelWatch watch, const std::vector<Decider>& deciders);
   ~PythonEma();
 
+  /// With the GIL held, before every update, swap and copy: the model is
+  /// still what the EMA was built from (ModelWatch). A tensor replaced by
+  /// one of the same shape, dtype and device is followed
+  /// (ShardedAverager::followReplaced, the lib's rule; its name returned,
+  /// for a warning), anything else refused naming it (ValueError). A
+  /// changed structure (a submodule replaced, a tensor added or removed, a
+  /// tied weight untied) asks `replan` (the package's planner:
+  /// EMA._replan), which returns (slots, edges, counted, deciders,
+  /// followed) for a new watch, or raises. Then the requires_grad of each
+  /// decider is mirrored into its shard.
+  std::vector<std::string> checkModel(const py::object& replan);
   /// step: the 1-based optimizer step; nullopt counts calls (step() + 1).
-  /// Refused inside a swap. A tracked tensor whose data was replaced
-  /// (`p.data = t`) is followed when its dtype, shape and device are the
-  /// same (takeFollowed() names it), refused naming it otherwise.
+  /// Refused inside a swap (weight_swap.h). Call checkModel() first.
   bool update(std::optional<int64_t> step);
-  /// Before update(): `trainable[k]` is the requires_grad, now, of the k-th
-  /// parameter given as a SourceOwner::trainable (in shard order). Each such
-  /// kAverageIfTrainable shard is averaged while it is true and copied
-  /// otherwise (freezing and unfreezing during training, VersatIL's rule).
-  void mirrorTrainable(const std::vector<bool>& trainable);
-  /// Tracked tensor `index` (construction order) was replaced by
-  /// `replacement` (a new nn.Parameter): followed, or c10::ValueError
-  /// naming what changed, as in update().
-  void rebind(size_t index, const at::Tensor& replacement);
-  /// The names followed since the last call (for a Python warning).
-  std::vector<std::string> takeFollowed();
   void fence() { averager_->fence(); }
   void wait() { averager_->wait(); }
   int64_t step() const { return averager_->step(); }
   double lastDecay() const { return averager_->averager().lastDecay(); }
   int64_t rank() const { return averager_->rank(); }
   int64_t worldSize() const { return averager_->worldSize(); }
-  /// "single", "replicated", "rank0", "fsdp2" or "local_shards".
+  /// "single", "replicated", "rank0", "fsdp2", "fsdp1" or "local_shards".
   const std::string& layout() const { return layoutName_; }
   /// The tracked names, in construction order.
   std::vector<std::string> names() const { return averager_->averager().names(); }
@@ -99,7 +106,7 @@ class PythonEma {
   void copyTo();
   void swapIn();
   void swapOut();
-  bool swapped() const { return !raw_.empty(); }
+  bool swapped() const { return swap_ != nullptr; }
 
   /// Loads full tensors (global names and shapes, e.g. a checkpoint's
   /// state dict) into this rank's EMA: each shard takes its range. Names
@@ -112,6 +119,11 @@ class PythonEma {
   LoadReport loadLocalValues(const std::vector<std::pair<std::string, at::Tensor>>& local);
 
   RankState stateDict() const;
+  /// stateDict()'s structure without the EMA values, so a failed EMA can
+  /// be told what loads into it: each tensor an expanded one-element tensor
+  /// of its EMA's dtype and local shape (no memory), the metadata as
+  /// stateDict()'s at the current progress. Does not wait.
+  RankState stateTemplate() const;
   /// Checks rank, world size and layout before anything changes.
   void loadStateDict(const RankState& state);
 
@@ -129,33 +141,22 @@ class PythonEma {
       bool rank0Only, const std::optional<std::vector<std::string>>& names = std::nullopt);
 
  private:
-  struct Owner {
-    at::Tensor tensor;
-    std::optional<shard::LayoutKind> kind;
-    // What the shard was cut from: a change is a replaced tensor.
-    const c10::StorageImpl* storage = nullptr;
-    int64_t offset = 0;
-    c10::ScalarType dtype = c10::ScalarType::Undefined;
-    std::vector<int64_t> sizes;
-    // SourceOwner::trainable was given: the Python side passes that
-    // parameter's requires_grad to mirrorTrainable() at each update. The
-    // engine keeps no reference to the parameter, strong or weak: torch's
-    // swap_tensors (FSDP2's module.to(), Lightning's strategies) refuses to
-    // swap a parameter whose TensorImpl is referenced from elsewhere.
-    bool decidesTrainable = false;
-    static Owner of(const at::Tensor& tensor, std::optional<shard::LayoutKind> kind);
-  };
-  void followReplacedData();
+  void mirrorTrainable(const std::vector<bool>& trainable);
+  // The lib follows `name` to `full`; the whole tensor of that name (a
+  // replicated swap's target) becomes `full`.
+  void follow(const std::string& name, const at::Tensor& full);
+  bool isSource(const std::string& name, const at::Tensor& full) const;
   std::string stateDifference(const RankState& state) const;
   void writeEmaIntoModel();
+  std::vector<std::pair<std::string, at::Tensor>> modelTargets() const;
   std::unique_ptr<shard::Communicator> comm_;
   std::unique_ptr<ShardedAverager> averager_;
   std::vector<TrackedTensor> wholeTensors_;
   std::string layoutName_;
-  // The raw values during a swap: local shards first, then whole tensors.
-  std::vector<at::Tensor> raw_;
-  std::vector<Owner> owners_;  // one per shard, or none
-  std::vector<std::string> followed_;
+  // The swap in progress (weight_swap.h), or null.
+  std::unique_ptr<WeightSwap> swap_;
+  ModelWatch watch_;
+  std::vector<size_t> deciderShards_;  // shard of each watch_ decider
 };
 
 }  // namespace shardema::python

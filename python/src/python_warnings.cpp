@@ -2,6 +2,8 @@
 
 #include <exception>
 
+#include "python_terms.h"
+
 namespace shardema::python {
 
 void PythonWarnings::Buffer::process(const c10::Warning& warning) {
@@ -15,7 +17,8 @@ PythonWarnings::PythonWarnings() : previous_(c10::WarningUtils::get_warning_hand
 PythonWarnings::~PythonWarnings() noexcept(false) {
   c10::WarningUtils::set_warning_handler(previous_);
   for (const std::string& message : buffer_.messages) {
-    if (PyErr_WarnEx(PyExc_UserWarning, message.c_str(), 1) == 0) continue;
+    // stacklevel 2: the user's line that called into shardema.
+    if (PyErr_WarnEx(PyExc_UserWarning, inPythonTerms(message).c_str(), 2) == 0) continue;
     if (std::uncaught_exceptions() > 0) {
       PyErr_Clear();
       continue;

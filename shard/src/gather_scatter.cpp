@@ -97,6 +97,19 @@ at::Tensor scatterRound(Communicator& comm, const ShardLayout& layout, const det
   return block;
 }
 
+// A kPerRank tensor's rounds delivered it to rank 0 alone (its range);
+// every rank holds the whole, so rank 0 passes its copy on. Every rank
+// derives the same broadcasts from the layout.
+void shareRankZeroCopies(Communicator& comm, const ShardLayout& layout,
+                         const std::vector<at::Tensor>& result) {
+  for (size_t i = 0; i < layout.specs.size(); ++i) {
+    const ShardSpec& spec = layout.specs[i];
+    if (spec.kind != LayoutKind::kPerRank || spec.numel() == 0 || comm.worldSize() == 1) continue;
+    comm.broadcast(detail::bytesView(result[i]), 0,
+                   std::string(kScatterApi) + " '" + spec.name + "' (per_rank, rank 0's)");
+  }
+}
+
 }  // namespace
 
 std::vector<at::Tensor> scatterFull(Communicator& comm, const ShardLayout& layout,
@@ -119,7 +132,7 @@ std::vector<at::Tensor> scatterFull(Communicator& comm, const ShardLayout& layou
   for (size_t i = 0; i < layout.specs.size(); ++i) {
     elementBytes.push_back(static_cast<int64_t>(c10::elementSize(dtypes[i])));
     result.push_back(
-        at::empty({layout.specs[i].rangeOf(me).size()}, at::TensorOptions().dtype(dtypes[i])));
+        at::empty({layout.specs[i].heldRange(me).size()}, at::TensorOptions().dtype(dtypes[i])));
     resultBytes.push_back(detail::bytesView(result.back()));
     if (me == root) {
       fullBytes.push_back(detail::bytesView(full[i].contiguous()));
@@ -132,12 +145,13 @@ std::vector<at::Tensor> scatterFull(Communicator& comm, const ShardLayout& layou
     for (const detail::Piece& p : round.pieces[static_cast<size_t>(me)]) {
       const int64_t e = elementBytes[static_cast<size_t>(p.tensor)];
       const int64_t local =
-          p.globalBegin - layout.specs[static_cast<size_t>(p.tensor)].rangeOf(me).begin;
+          p.globalBegin - layout.specs[static_cast<size_t>(p.tensor)].heldRange(me).begin;
       resultBytes[static_cast<size_t>(p.tensor)]
           .narrow(0, local * e, p.count * e)
           .copy_(block.narrow(0, p.blockOffset, p.count * e));
     }
   }
+  shareRankZeroCopies(comm, layout, result);
   return result;
 }
 

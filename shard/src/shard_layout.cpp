@@ -284,6 +284,9 @@ ShardLayout relayout(const ShardLayout& layout, int64_t worldSize) {
       case LayoutKind::kRankZero:
         out.specs.push_back(rankZeroSpec(spec.name, spec.globalShape, spec.dtype, worldSize));
         break;
+      case LayoutKind::kPerRank:
+        out.specs.push_back(perRankSpec(spec.name, spec.globalShape, spec.dtype, worldSize));
+        break;
       case LayoutKind::kFsdp2:
       case LayoutKind::kFsdp1:
         // A flat parameter's cut depends on its unit's other members, which

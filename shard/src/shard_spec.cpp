@@ -41,6 +41,22 @@ ShardSpec chunkedSpec(const std::string& name, const std::vector<int64_t>& globa
   return spec;
 }
 
+// Rank 0 [0, numel), the others [numel, numel): kRankZero's and kPerRank's.
+ShardSpec rankZeroRangesSpec(const std::string& name, const std::vector<int64_t>& globalShape,
+                             c10::ScalarType dtype, int64_t worldSize, LayoutKind kind,
+                             const char* api) {
+  checkWorld(worldSize, api, name);
+  const int64_t numel = checkedNumel(globalShape, api, name);
+  ShardSpec spec;
+  spec.name = name;
+  spec.globalShape = globalShape;
+  spec.dtype = dtype;
+  spec.kind = kind;
+  spec.ranges.assign(static_cast<size_t>(worldSize), ElementRange{numel, numel});
+  spec.ranges[0] = {0, numel};
+  return spec;
+}
+
 }  // namespace
 
 ElementRange intersect(const ElementRange& a, const ElementRange& b) {
@@ -58,17 +74,19 @@ const char* layoutKindName(LayoutKind kind) {
       return "fsdp2";
     case LayoutKind::kFsdp1:
       return "fsdp1";
+    case LayoutKind::kPerRank:
+      return "per_rank";
   }
   TORCH_INTERNAL_ASSERT(false, "unhandled LayoutKind ", static_cast<int>(kind));
 }
 
 LayoutKind parseLayoutKind(const std::string& name) {
-  for (LayoutKind kind :
-       {LayoutKind::kReplicated, LayoutKind::kRankZero, LayoutKind::kFsdp2, LayoutKind::kFsdp1}) {
+  for (LayoutKind kind : {LayoutKind::kReplicated, LayoutKind::kRankZero, LayoutKind::kFsdp2,
+                          LayoutKind::kFsdp1, LayoutKind::kPerRank}) {
     if (name == layoutKindName(kind)) return kind;
   }
   TORCH_CHECK_VALUE(false, "parseLayoutKind: unknown layout kind \"", name,
-                    "\" (expected replicated, rank0, fsdp2 or fsdp1)");
+                    "\" (expected replicated, rank0, fsdp2, fsdp1 or per_rank)");
 }
 
 int64_t ShardSpec::numel() const { return checkedNumel(globalShape, "ShardSpec::numel", name); }
@@ -77,6 +95,11 @@ const ElementRange& ShardSpec::rangeOf(int64_t rank) const {
   TORCH_CHECK_INDEX(rank >= 0 && rank < worldSize(), "ShardSpec::rangeOf: tensor '", name, "' has ",
                     worldSize(), " ranks, asked for rank ", rank);
   return ranges[static_cast<size_t>(rank)];
+}
+
+ElementRange ShardSpec::heldRange(int64_t rank) const {
+  const ElementRange& range = rangeOf(rank);
+  return kind == LayoutKind::kPerRank ? ElementRange{0, numel()} : range;
 }
 
 bool ShardSpec::operator==(const ShardSpec& other) const {
@@ -105,6 +128,12 @@ void checkShardSpec(const ShardSpec& spec) {
   }
   TORCH_CHECK_VALUE(cursor == numel, kApi, ": tensor '", spec.name, "': the ranges cover [0, ",
                     cursor, ") but the tensor has ", numel, " elements");
+  // Rank 0's copy stands for a per-rank tensor: it alone has a range, so a
+  // gather, a file or a reshard takes it and no other rank's.
+  TORCH_CHECK_VALUE(spec.kind != LayoutKind::kPerRank || spec.ranges[0].size() == numel, kApi,
+                    ": tensor '", spec.name, "' is per_rank, so rank 0's range must be [0, ", numel,
+                    ") and the others' empty; rank 0 has [", spec.ranges[0].begin, ", ",
+                    spec.ranges[0].end, ")");
 }
 
 ElementRange fsdp2Range(const std::vector<int64_t>& globalShape, int64_t rank, int64_t worldSize) {
@@ -141,16 +170,14 @@ ShardSpec replicatedSpec(const std::string& name, const std::vector<int64_t>& gl
 
 ShardSpec rankZeroSpec(const std::string& name, const std::vector<int64_t>& globalShape,
                        c10::ScalarType dtype, int64_t worldSize) {
-  checkWorld(worldSize, "rankZeroSpec", name);
-  const int64_t numel = checkedNumel(globalShape, "rankZeroSpec", name);
-  ShardSpec spec;
-  spec.name = name;
-  spec.globalShape = globalShape;
-  spec.dtype = dtype;
-  spec.kind = LayoutKind::kRankZero;
-  spec.ranges.assign(static_cast<size_t>(worldSize), ElementRange{numel, numel});
-  spec.ranges[0] = {0, numel};
-  return spec;
+  return rankZeroRangesSpec(name, globalShape, dtype, worldSize, LayoutKind::kRankZero,
+                            "rankZeroSpec");
+}
+
+ShardSpec perRankSpec(const std::string& name, const std::vector<int64_t>& globalShape,
+                      c10::ScalarType dtype, int64_t worldSize) {
+  return rankZeroRangesSpec(name, globalShape, dtype, worldSize, LayoutKind::kPerRank,
+                            "perRankSpec");
 }
 
 ShardSpec layoutSpec(const std::string& name, const std::vector<int64_t>& globalShape,
@@ -162,6 +189,8 @@ ShardSpec layoutSpec(const std::string& name, const std::vector<int64_t>& global
       return replicatedSpec(name, globalShape, dtype, worldSize);
     case LayoutKind::kRankZero:
       return rankZeroSpec(name, globalShape, dtype, worldSize);
+    case LayoutKind::kPerRank:
+      return perRankSpec(name, globalShape, dtype, worldSize);
     case LayoutKind::kFsdp1:
       break;
   }

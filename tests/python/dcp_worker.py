@@ -58,7 +58,7 @@ def plain_emas(seed, layouts):
     "rank0": rank 0 all of it)."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.BatchNorm1d(2))
-    return model, [shardema.EMA(model, layout=layout) for layout in layouts]
+    return model, [shardema.EMA(model, layout=layout, policy="versatil") for layout in layouts]
 
 
 def plain_step(model, emas, step):
@@ -125,7 +125,7 @@ def run(scenario, rank, world, out, checkpoint=None):
     result = {}
     if scenario == "save":
         model, optimizer = make_model(0, world)
-        ema = shardema.EMA(model)
+        ema = shardema.EMA(model, policy="versatil")
         for step in range(1, STEPS + 1):
             train_step(model, optimizer, ema, step)
         plain, emas = plain_emas(3, ["replicated", "rank0"])
@@ -138,7 +138,7 @@ def run(scenario, rank, world, out, checkpoint=None):
         result.update(ema=ema.full_state_dict(), step=ema.step, weights=full_weights(model))
     else:
         model, optimizer = make_model(1, world)
-        ema = shardema.EMA(model)
+        ema = shardema.EMA(model, policy="versatil")
         # The EMA itself in DCP's state dict: DCP calls its state_dict() and,
         # once loaded, its load_state_dict() (torch's Stateful protocol).
         model_state, optim_state = get_state_dict(model, optimizer)
@@ -158,7 +158,7 @@ def run(scenario, rank, world, out, checkpoint=None):
         save_all(model, optimizer, ema, os.path.join(out, "ckpt"), plain=emas)
     if scenario == "cold":
         model, optimizer = make_model(2, world)
-        ema = shardema.EMA(model)
+        ema = shardema.EMA(model, policy="versatil")
         model_only = os.path.join(os.path.dirname(checkpoint), "model_only")
         try:
             load_all(model, optimizer, ema, model_only)

@@ -4,6 +4,7 @@ tensor_parallel_export_worker.py): shardema's full tensors and this
 rank's pieces against a float64 EMA of the full tensors
 (fsdp2_worker.Float64Ema)."""
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2_worker import close, full_value, rows_of
@@ -15,7 +16,10 @@ STEPS = 3
 def piece_of(value, t, shard_rank, shard_world):
     """What a rank holds of full tensor `value` for tensor `t`: torch.chunk
     along a DTensor's sharded dim (its to_local()), else the rows shardema
-    gives each rank of what all hold whole (Replicate(), plain tensors)."""
+    gives each rank of what all hold whole and equal (Replicate(), plain
+    parameters); a buffer (a plain tensor) each rank keeps whole."""
+    if not isinstance(t, (DTensor, nn.Parameter)):
+        return value
     if isinstance(t, DTensor) and t.placements[-1].is_shard():
         dim = t.placements[-1].dim % value.dim()
         chunks = value.chunk(shard_world, dim=dim)

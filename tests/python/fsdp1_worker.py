@@ -147,7 +147,7 @@ def check(ema, full_ref, local_ref, where):
 
 def scenario(use_orig_params, rank, world, out, bf16=False):
     model = model_of(use_orig_params, bf16)
-    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.warmup(power=POWER))
+    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.warmup(power=POWER), policy="versatil")
     assert (ema.layout, ema.rank, ema.world_size) == ("fsdp1", rank, world), \
         (ema.layout, ema.rank, ema.world_size)
     pieces = local_pieces(model, use_orig_params, rank)
@@ -170,7 +170,7 @@ def scenario(use_orig_params, rank, world, out, bf16=False):
     # A checkpoint round trip on the same ranks restores this rank's pieces.
     folder = os.path.join(out, f"ckpt_{'orig' if use_orig_params else 'flat'}")
     ema.save_checkpoint(folder)
-    again = shardema.EMA(model, schedule=shardema.DecaySchedule.warmup(power=POWER))
+    again = shardema.EMA(model, schedule=shardema.DecaySchedule.warmup(power=POWER), policy="versatil")
     again.load_checkpoint(folder)
     assert again.step == STEPS
     for name, value in ema.local_ema().items():
@@ -185,7 +185,7 @@ def swap(rank, world, out):
     without backward, and reuses it)."""
     for use_orig_params in (True, False):
         model = model_of(use_orig_params)
-        ema = shardema.EMA(model, schedule=shardema.DecaySchedule.warmup(power=POWER))
+        ema = shardema.EMA(model, schedule=shardema.DecaySchedule.warmup(power=POWER), policy="versatil")
         optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
         for step in range(1, 3):
             x = torch.randn(4, 7, generator=torch.Generator().manual_seed(100 * step + rank))

@@ -7,6 +7,7 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -34,8 +35,8 @@ def hsdp_model(seed, mesh):
 
 def hsdp_dcp(rank, world, out):
     """HSDP (2 x 2): state_dict() holds fp32 DTensors on the 2-D mesh with
-    the parameters' placements (and (Replicate(), Shard(0)) rows for the
-    buffers); DCP stores each chunk once, not once per replica; loading it
+    the parameters' placements (the buffers: plain tensors, rank 0's);
+    DCP stores each chunk once, not once per replica; loading it
     back at W = 4 restores the EMA exactly. test_tensor_parallel.py reads it
     at W = 2 under plain FSDP2."""
     base = os.path.dirname(out)
@@ -43,7 +44,7 @@ def hsdp_dcp(rank, world, out):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     shard_rank = mesh.get_local_rank("shard")
     model = hsdp_model(3, mesh)
-    ema = shardema.EMA(model, schedule=schedule(), timeout=60)
+    ema = shardema.EMA(model, schedule=schedule(), policy="versatil", timeout=60)
     tensors = module_tensors(model)
     reference = Float64Ema(lambda: tensors, lambda: versatil_averaged(model))
     check = Checker(ema, reference, tensors, shard_rank, 2)
@@ -61,7 +62,7 @@ def hsdp_dcp(rank, world, out):
     state = ema.state_dict()
     for name, value in state["weights"].items():
         t = tensors[name]
-        if name == "2.num_batches_tracked":  # 0-dim: shard rank 0 of each replica
+        if not isinstance(t, (DTensor, nn.Parameter)):  # a buffer: rank 0's, plain
             assert not isinstance(value, DTensor), name
             continue
         assert isinstance(value, DTensor) and value.device_mesh == mesh, name
@@ -94,7 +95,8 @@ def hsdp_load_fsdp2(rank, world, out):
     """W = 2: the 2 x 2 HSDP checkpoint into plain FSDP2 (a 1-D mesh of 2)."""
     base = os.path.dirname(out)
     saved = torch.load(os.path.join(base, "hsdp_saved.pt"))
-    ema = shardema.EMA(hsdp_model(4, init_device_mesh("cpu", (world,))), timeout=60)
+    ema = shardema.EMA(hsdp_model(4, init_device_mesh("cpu", (world,))), policy="versatil",
+                       timeout=60)
     state = {"ema": ema.state_dict()}
     dcp.load(state, checkpoint_id=os.path.join(base, "hsdp_dcp"))
     ema.load_state_dict(state["ema"])
@@ -104,6 +106,41 @@ def hsdp_load_fsdp2(rank, world, out):
         assert torch.equal(full[name], value), f"'{name}' at W = {world}"
 
 
+def hsdp_buffers(rank, world, out):
+    """HSDP (2 x 2), each rank its own inputs: the four ranks' BatchNorm
+    statistics differ. Each rank keeps the EMA of its own; what stands for
+    the job is global rank 0's: the DCP state dict on every rank (each
+    replica's shard group gathers its own rank 0's, the first replica's
+    wins), and a load of the files the first replica wrote."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = hsdp_model(8, mesh)
+    ema = shardema.EMA(model, schedule=schedule(), policy="versatil", timeout=60)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    buffers = dict(model.named_buffers())
+    for step in range(1, STEPS + 1):
+        (model(inputs(3, 100 * step + rank) * (1.0 + rank) + rank)).square().mean().backward()
+        ema.fence()
+        optimizer.step()
+        optimizer.zero_grad()
+        ema.update()
+    mine = ema.ema_tensors(list(buffers))
+    for name, b in buffers.items():  # versatil copies buffers: its own
+        assert torch.equal(mine[name], b.float() if b.is_floating_point() else b), name
+    box = [mine if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    first = box[0]
+    assert rank == 0 or not torch.equal(mine["2.running_mean"], first["2.running_mean"])
+    weights = ema.state_dict()["weights"]
+    for name in buffers:
+        assert torch.equal(weights[name], first[name]), f"state_dict '{name}' on rank {rank}"
+    folder = os.path.join(os.path.dirname(out), "hsdp_buffers_ckpt")
+    ema.save_checkpoint(folder)
+    ema.load_checkpoint(folder)
+    loaded = ema.ema_tensors(list(buffers))
+    for name in buffers:
+        assert torch.equal(loaded[name], first[name]), f"loaded '{name}' on rank {rank}"
+
+
 def hsdp_missing_writer(rank, world, out):
     """HSDP, EMA timeout 2 s, the process group's 60 s: the first replica
     (global ranks 0 and 1), which writes the files, never calls
@@ -111,7 +148,7 @@ def hsdp_missing_writer(rank, world, out):
     timeout, naming it, instead of the group's. The writers wait until the
     waiters have reported, so no rank leaves while a peer still waits."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    ema = shardema.EMA(hsdp_model(6, mesh), timeout=2.0)
+    ema = shardema.EMA(hsdp_model(6, mesh), policy="versatil", timeout=2.0)
     replica = mesh.get_local_rank("replicate")
     flags = [os.path.join(out, f"waited{r}") for r in (2, 3)]
     if replica == 0:
@@ -164,7 +201,7 @@ def hsdp_slow_writer(rank, world, out):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     replica = mesh.get_local_rank("replicate")
     model = hsdp_model(7, mesh)
-    ema = shardema.EMA(model, schedule=schedule(), timeout=1.0)
+    ema = shardema.EMA(model, schedule=schedule(), policy="versatil", timeout=1.0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
     for step in range(1, STEPS + 1):
         model(inputs(3, 100 * step + 7)).square().mean().backward()

@@ -43,11 +43,11 @@ def local_rows(tensor, rank, world):
 def fsdp2_rows(model, rank, world):
     """Rows like fully_shard's, cut by hand for EMA.from_local_shards: this
     rank's rows of every tensor, as separate tensors, with their specs."""
-    # The roles shardema.EMA gives a whole model (versatil policy), so the
-    # two runs are comparable; the rows are not parameters (nothing says
+    # The roles shardema.EMA gives a whole model (its default policy,
+    # ema_pytorch's), so the two runs are comparable; the rows are not parameters (nothing says
     # whether they are trainable), so "average if trainable" is "average".
     from shardema._model import module_tensors
-    roles = {t.name: t.role for t in module_tensors(model, "versatil")}
+    roles = {t.name: t.role for t in module_tensors(model, "ema_pytorch")}
     shards, locals_ = [], {}
     for name, tensor in model.state_dict().items():
         rows = local_rows(tensor, rank, world)
@@ -186,7 +186,7 @@ def run(scenario, rank, world, out):
         # FSDP2 as EMA's auto layout sees it: torch's fully_shard on a 1-D
         # mesh of the job's ranks.
         sharded = sharded_model(world)
-        ema = shardema.EMA(sharded, schedule=schedule(), policy="versatil", timeout=60)
+        ema = shardema.EMA(sharded, schedule=schedule(), timeout=60)
         assert ema.layout == "fsdp2"
         for step in range(1, STEPS + 1):
             ema.fence()

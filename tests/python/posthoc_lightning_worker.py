@@ -141,7 +141,9 @@ def fit(L, name, out, *, world, strategy, layout, sharded, resume=None, crash_co
         callbacks.append(_copy_folder_at_epoch(L, callback, crash_copy, epoch=2))
     if ema_callback is not None:  # "before" or "after" the post-hoc callback
         from shardema.callbacks import EMACallback
-        callbacks.insert(0 if ema_callback == "before" else 1, EMACallback(attribute="policy"))
+        # One validation sees one EMA: the post-hoc callback's, as alone.
+        callbacks.insert(0 if ema_callback == "before" else 1,
+                         EMACallback(attribute="policy", validate_with_ema=False))
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs,
                         accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0,

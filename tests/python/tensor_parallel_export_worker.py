@@ -48,7 +48,7 @@ def tp_export(rank, world, out):
     mesh = init_device_mesh("cpu", (world,))
     model = tp.tp_model(20, mesh)
     tensors = module_tensors(model)
-    ema = shardema.EMA(model, schedule=schedule(), timeout=60)
+    ema = shardema.EMA(model, schedule=schedule(), policy="versatil", timeout=60)
     reference = Float64Ema(lambda: tensors, lambda: versatil_averaged(model))
     check = Checker(ema, reference, tensors, rank, world)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
@@ -102,7 +102,7 @@ def peak_bytes(call):
 def trained_big(seed, mesh, placement):
     model = big_model(seed, mesh, placement)
     tensors = module_tensors(model)
-    ema = shardema.EMA(model, schedule=schedule(), timeout=60)
+    ema = shardema.EMA(model, schedule=schedule(), policy="versatil", timeout=60)
     reference = Float64Ema(lambda: tensors, lambda: versatil_averaged(model))
     for step in range(1, STEPS + 1):
         ema.fence()
@@ -162,7 +162,7 @@ def tp_hsdp_export(rank, world, out):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model = hsdp_tp_model(23, mesh)
     tensors = module_tensors(model)
-    ema = shardema.EMA(model, schedule=schedule(), timeout=60)
+    ema = shardema.EMA(model, schedule=schedule(), policy="versatil", timeout=60)
     reference = Float64Ema(lambda: tensors, lambda: versatil_averaged(model))
     for step in range(1, STEPS + 1):
         ema.fence()

@@ -22,8 +22,9 @@ import shardema
 from dtensor_checks import STEPS, Checker, module_tensors, piece_of
 from fsdp2_worker import Float64Ema, close, decay_at, full_value, inputs, schedule, \
     versatil_averaged
-from hsdp_scenarios import GROUP_TIMEOUT, hsdp_dcp, hsdp_load_fsdp2, hsdp_missing_writer, \
-    hsdp_slow_writer
+from hsdp_scenarios import GROUP_TIMEOUT, hsdp_buffers, hsdp_dcp, hsdp_load_fsdp2, \
+    hsdp_missing_writer, hsdp_slow_writer
+
 
 def tp_model(seed, mesh):
     """Linear(4, 6) column-parallel (Shard(0) weight and bias), Linear(6, 3)
@@ -93,7 +94,7 @@ def tp_train(rank, world, out):
     model = tp_model(0, mesh)
     tensors = module_tensors(model)
     assert tensors["2.weight"].placements == (Shard(1),), tensors["2.weight"].placements
-    ema = shardema.EMA(model, schedule=schedule(), timeout=60)
+    ema = shardema.EMA(model, schedule=schedule(), policy="versatil", timeout=60)
     assert (ema.layout, ema.rank, ema.world_size) == ("fsdp2", rank, world)
     reference = Float64Ema(lambda: tensors, lambda: versatil_averaged(model))
     check = Checker(ema, reference, tensors, rank, world)
@@ -134,7 +135,7 @@ def tp_train(rank, world, out):
         torch.save({"full": full, "step": ema.step}, os.path.join(base, "tp_saved.pt"))
 
     # A fresh EMA of another model, the same split, loads it back exactly.
-    other = shardema.EMA(tp_model(5, mesh), timeout=60)
+    other = shardema.EMA(tp_model(5, mesh), policy="versatil", timeout=60)
     loaded = {"ema": other.state_dict()}
     dcp.load(loaded, checkpoint_id=os.path.join(base, "tp_dcp"))
     other.load_state_dict(loaded["ema"])
@@ -159,7 +160,7 @@ def tp_load_one(rank, world, out):
     base = os.path.dirname(out)
     saved = torch.load(os.path.join(base, "tp_saved.pt"))
     for mesh in (None, init_device_mesh("cpu", (1,))):
-        ema = shardema.EMA(tp_model(7, mesh), timeout=60)
+        ema = shardema.EMA(tp_model(7, mesh), policy="versatil", timeout=60)
         state = {"ema": ema.state_dict()}
         dcp.load(state, checkpoint_id=os.path.join(base, "tp_dcp"))
         ema.load_state_dict(state["ema"])
@@ -191,9 +192,9 @@ def tp_load_full(rank, world, out):
     tensors = module_tensors(model)
     assert tensors["inner"].shape[1] % world != 0 and tensors["inner"].placements == (Shard(1),)
     given = full_values(tensors, 11)
-    ema = shardema.EMA(model, timeout=60)
+    ema = shardema.EMA(model, policy="versatil", timeout=60)
     ema.load_ema_values(given)
-    by_dtensor = shardema.EMA(tp_model(9, mesh), timeout=60)
+    by_dtensor = shardema.EMA(tp_model(9, mesh), policy="versatil", timeout=60)
     by_dtensor.load_ema_values({n: distribute_tensor(v, mesh, tensors[n].placements)
                                 if isinstance(tensors[n], DTensor) else v
                                 for n, v in given.items()})
@@ -209,7 +210,7 @@ def tp_load_full(rank, world, out):
         assert torch.equal(mine[name], theirs[name]), f"'{name}': full and DTensor loads differ"
         assert torch.equal(full[name], want), f"'{name}': full_state_dict after the load"
 
-    lone = shardema.EMA(tp_model(10, mesh), timeout=60)
+    lone = shardema.EMA(tp_model(10, mesh), policy="versatil", timeout=60)
     if rank == 0:
         lone.load_ema_values(given)
         assert torch.equal(lone.ema_tensors(["inner"])["inner"], mine["inner"])
@@ -295,7 +296,7 @@ def whole_gather_only(rank, world, out):
     model.register_buffer("plain", torch.randn(7, 11))
     big_bytes, whole_bytes = 2048 * 128 * 4, 3001 * 4
     tensors = module_tensors(model)
-    ema = shardema.EMA(model, schedule=schedule(), timeout=60)
+    ema = shardema.EMA(model, schedule=schedule(), policy="versatil", timeout=60)
     reference = Float64Ema(lambda: tensors, lambda: versatil_averaged(model))
     for step in range(1, STEPS + 1):
         ema.fence()
@@ -328,7 +329,8 @@ def whole_gather_only(rank, world, out):
 SCENARIOS = {"tp_train": tp_train, "tp_load_one": tp_load_one, "hsdp_dcp": hsdp_dcp,
              "hsdp_load_fsdp2": hsdp_load_fsdp2, "hsdp_missing_writer": hsdp_missing_writer,
              "tp_load_full": tp_load_full, "tp_callback_one_file": tp_callback_one_file,
-             "whole_gather_only": whole_gather_only, "hsdp_slow_writer": hsdp_slow_writer}
+             "whole_gather_only": whole_gather_only, "hsdp_slow_writer": hsdp_slow_writer,
+             "hsdp_buffers": hsdp_buffers}
 
 
 if __name__ == "__main__":

@@ -91,3 +91,25 @@ def test_the_bindings_were_found():
 def test_each_binding_calls_the_cpp_of_its_name(file, name, body):
     assert re.search(rf"\b{camel(name)}\b", body), \
         f"{file}: _C's {name} does not call a C++ {camel(name)}"
+
+
+def test_messages_speak_python_with_the_tables_names():
+    """The C++ -> Python rewrite of messages (python/src/python_terms.h)
+    gives each C++ name of this table the Python name of the same row, and
+    any other Averager member its snake_case."""
+    from shardema import _C
+    by_cpp = {}
+    for python, cpp, _, _ in ROWS:
+        if python and "::" in cpp:
+            by_cpp.setdefault(cpp, {"shardema.EMA"}).add(f"shardema.{python}")
+    for cpp, python in _C._python_terms():
+        if cpp in by_cpp:  # one of that C++ name's rows (or the class, where it serves several)
+            assert python in by_cpp[cpp], (cpp, python, sorted(by_cpp[cpp]))
+    assert _C._in_python_terms("Averager::update: x") == "shardema.EMA.update: x"
+    assert _C._in_python_terms("Averager::loadEmaValues: y") == "shardema.EMA.load_ema_values: y"
+    assert _C._in_python_terms("ShardedAverager::fullStateDict: z") == \
+        "shardema.EMA.full_state_dict: z"
+    assert _C._in_python_terms(
+        "restore a saved state with loadState() or load() to continue") == \
+        "restore it with load_state_dict() or load_checkpoint() to continue"
+    assert _C._in_python_terms("shardema.EMA.update: unchanged") == "shardema.EMA.update: unchanged"

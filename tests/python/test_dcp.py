@@ -134,12 +134,12 @@ def test_one_process_without_a_process_group_loads_the_w2_dcp_checkpoint(saved_a
     assert not dist.is_initialized()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        ema = shardema.EMA(worker.plain_model(7))
+        ema = shardema.EMA(worker.plain_model(7), policy="versatil")
         state = {"ema": ema.state_dict()}
         dcp.load(state, checkpoint_id=out / "ckpt")
         ema.load_state_dict(state["ema"])
         assert_is_the_w2_ema(ema, saved)
-        stateful = shardema.EMA(worker.plain_model(8))
+        stateful = shardema.EMA(worker.plain_model(8), policy="versatil")
         dcp.load({"ema": stateful}, checkpoint_id=out / "ckpt")
         assert_is_the_w2_ema(stateful, saved)
     assert ema.layout == "single" and not dist.is_initialized()
@@ -154,7 +154,7 @@ def test_one_process_loads_the_w2_checkpoint_resharded_to_one_rank(saved_at_2, t
     shardema_cli = os.environ.get("SHARDEMA_CLI")
     if not shardema_cli:
         pytest.skip("SHARDEMA_CLI is not set: the build has no shardema CLI (tools off)")
-    ema = shardema.EMA(worker.plain_model(7))
+    ema = shardema.EMA(worker.plain_model(7), policy="versatil")
     with pytest.raises(ValueError, match="--world-size 1"):
         ema.load_checkpoint(str(out / "engine"))
     assert ema.step == 0

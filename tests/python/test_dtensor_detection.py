@@ -37,7 +37,7 @@ def test_a_fully_shard_model_is_fsdp2_and_its_ema_follows_full_tensor(one_rank_g
     fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     decay = 0.9
-    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(decay))
+    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(decay), policy="versatil")
     assert ema.layout == "fsdp2"
     reference = {n: p.full_tensor().double() for n, p in model.named_parameters()}
     for step in range(1, 6):
@@ -132,7 +132,7 @@ def test_frozen_or_not_is_decided_at_each_update(one_rank_group, sharded):
         fully_shard(model)
     model[1].requires_grad_(False)
     decay = 0.5
-    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(decay))
+    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(decay), policy="versatil")
 
     def full(p):
         return (p.full_tensor() if sharded else p.detach()).double()

@@ -37,7 +37,7 @@ ONE_CASE_SECONDS = 180  # a case takes ~3 s (importing torch) on a quiet machine
 # pattern that pins what the boundary carries, the numbers and the inner
 # error, where the wording belongs to the library and may change).
 WORKER_FAULT = re.compile(
-    r"Averager::wait: .*\(chunk 0 of \d+\): injected fault \(failpoint "
+    r"shardema\.EMA\.wait: .*\(chunk 0 of \d+\): injected fault \(failpoint "
     r"offload\.pipeline\.chunk\) in chunk 0 of step 2\. .*")
 EXPECTED = {
     "c10_value": ("builtins.ValueError", "got 1.5"),

@@ -306,26 +306,82 @@ def test_ddp_two_processes_sharded_layout_extended(tmp_path):
         assert_same(load(str(tmp_path), name, 1)["raw"], load(str(tmp_path), name)["raw"], name)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 32: two callbacks swapping into one module; the "
-                   "cross-callback rule is being built in lib/ (see the test's docstring)")
 @pytest.mark.parametrize("order", ["ema_first", "posthoc_first"])
 def test_ddp_beside_ema_callback_trains_as_alone(tmp_path, order):
-    """EMACallback and DDPPostHocEMACallback in one DDP Trainer (2
-    processes), validation each epoch (steps 2 and 4 fall between the
-    post-hoc snapshot steps 3 and 6): the fit must end on both ranks, with
-    the raw weights of the run with the post-hoc callback alone, bit for
-    bit, whichever EMA validation sees. Today it fails: each callback waits
-    only for its own update before its swap writes the parameters, so the
-    other's update still in flight fails ("the EMA was not swapped in" from
-    the post-hoc callback when EMACallback swaps first; EMACallback's
-    Averager::wait when the post-hoc callback swaps first, from step 4, its
-    first swap); and with both updates waited for, Lightning runs
-    on_validation_end in the same order as on_validation_start, so the
-    second callback puts back the first one's EMA as its "raw" weights and
-    training goes on from an EMA."""
+    """EMACallback (validate_with_ema=False) and DDPPostHocEMACallback in
+    one DDP Trainer (2 processes), validation each epoch (steps 2 and 4 fall
+    between the post-hoc snapshot steps 3 and 6): the fit ends on both
+    ranks, with the raw weights of the run with the post-hoc callback
+    alone, bit for bit, and validation seeing the same post-hoc EMA as
+    alone. Both asking to validate on their EMA is refused at fit start
+    (test_two_validation_swaps_are_refused_at_fit_start). Before issue 32 it failed in either order: each callback waited
+    only for its own update before its swap wrote the parameters, so the
+    other's update still in flight failed; now every swap waits for every
+    EMA of the process (fenceEveryAverager) and one validation swaps one
+    EMA in."""
     codes, errors = launch(f"two_callbacks_{order}", tmp_path)
     assert errors == {} and codes == [0] * WORLD, (codes, errors)
     for rank in range(WORLD):
         alone, both = load(str(tmp_path), "R", rank), load(str(tmp_path), "T", rank)
         assert alone["problems"] == [] and both["problems"] == []
         assert_same(both["raw"], alone["raw"], f"rank {rank}: raw weights beside EMACallback")
+        assert [s for s, _ in both["validation_seen"]] == [s for s, _ in alone["validation_seen"]]
+        assert alone["validation_seen"]
+        for (step, seen), (_, want) in zip(both["validation_seen"], alone["validation_seen"]):
+            assert_same(seen, want, f"rank {rank}: validation at step {step} beside EMACallback")
+
+
+def test_two_validation_swaps_are_refused_at_fit_start(tmp_path):
+    """Both callbacks asking to validate on their EMA of the same module
+    (the defaults) is refused by name when fit starts, before a step runs
+    or a file is written; with validate_with_ema=False on one, the same
+    Trainer fits, and disjoint attribute= submodules may each validate on
+    their own EMA."""
+    import lightning.pytorch as L
+
+    from shardema.callbacks import DDPPostHocEMACallback, EMACallback
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.policy = torch.nn.Linear(3, 1)
+            self.critic = torch.nn.Linear(3, 1)
+
+        def training_step(self, batch, batch_idx):
+            return (self.policy(batch[0]) + self.critic(batch[0])).square().mean()
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val", self.policy(batch[0]).square().mean())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 3)),
+                                       batch_size=4)
+
+    def fit(callbacks, name):
+        module = Module()
+        before = {k: v.clone() for k, v in module.state_dict().items()}
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=callbacks,
+                            default_root_dir=str(tmp_path / name))
+        trainer.fit(module, data, data)
+        return module, before
+
+    for order in (0, 1):
+        callbacks = [EMACallback(attribute="policy"),
+                     DDPPostHocEMACallback(attribute="policy", checkpoint_every=1,
+                                           checkpoint_folder=str(tmp_path / f"refused{order}"))]
+        if order:
+            callbacks.reverse()
+        with pytest.raises(ValueError, match="both swap their EMA into the model for validation"
+                           ".*validate_with_ema=False"):
+            module, before = fit(callbacks, f"refused{order}")
+        assert not os.path.exists(tmp_path / f"refused{order}") or \
+            not any(os.scandir(tmp_path / f"refused{order}"))
+    fit([EMACallback(attribute="policy", validate_with_ema=False),
+         DDPPostHocEMACallback(attribute="policy", checkpoint_every=1,
+                               checkpoint_folder=str(tmp_path / "posthoc"))], "one")
+    assert any(os.scandir(tmp_path / "posthoc"))
+    fit([EMACallback(attribute="policy"), EMACallback(attribute="critic")], "disjoint")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import shardema
+from shardema import _C
 
 HALF = shardema.DecaySchedule.constant(0.5)
 BACKTRACE = re.compile(r"Exception raised from|frame #\d")
@@ -82,15 +83,23 @@ def test_load_state_dict_of_another_model_names_the_tensor():
 # --- a failed EMA is restored by a load ---------------------------------------
 
 def failed_ema(tmp_path):
+    """An EMA failed by its background math (the failpoint makes step 3's
+    first chunk throw on the worker); the saved state and checkpoint are of
+    step 2, and state_dict() is not called after that (a load must not need
+    it)."""
     model, ema = fresh()
     ema.update()
-    ema.fence()
+    ema.update()
     ema.save_checkpoint(str(tmp_path / "ckpt"))
     saved = ema_of(ema)
     state = ema.state_dict()
-    ema.update()
-    with pytest.raises(RuntimeError, match="fence"):
-        ema.update()  # a forgotten fence: the EMA is failed
+    failpoint = _C._Failpoint("offload.pipeline.chunk", 3, 0)
+    try:
+        ema.update()
+        with pytest.raises(RuntimeError, match="injected fault"):
+            ema.wait()
+    finally:
+        failpoint.close()
     return model, ema, saved, state
 
 
@@ -116,6 +125,28 @@ def test_a_failed_ema_is_restored_by_load_state_dict(tmp_path):
     assert same(saved, ema_of(ema))
 
 
+def test_a_failed_ema_that_never_gave_a_state_dict_is_restored_by_one(tmp_path):
+    # The state comes from another EMA of the same model (a resumed job's
+    # checkpoint): the failed one never called state_dict() itself.
+    model, ema = fresh()
+    saver = shardema.EMA(model, HALF)
+    saver.update()
+    state = saver.state_dict()
+    failpoint = _C._Failpoint("offload.pipeline.chunk", 1, 0)
+    try:
+        ema.update()
+        with pytest.raises(RuntimeError, match="injected fault"):
+            ema.wait()
+    finally:
+        failpoint.close()
+    assert ema.failed if hasattr(ema, "failed") else True
+    ema.load_state_dict(state)
+    assert same(ema_of(saver), ema_of(ema))
+    assert ema.step == saver.step == 1
+    assert ema.update()
+    ema.wait()
+
+
 # --- swap misuse ----------------------------------------------------------------
 
 def test_update_inside_swap_is_refused_and_changes_nothing():
@@ -124,7 +155,8 @@ def test_update_inside_swap_is_refused_and_changes_nothing():
     ema.fence()
     before = ema_of(ema)
     with ema.swap():
-        with pytest.raises(RuntimeError, match="swapped into the model") as excinfo:
+        with pytest.raises(ValueError, match="holds the EMA weights shardema.EMA swapped in") \
+                as excinfo:
             ema.update()
         one_line_error(excinfo)
     assert ema.step == 1
@@ -267,7 +299,7 @@ def test_a_replacement_of_another_dtype_or_shape_is_refused_naming_it(mutate, ch
 
 def test_a_replaced_buffer_is_followed():
     model = torch.nn.BatchNorm1d(3)
-    ema = shardema.EMA(model, HALF)
+    ema = shardema.EMA(model, HALF, policy="versatil")
     ema.update()
     ema.fence()
     model.running_mean = torch.full((3,), 4.0)  # a new tensor under the buffer's name

@@ -36,7 +36,17 @@ def single_process_ema():
 
 
 def assert_union_is(full, locals_by_rank, world):
+    """The ranks' pieces, in rank order, are the full EMA; except a buffer
+    that every rank keeps whole (its own: the ranks' are equal here), as
+    shardema.EMA does of a model's buffers (from_local_shards: as given)."""
+    buffers = {name for name, _ in worker.make_model().named_buffers()}
     for name, tensor in full.items():
+        whole = all(local[name].numel() == tensor.numel() for local in locals_by_rank)
+        if name in buffers and whole:
+            for r in range(world):
+                assert torch.equal(locals_by_rank[r][name].reshape(-1), tensor.reshape(-1)), \
+                    (r, name)
+            continue
         pieces = [locals_by_rank[r][name].reshape(-1) for r in range(world)]
         assert torch.equal(torch.cat(pieces), tensor.reshape(-1)), name
 
@@ -74,9 +84,8 @@ def test_fsdp2_rows_union_equals_single_process(world, tmp_path):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_fully_shard_model_union_equals_single_process(world, tmp_path):
-    # torch's fully_shard: buffers are replicated (rows of the whole),
-    # parameters fsdp2 rows; both split dim 0 the same way, so the union is
-    # the full EMA, bit for bit.
+    # torch's fully_shard: parameters fsdp2 rows, whose union is the full
+    # EMA bit for bit; buffers whole on every rank (each its own).
     expected, results = run_and_compare("dtensor", world, tmp_path)
     assert all(torch.equal(results[0]["full"][k], v) for k, v in expected.items())
 

@@ -5,7 +5,9 @@ against a float64 EMA of the full tensors it recomputes itself
 and what needs several ranks' results (replicas agree, who wrote files).
 One launch per world size runs several scenarios."""
 import os
+import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -17,7 +19,8 @@ sys.path.insert(0, HERE)
 from rank_launch import assert_passed, launched_once  # noqa: E402
 
 runs = launched_once("fsdp2_worker.py", [(2, ["fully_shard", "partly_sharded", "ddp",
-                                              "replicated_dtensor"]),
+                                              "replicated_dtensor", "batchnorm_buffers",
+                                              "ddp_batchnorm"]),
                                          (3, ["fully_shard"]), (4, ["hsdp"])], timeout=150)
 
 
@@ -57,3 +60,50 @@ def test_hsdp_replicas_agree_and_only_replica_0_writes(runs):
     assert sorted(exported) == sorted(results[0]["full"])
     for name, value in results[0]["full"].items():
         assert torch.equal(exported[name], value), name
+
+
+@pytest.mark.parametrize("policy", ["versatil", "ema_pytorch"])
+@pytest.mark.parametrize("scenario,tag", [("batchnorm_buffers", "bn"), ("ddp_batchnorm", "ddp_bn")])
+def test_batchnorm_buffers_each_rank_its_own_rank_0s_for_the_job(runs, scenario, tag, policy,
+                                                                 tmp_path):
+    """fsdp2_worker.batchnorm_buffers (FSDP2) and ddp_batchnorm (DDP)
+    checked each rank's EMA of its own buffers, and that the W = 2 files and
+    resumes hold rank 0's. Here one process with no process group loads
+    them: the per-rank checkpoint resharded to one rank (`shardema export
+    --world-size 1`), the DCP checkpoint, and the offline export; each gives
+    rank 0's EMA."""
+    import torch.distributed.checkpoint as dcp
+    from fsdp2_worker import batchnorm_model
+    out = assert_passed(runs(2), scenario)
+    saved = torch.load(out / f"{tag}_{policy}.pt")
+    schedule = shardema.DecaySchedule.warmup(power=0.75)
+
+    def check(ema, what):
+        assert ema.step == saved["step"], what
+        got = ema.full_state_dict()
+        assert sorted(got) == sorted(saved["full"]), what
+        for name, value in saved["full"].items():
+            assert torch.equal(got[name], value), f"{what}: '{name}'"
+
+    shardema_cli = os.environ.get("SHARDEMA_CLI")
+    if shardema_cli:
+        subprocess.run([shardema_cli, "export", "--checkpoint", str(out / f"{tag}_ckpt_{policy}"),
+                        "--world-size", "1", "--out", str(tmp_path / "w1")], check=True,
+                       capture_output=True, timeout=60)
+        ema = shardema.EMA(batchnorm_model(), schedule=schedule, policy=policy)
+        ema.load_checkpoint(str(tmp_path / "w1"))
+        check(ema, "the checkpoint resharded to one rank")
+        subprocess.run([shardema_cli, "export", "--checkpoint", str(out / f"{tag}_ckpt_{policy}"),
+                        "--out", str(tmp_path / "offline.safetensors")], check=True,
+                       capture_output=True, timeout=60)
+        exported = shardema.read_tensor_file(str(tmp_path / "offline.safetensors"))["tensors"]
+        assert sorted(exported) == sorted(saved["full"])
+        for name, value in saved["full"].items():
+            assert torch.equal(exported[name], value), f"offline export: '{name}'"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        ema = shardema.EMA(batchnorm_model(), schedule=schedule, policy=policy)
+        state = {"ema": ema.state_dict()}
+        dcp.load(state, checkpoint_id=out / f"{tag}_dcp_{policy}")
+        ema.load_state_dict(state["ema"])
+    check(ema, "the DCP checkpoint")

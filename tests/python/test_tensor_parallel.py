@@ -14,7 +14,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from rank_launch import assert_passed, launched_once  # noqa: E402
 
-RUNS = [(4, ["hsdp_dcp", "hsdp_slow_writer", "hsdp_missing_writer"]),
+RUNS = [(4, ["hsdp_dcp", "hsdp_slow_writer", "hsdp_buffers", "hsdp_missing_writer"]),
         (2, ["tp_train", "hsdp_load_fsdp2", "tp_load_full", "tp_callback_one_file",
              "whole_gather_only"]),
         (1, ["tp_load_one"])]
@@ -27,6 +27,10 @@ export_runs = launched_once("tensor_parallel_export_worker.py",
 
 def test_hsdp_state_dict_saves_once_per_chunk_and_loads_back_at_2x2(runs):
     assert_passed(runs(4), "hsdp_dcp")
+
+
+def test_hsdp_buffers_each_rank_its_own_global_rank_0s_for_the_job(runs):
+    assert_passed(runs(4), "hsdp_buffers")
 
 
 def test_hsdp_waiting_replicas_fail_within_the_ema_timeout(runs):

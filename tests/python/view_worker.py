@@ -63,9 +63,12 @@ def check_ddp(rank, world):
 
     ema.copy_from(model)  # each rank its rows: no collective
     rows = ema.local_ema()
+    # Buffers: each rank keeps its own whole (DDP leaves the ranks' unequal).
+    buffers = {name for name, _ in model.module.named_buffers()}
     for name, tensor in raw.items():
-        spec = shardema.layout_spec(name, list(tensor.shape), tensor.dtype, "replicated", world)
-        begin, end = spec.ranges[rank]
+        kind = "per_rank" if name in buffers else "replicated"
+        spec = shardema.layout_spec(name, list(tensor.shape), tensor.dtype, kind, world)
+        begin, end = spec.ranges[rank] if kind == "replicated" else (0, tensor.numel())
         assert torch.equal(rows[name], tensor.reshape(-1)[begin:end].to(rows[name].dtype)), name
 
 

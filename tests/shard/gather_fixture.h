@@ -71,6 +71,7 @@ inline ShardLayout makeLayout(const std::string& kind, int64_t w) {
     const at::ScalarType dtype = dtypes[i % 3];
     layout.specs.push_back(kind == "fsdp2"        ? fsdp2Spec(name, shapes[i], dtype, w)
                            : kind == "replicated" ? replicatedSpec(name, shapes[i], dtype, w)
+                           : kind == "per_rank"   ? perRankSpec(name, shapes[i], dtype, w)
                                                   : rankZeroSpec(name, shapes[i], dtype, w));
   }
   return layout;

@@ -26,7 +26,7 @@ using namespace gather_fixture;  // NOLINT: test-local helpers
 TEST(GatherTest, GatherFullRebuildsEveryLayoutBitForBit) {
   const int64_t buffers[] = {1, 16, 100, int64_t{64} << 20};
   for (int64_t w = 1; w <= 4; ++w) {
-    for (const std::string kind : {"fsdp2", "replicated", "rank0", "fsdp1"}) {
+    for (const std::string kind : {"fsdp2", "replicated", "rank0", "fsdp1", "per_rank"}) {
       const ShardLayout layout = makeLayout(kind, w);
       const auto full = fullTensors(layout, w % 2 ? at::kFloat : at::kBFloat16);
       runThreadRanks(w, [&](Communicator& comm) {
@@ -113,6 +113,47 @@ TEST(GatherTest, ScatterAndGatherAreInverses) {
         }
       });
     }
+  }
+}
+
+// A per-rank tensor: every rank holds its own copy, and rank 0's stands for
+// it. The gather takes rank 0's (the others pass none of theirs, their
+// range being empty); the scatter gives every rank the whole of the root's,
+// beside a sharded tensor cut as usual.
+TEST(GatherTest, PerRankTensorsGatherRankZerosAndScatterWhole) {
+  for (int64_t w = 1; w <= 3; ++w) {
+    ShardLayout layout = makeLayout("per_rank", w);
+    layout.specs.push_back(fsdp2Spec("rows", {5, 3}, at::kFloat, w));
+    const auto full = fullTensors(layout, at::kFloat);
+    runThreadRanks(w, [&](Communicator& comm) {
+      // Each rank's own copies differ; only rank 0's may reach the result.
+      std::vector<at::Tensor> own;
+      for (size_t i = 0; i < full.size(); ++i) {
+        const bool perRank = layout.specs[i].kind == LayoutKind::kPerRank;
+        own.push_back(perRank ? full[i] + comm.rank() : full[i]);
+      }
+      std::vector<at::Tensor> locals;
+      for (size_t i = 0; i < own.size(); ++i) {
+        const ElementRange range = layout.specs[i].rangeOf(comm.rank());
+        locals.push_back(own[i].reshape({-1}).narrow(0, range.begin, range.size()).contiguous());
+      }
+      for (int64_t buffer : {int64_t{8}, int64_t{1} << 20}) {
+        expectGathered(comm, layout, locals, full, -1, buffer, "per_rank W=" + std::to_string(w));
+        GatherOptions options;
+        options.bufferBytes = buffer;
+        options.root = w - 1;
+        const auto mine = scatterFull(
+            comm, layout, comm.rank() == w - 1 ? full : std::vector<at::Tensor>{}, options);
+        ASSERT_EQ(mine.size(), full.size());
+        for (size_t i = 0; i < mine.size(); ++i) {
+          const ElementRange held = layout.specs[i].heldRange(comm.rank());
+          EXPECT_EQ(mine[i].numel(), held.size());
+          const at::Tensor want = full[i].reshape({-1}).narrow(0, held.begin, held.size());
+          EXPECT_EQ(firstMismatch(want, mine[i]), "")
+              << layout.specs[i].name << " rank " << comm.rank() << " W " << w;
+        }
+      }
+    });
   }
 }
 

@@ -27,6 +27,7 @@ ShardLayout mixedLayout(int64_t world) {
   const FlatParamLayout flat({{"unit.a", {5, 3}}, {"unit.b", {}}, {"unit.c", {29}}}, c10::kFloat,
                              world);
   for (const ShardSpec& spec : flat.specs()) layout.specs.push_back(spec);
+  layout.specs.push_back(perRankSpec("norm.running_var", {4}, c10::kFloat, world));
   return layout;
 }
 
@@ -67,7 +68,7 @@ TEST(ShardLayoutTest, AnyFieldChangeChangesFingerprint) {
   const ShardLayout base = mixedLayout(3);
   EXPECT_EQ(base.fingerprint(), mixedLayout(3).fingerprint());
   EXPECT_EQ(base.fingerprint().size(), 16u);
-  std::vector<ShardLayout> variants(8, base);
+  std::vector<ShardLayout> variants(9, base);
   variants[0].specs[0].name = "layers.0.weightx";
   variants[1].specs[0].globalShape = {7, 13};
   variants[1].specs[0] = fsdp2Spec("layers.0.weight", {7, 13}, c10::kBFloat16, 3);
@@ -78,6 +79,7 @@ TEST(ShardLayoutTest, AnyFieldChangeChangesFingerprint) {
   variants[5] = mixedLayout(4);
   std::swap(variants[6].specs[0], variants[6].specs[1]);  // order is part of the layout
   variants[7].specs.pop_back();
+  variants[8].specs.back().kind = LayoutKind::kRankZero;  // the same ranges as per_rank
   std::vector<std::string> seen = {base.fingerprint()};
   for (size_t i = 0; i < variants.size(); ++i) {
     const std::string fingerprint = variants[i].fingerprint();
@@ -166,6 +168,7 @@ TEST(ShardLayoutTest, RelayoutKeepsTensorsAndRederivesRanges) {
               fsdp2Spec("layers.0.weight", {13, 7}, c10::kBFloat16, world));
     EXPECT_EQ(to.at("unit.a"), fsdp2Spec("unit.a", {5, 3}, c10::kFloat, world));
     EXPECT_EQ(to.at("step_scale").ranges[0], (ElementRange{0, 1}));
+    EXPECT_EQ(to.at("norm.running_var"), perRankSpec("norm.running_var", {4}, c10::kFloat, world));
   }
   EXPECT_EQ(relayout(smallLayout(), 2).specs, smallLayout().specs);  // same W: same layout
   EXPECT_VALUE_ERROR(relayout(from, 0), "world size");

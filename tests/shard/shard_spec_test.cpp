@@ -103,6 +103,8 @@ ShardSpec makeSpec(LayoutKind kind, const Shape& shape, int64_t world) {
       return replicatedSpec("t", shape, c10::kFloat, world);
     case LayoutKind::kRankZero:
       return rankZeroSpec("t", shape, c10::kFloat, world);
+    case LayoutKind::kPerRank:
+      return perRankSpec("t", shape, c10::kFloat, world);
     default:
       ADD_FAILURE() << "not a per-tensor kind";
       return {};
@@ -110,7 +112,7 @@ ShardSpec makeSpec(LayoutKind kind, const Shape& shape, int64_t world) {
 }
 
 constexpr LayoutKind kPerTensorKinds[] = {LayoutKind::kFsdp2, LayoutKind::kReplicated,
-                                          LayoutKind::kRankZero};
+                                          LayoutKind::kRankZero, LayoutKind::kPerRank};
 
 TEST(ShardSpecTest, Fsdp2MatchesChunkRestatementOverSweep) {
   for (const Shape& shape : sweepShapes()) {
@@ -161,8 +163,14 @@ TEST(ShardSpecTest, EveryKindPartitionsEveryTensorOfSweep) {
         EXPECT_EQ(spec.worldSize(), world);
         EXPECT_EQ(spec.globalShape, shape);
         expectPartition(spec);
-        if (kind == LayoutKind::kRankZero) {
+        if (kind == LayoutKind::kRankZero || kind == LayoutKind::kPerRank) {
           EXPECT_EQ(spec.ranges[0].size(), product(shape));
+        }
+        // What each rank's local holds: its range, or the whole (per_rank).
+        for (int64_t r = 0; r < world; ++r) {
+          const ElementRange whole{0, product(shape)};
+          EXPECT_EQ(spec.heldRange(r),
+                    kind == LayoutKind::kPerRank ? whole : spec.ranges[static_cast<size_t>(r)]);
         }
         if (kind == LayoutKind::kReplicated) {
           EXPECT_EQ(spec.ranges, fsdp2Spec("t", shape, c10::kFloat, world).ranges);
@@ -201,11 +209,12 @@ TEST(ShardSpecTest, IntersectIsEmptyWhenDisjoint) {
 }
 
 TEST(ShardSpecTest, KindNamesRoundTrip) {
-  for (LayoutKind kind :
-       {LayoutKind::kReplicated, LayoutKind::kRankZero, LayoutKind::kFsdp2, LayoutKind::kFsdp1}) {
+  for (LayoutKind kind : {LayoutKind::kReplicated, LayoutKind::kRankZero, LayoutKind::kFsdp2,
+                          LayoutKind::kFsdp1, LayoutKind::kPerRank}) {
     EXPECT_EQ(parseLayoutKind(layoutKindName(kind)), kind);
   }
   EXPECT_STREQ(layoutKindName(LayoutKind::kRankZero), "rank0");
+  EXPECT_STREQ(layoutKindName(LayoutKind::kPerRank), "per_rank");
   EXPECT_VALUE_ERROR(parseLayoutKind("FSDP2"), "FSDP2");
 }
 
@@ -301,6 +310,27 @@ TEST(ShardSpecTest, EqualityComparesEveryField) {
   other = base;
   other.ranges[0].end = 5;
   EXPECT_NE(base, other);
+}
+
+// A per-rank tensor: every rank holds all of its own copy; rank 0's alone
+// has a range (what gathers, files and reshards take). Its spec must say so.
+TEST(ShardSpecTest, PerRankHoldsTheWholeOnEveryRankAndRankZeroStandsForIt) {
+  const ShardSpec spec = perRankSpec("norm.running_mean", {6}, c10::kFloat, 3);
+  EXPECT_EQ(spec.kind, LayoutKind::kPerRank);
+  EXPECT_EQ(spec.ranges, (std::vector<ElementRange>{{0, 6}, {6, 6}, {6, 6}}));
+  for (int64_t r = 0; r < 3; ++r) EXPECT_EQ(spec.heldRange(r), (ElementRange{0, 6})) << r;
+  EXPECT_THROW(spec.heldRange(3), c10::IndexError);
+  EXPECT_EQ(layoutSpec("norm.running_mean", {6}, c10::kFloat, LayoutKind::kPerRank, 3), spec);
+  // The same ranges as rank 0 full copy, but another kind: not equal.
+  EXPECT_EQ(spec.ranges, rankZeroSpec("norm.running_mean", {6}, c10::kFloat, 3).ranges);
+  EXPECT_NE(spec, rankZeroSpec("norm.running_mean", {6}, c10::kFloat, 3));
+  EXPECT_EQ(perRankSpec("n", {}, c10::kLong, 2).heldRange(1), (ElementRange{0, 1}));  // 0-dim
+  EXPECT_EQ(perRankSpec("e", {0, 3}, c10::kFloat, 2).heldRange(1), (ElementRange{0, 0}));
+  // Ranges that tile but give rank 1 a part: not a per-rank tensor.
+  ShardSpec split = replicatedSpec("norm.running_mean", {6}, c10::kFloat, 3);
+  split.kind = LayoutKind::kPerRank;
+  EXPECT_VALUE_ERROR(checkShardSpec(split), "'norm.running_mean' is per_rank, so rank 0's range");
+  EXPECT_VALUE_ERROR(perRankSpec("w.zero", {4}, c10::kFloat, 0), "w.zero");
 }
 
 // Python torch.chunk, the split fully_shard uses, row for row.

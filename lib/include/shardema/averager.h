@@ -313,7 +313,10 @@ class Averager {
   /// update reads `source`. c10::ValueError naming the tensor and what
   /// differs otherwise, before anything changes. An update in flight keeps
   /// reading the old source until fence().
-  void rebindSource(const std::string& name, const at::Tensor& source);
+  /// `newWriter`: writes to `source` bump its own version counter, not the
+  /// one TrackedTensor::writeVersion named (a new tensor, not a detached
+  /// alias of the old one), which is then dropped.
+  void rebindSource(const std::string& name, const at::Tensor& source, bool newWriter = false);
   /// The dtype and shape of a tracked tensor's EMA storage (fixed at
   /// construction). Does not wait, so it also answers on a failed Averager
   /// (a load checks a file against it).
@@ -343,6 +346,9 @@ class Averager {
   /// snapshots, one file per profile (posthoc_snapshot.h), and c10::Error
   /// says so.
   TensorFile state() const;
+  /// state()'s metadata alone, read now: does not wait, so a failed
+  /// Averager answers too (a load checks what it is given against it).
+  std::map<std::string, std::string> stateMetadata() const;
   /// Restores state(): tensors as loadEmaValues, plus step and flags. In
   /// strict mode a schedule different from ours is an error naming both.
   LoadReport loadState(const TensorFile& file, LoadStrictness strictness = LoadStrictness::kStrict);

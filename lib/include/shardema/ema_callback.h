@@ -13,6 +13,7 @@
 #include "shardema/averager.h"
 #include "shardema/ema_substitution.h"
 #include "shardema/training_checkpoint.h"
+#include "shardema/weight_swap.h"
 
 namespace shardema {
 
@@ -90,7 +91,10 @@ class EmaCallback {
   /// onFitStart: checkpoint.float32Ema where it has the name, else the
   /// weights. A checkpoint without raw weights is left alone.
   void onLoadCheckpoint(torch::nn::Module& module, const TrainingCheckpoint& checkpoint);
-  /// Swap the EMA weights into the module / the raw weights back.
+  /// Swap the EMA weights into the module / the raw weights back, through
+  /// a WeightSwap (weight_swap.h): the raw weights wait in host memory, every
+  /// Averager of the process is fenced first, and a module another swap
+  /// holds is refused naming its holder. Blocks.
   void onValidationStart();
   void onValidationEnd();
 
@@ -99,7 +103,7 @@ class EmaCallback {
   bool hasEma() const { return averager_ != nullptr; }
   /// The EMA; c10::Error before onFitStart.
   const Averager& averager() const;
-  bool emaSwappedIn() const { return !rawDuringValidation_.empty(); }
+  bool emaSwappedIn() const { return swap_ != nullptr; }
 
  private:
   EmaCallbackOptions options_;
@@ -107,7 +111,8 @@ class EmaCallback {
   torch::nn::Module* module_ = nullptr;
   std::unique_ptr<Averager> averager_;
   std::optional<TensorFile> queuedState_;
-  NamedTensors rawDuringValidation_;
+  // The validation swap (weight_swap.h): raw weights in host memory.
+  std::unique_ptr<WeightSwap> swap_;
 };
 
 /// RAII: onValidationStart() now, onValidationEnd() when it goes out of

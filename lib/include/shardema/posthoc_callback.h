@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "shardema/averager.h"
+#include "shardema/weight_swap.h"
 #include "shardema/module_tracking.h"
 #include "shardema/sharded_averager.h"
 #include "shardema/training_checkpoint.h"
@@ -208,7 +209,7 @@ class PostHocCallback {
   bool onValidationStart();
   /// Puts the raw values back (no-op when nothing was swapped).
   void onValidationEnd();
-  bool emaSwappedIn() const { return !rawDuringValidation_.empty(); }
+  bool emaSwappedIn() const { return swap_ != nullptr; }
 
   /// End of training; collective for kSharded when worldSize > 1. Writes a
   /// final snapshot unless calls() is on a boundary, synthesizes
@@ -270,7 +271,8 @@ class PostHocCallback {
   // kSharded from LocalShards: the kReplicated shards whose whole tensors
   // (in swapTargets_) take gathered values in the validation swap.
   std::vector<std::string> gatheredForSwap_;
-  NamedTensors rawDuringValidation_;
+  // The validation swap (weight_swap.h), or null.
+  std::unique_ptr<WeightSwap> swap_;
 };
 
 }  // namespace shardema

@@ -3,7 +3,10 @@
 // or replicated model (DESIGN.md section 3). Each rank tracks exactly the
 // elements it owns, described by a shard::ShardSpec per tensor; the EMA is
 // elementwise, so update() never communicates and the union of every rank's
-// EMA equals the EMA a single process would keep of the full tensors.
+// EMA equals the EMA a single process would keep of the full tensors. A
+// tensor the ranks do not keep equal (kPerRank: BatchNorm statistics under
+// DDP and FSDP2) is held whole by every rank, each the EMA of its own copy;
+// rank 0's is the one gathers, files and exports take.
 // Full tensors exist only when asked for (fullStateDict, exportWeights) or offline
 // (sharded_checkpoint.h: exportCheckpoint over a saved folder).
 #include <ATen/core/Tensor.h>
@@ -33,7 +36,8 @@ class Communicator;
 /// split. `local` is a handle to the live local shard (e.g. FSDP2's local
 /// DTensor view, a view into FSDP1's flat shard): read at every update,
 /// written only by copyTo. Any shape; numel must be this rank's
-/// range size and dtype the spec's.
+/// spec.heldRange() size (the whole tensor under kPerRank) and dtype the
+/// spec's.
 struct LocalShard {
   at::Tensor local;
   shard::ShardSpec spec;
@@ -98,7 +102,21 @@ class ShardedAverager {
   /// The shard `name` is now `local` (its tensor was replaced by one of the
   /// same shape, dtype and device): Averager::rebindSource, whose
   /// c10::ValueError names what differs.
-  void rebindLocal(const std::string& name, const at::Tensor& local);
+  /// `newWriter` as Averager::rebindSource's (LocalShard::writeVersion is
+  /// dropped with it).
+  void rebindLocal(const std::string& name, const at::Tensor& local, bool newWriter = false);
+  /// The one rule of a replaced tensor (its module now holds `full` under
+  /// `name`: a new nn.Parameter, `p.data = t`, a submodule swapped for one
+  /// of the same shape): from the next update on the EMA reads this rank's
+  /// piece of `full`, cut as the spec's kind cuts it (kFsdp2/kReplicated:
+  /// its rows; kRankZero: all of it on rank 0). `full` must be a plain dense
+  /// contiguous tensor of the spec's shape, the shard's dtype and device:
+  /// c10::ValueError naming the tensor and what differs otherwise (a tensor
+  /// subclass such as a DTensor: the model was sharded after the EMA was
+  /// built), before anything changes. kFsdp1 pieces and splitDim shards
+  /// cannot be cut from a full tensor: refused naming the tensor. An update
+  /// in flight keeps reading the old tensor until fence(). Does not block.
+  void followReplaced(const std::string& name, const at::Tensor& full);
 
   /// Averager::update / fence / wait of the local shards (no communication).
   bool update(int64_t step) { return averager_.update(step); }
@@ -111,13 +129,15 @@ class ShardedAverager {
   const Averager& averager() const { return averager_; }
 
   /// This rank's EMA pieces as 1-D contiguous CPU tensors in layout order
-  /// (numel = the rank's range size; float32 for averaging roles, the source
+  /// (numel = the rank's heldRange size: the whole of a kPerRank tensor,
+  /// this rank's own EMA of it; float32 for averaging roles, the source
   /// dtype for copies). Waits for an update in flight. Views of our storage
   /// for the kPinnedHost storage; host copies for kDevice.
   std::vector<at::Tensor> localEma() const;
 
   /// Collective (every rank calls it): the full EMA tensors, global shapes
-  /// (a splitDim shard's: its own, dim 0 moved back), on the receiving
+  /// (a splitDim shard's: its own, dim 0 moved back; a kPerRank one's:
+  /// rank 0's), on the receiving
   /// rank(s) of `options` (shard::gatherFull), each followed by a copy under
   /// each of its aliases. When this
   /// rank's localEma() throws (e.g. a failed background update), it
@@ -131,7 +151,8 @@ class ShardedAverager {
       shard::Communicator& comm, shard::GatherOptions options = {},
       const std::optional<std::vector<std::string>>& only = std::nullopt) const;
 
-  /// Collective: streams the full EMA to options.root (>= 0), which writes
+  /// Collective: streams the full EMA (kPerRank tensors: rank 0's) to
+  /// options.root (>= 0), which writes
   /// one deployable safetensors file at `path` tensor by tensor
   /// (TensorFileWriter), never holding more than options.bufferBytes of
   /// gathered data; a tensor with aliases is written again under each, right
@@ -166,10 +187,11 @@ class ShardedAverager {
 };
 
 /// Local shards of full module tensors for a per-tensor layout (kFsdp2,
-/// kReplicated, kRankZero): each local is a view of `rank`'s rows of the
-/// full tensor (dim-0 rows [min(r*c, d0), min((r+1)*c, d0)) for FSDP2 and
-/// replicated, everything or nothing for rank 0 full copy), which is what
-/// FSDP2's local DTensor view holds; 0-dim tensors belong to rank 0. The
+/// kReplicated, kRankZero, kPerRank): each local is a view of `rank`'s rows
+/// of the full tensor (dim-0 rows [min(r*c, d0), min((r+1)*c, d0)) for FSDP2
+/// and replicated, everything or nothing for rank 0 full copy, the whole
+/// tensor on every rank for per-rank), which is what FSDP2's local DTensor
+/// view holds; 0-dim tensors belong to rank 0 (per-rank: to every rank). The
 /// spec dtype, role and changesInForward are the tensor's. `full` must be contiguous
 /// (c10::ValueError naming the tensor); kFsdp1 is refused (use shardsFromFlatParam).
 std::vector<LocalShard> shardsFromFullTensors(const std::vector<TrackedTensor>& full,

@@ -11,7 +11,9 @@
 // The folder holds one safetensors file per rank, named uniquely per save
 // (rank_{r:05d}.step_{step}.{saveId:016x}.safetensors), so a failed or
 // crashed save leaves the previous checkpoint complete and loadable; each
-// holds that rank's EMA pieces as 1-D tensors under their global names plus
+// holds that rank's EMA pieces (the elements of its ShardSpec ranges: a
+// per-rank tensor in rank 0's file alone, whole, empty in the others) as
+// 1-D tensors under their global names plus
 // the Averager state metadata and shardema.rank / world_size /
 // layout_fingerprint. manifest.json, written last, names the files with
 // their sizes and XXH64 checksums: a folder without a valid manifest holds
@@ -116,7 +118,10 @@ void saveCheckpoint(const std::string& dir, const std::vector<const ShardedAvera
 /// the recorded size and checksum, metadata naming this rank, world size,
 /// layout and the manifest's step, and exactly the layout's tensors with
 /// this rank's sizes; its step and last decay must be in range. Errors name
-/// the file (and tensor or key). Then Averager::loadState (strict). A
+/// the file (and tensor or key). A kPerRank tensor comes from rank 0's file
+/// on every rank (rank 0's copy is the checkpoint's; each of its tensors
+/// read is checked against its own checksum, and its metadata must name
+/// rank 0 of the manifest). Then Averager::loadState (strict). A
 /// failed load changes nothing.
 void loadCheckpoint(const std::string& dir, ShardedAverager& averager);
 

@@ -51,7 +51,9 @@ using PieceSink =
 /// rank(s) in pieces of at most bufferBytes: for each tensor the pieces
 /// arrive in increasing offset and cover [0, numel) exactly once (a tensor
 /// with numel 0 gets one empty piece). locals[i] holds this rank's elements
-/// of layout.specs[i] (numel = its range's size, any shape, contiguous CPU);
+/// of layout.specs[i] (numel = its range's size, any shape, contiguous CPU:
+/// of a kPerRank tensor, rank 0 passes its whole copy and the others none,
+/// so the receivers get rank 0's);
 /// all ranks' locals[i] have one dtype, which the pieces keep. The sink runs
 /// on the calling thread, only on receiving ranks. Blocks. c10::ValueError
 /// on every rank, before any data moves, when some rank's locals do not
@@ -92,7 +94,10 @@ std::vector<std::pair<std::string, at::Tensor>> gatherFull(Communicator& comm,
 /// The inverse: `full` (layout order, global shapes; needed on
 /// options.root only, ignored elsewhere) is cut into every rank's range;
 /// returns this rank's pieces as 1-D tensors of full's dtypes, layout
-/// order. Blocks. Bounded like gatherStreaming (bufferBytes per round).
+/// order: each ShardSpec::heldRange, so a kPerRank tensor comes whole to
+/// every rank (one broadcast of it from rank 0 after the rounds). Blocks.
+/// Bounded like gatherStreaming (bufferBytes per round; a kPerRank tensor
+/// costs its size on every rank, as it does in the model).
 /// options.root must name one rank (-1 is refused: one rank sends);
 /// it, options.bufferBytes and options.localError are checked and agreed
 /// on like gatherStreaming's.

@@ -1,8 +1,8 @@
 #pragma once
 // ShardSpec: which elements of one global tensor each rank of a job owns,
 // as element ranges of the row-major flattened tensor (docs/spec/shard_layouts.md).
-// One representation serves replicated, FSDP2 and FSDP1 layouts. Pure
-// arithmetic: nothing here communicates.
+// One representation serves replicated, FSDP2, FSDP1 and per-rank layouts.
+// Pure arithmetic: nothing here communicates.
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
@@ -39,9 +39,19 @@ enum class LayoutKind {
   /// FSDP1 FlatParameter: a contiguous slice of the flat parameter, which
   /// may cut a tensor anywhere (see FlatParamLayout).
   kFsdp1,
+  /// Every rank keeps the whole tensor as its own: a tensor the ranks do not
+  /// keep equal, such as BatchNorm statistics under DDP (which broadcasts
+  /// rank 0's only at the next forward) and FSDP2 (which never does). Each
+  /// rank's local is all of its own copy (heldRange), so each rank keeps the
+  /// EMA of its own tensor; rank 0's copy is the tensor wherever one value
+  /// stands for the job (gathers, files, exports, resharding), as it is
+  /// DDP's authority. So the ranges are kRankZero's: rank 0 [0, numel), the
+  /// others empty. Costs the tensor's size on every rank (buffers: small).
+  kPerRank,
 };
 
-const char* layoutKindName(LayoutKind kind);  // "replicated", "rank0", "fsdp2", "fsdp1"
+/// "replicated", "rank0", "fsdp2", "fsdp1", "per_rank"
+const char* layoutKindName(LayoutKind kind);
 /// Parses layoutKindName() output; c10::ValueError naming the text otherwise.
 LayoutKind parseLayoutKind(const std::string& name);
 
@@ -63,8 +73,13 @@ struct ShardSpec {
   int64_t worldSize() const { return static_cast<int64_t>(ranges.size()); }
   /// Product of globalShape (1 for 0-dim).
   int64_t numel() const;
-  /// ranges[rank]; c10::IndexError naming the tensor for a bad rank.
+  /// ranges[rank]: the elements `rank` stands for in gathers, files and
+  /// resharding. c10::IndexError naming the tensor for a bad rank.
   const ElementRange& rangeOf(int64_t rank) const;
+  /// The elements `rank`'s local tensor holds: rangeOf(rank), except under
+  /// kPerRank, where every rank holds its own copy of all of them
+  /// ([0, numel)). c10::IndexError naming the tensor for a bad rank.
+  ElementRange heldRange(int64_t rank) const;
   bool operator==(const ShardSpec& other) const;
   bool operator!=(const ShardSpec& other) const { return !(*this == other); }
 };
@@ -76,6 +91,7 @@ struct ShardSpec {
 /// sits where the previous one ended (e.g. [numel, numel) for trailing FSDP2
 /// ranks; FSDP1 members before rank r's slice get [0, 0)). Every spec made
 /// here has that canonical form, which keeps == and fingerprints meaningful.
+/// A kPerRank spec's ranges are rank 0's [0, numel) and empty elsewhere.
 /// c10::ValueError naming the tensor and the broken invariant.
 void checkShardSpec(const ShardSpec& spec);
 
@@ -84,19 +100,21 @@ void checkShardSpec(const ShardSpec& spec);
 /// one element. c10::ValueError for a bad rank, world size or shape.
 ElementRange fsdp2Range(const std::vector<int64_t>& globalShape, int64_t rank, int64_t worldSize);
 
-/// Whole-tensor specs of the three per-tensor layouts. kReplicated uses the
-/// FSDP2 ranges; kRankZero gives rank 0 [0, numel) and the others
-/// [numel, numel). c10::ValueError naming the tensor for worldSize < 1 or a
-/// negative dim.
+/// Whole-tensor specs of the per-tensor layouts. kReplicated uses the
+/// FSDP2 ranges; kRankZero and kPerRank give rank 0 [0, numel) and the
+/// others [numel, numel). c10::ValueError naming the tensor for
+/// worldSize < 1 or a negative dim.
 ShardSpec fsdp2Spec(const std::string& name, const std::vector<int64_t>& globalShape,
                     c10::ScalarType dtype, int64_t worldSize);
 ShardSpec replicatedSpec(const std::string& name, const std::vector<int64_t>& globalShape,
                          c10::ScalarType dtype, int64_t worldSize);
 ShardSpec rankZeroSpec(const std::string& name, const std::vector<int64_t>& globalShape,
                        c10::ScalarType dtype, int64_t worldSize);
-/// The spec of `kind` (kFsdp2, kReplicated or kRankZero: one of the three
-/// above). kFsdp1 is a c10::ValueError naming the tensor: its specs come
-/// from a FlatParamLayout.
+ShardSpec perRankSpec(const std::string& name, const std::vector<int64_t>& globalShape,
+                      c10::ScalarType dtype, int64_t worldSize);
+/// The spec of `kind` (kFsdp2, kReplicated, kRankZero or kPerRank: one of
+/// the four above). kFsdp1 is a c10::ValueError naming the tensor: its
+/// specs come from a FlatParamLayout.
 ShardSpec layoutSpec(const std::string& name, const std::vector<int64_t>& globalShape,
                      c10::ScalarType dtype, LayoutKind kind, int64_t worldSize);
 

@@ -1,0 +1,133 @@
+"""shardema.EMA's state and files: state_dict for DCP, the per-rank
+checkpoints, deployable weights, gathers, and the EMA values in the shapes
+a rank holds its tensors. A base class of EMA (_ema.py), so each file stays
+one concept; every method maps onto the engine (shardema._C.Ema, the C++
+PythonEma) or onto _dcp.py and _ema_values.py, which are handed the engine
+rather than reach for it."""
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+
+from . import _ema_values
+from ._model import refuse_tensor_parallel
+from ._replicas import write_on_first_replica
+
+
+class EmaState:
+    """The state half of shardema.EMA (see EMA)."""
+
+    _engine: Any
+    _held: Dict[str, Any]
+    _aliases: Dict[str, str]
+    _replicas: Any
+    _tensor_parallel: Dict[str, Any]
+    _timeout_s: float
+
+    def _refuse_fsdp1(self, api: str) -> None:
+        # Under FSDP1 a rank's EMA of a parameter is a range of a flattened
+        # FlatParameter shard: neither a DTensor (state_dict) nor a module
+        # sharded like the model (module, copy_from) can describe it.
+        if self._engine.layout == "fsdp1":
+            raise ValueError(f"shardema.EMA.{api} is not supported for an FSDP1 model "
+                             "(FullyShardedDataParallel: each rank's EMA is a range of a "
+                             "flattened parameter); use save_checkpoint() / load_checkpoint(), "
+                             "export_weights(), full_state_dict() or swap()")
+
+    def state_dict(self) -> Dict[str, Any]:
+        """{"weights": {name: tensor}, "progress": {...}}, for DCP beside the
+        model and optimizer (or torch.save with one process): fresh copies,
+        fp32 where averaged; DTensors (Shard(0) rows) where ranks hold rows,
+        so DCP reshards them on another world size. The progress is plain
+        values, equal on every rank. See docs/python.md, "Checkpoints with
+        torch.distributed.checkpoint"."""
+        self._refuse_fsdp1("state_dict")
+        from . import _dcp
+        return _dcp.state_dict(self, self._engine)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Adopts state_dict()'s structure as DCP (or torch.load) filled it,
+        at any world size; {} (what shardema.EMALoadPlanner leaves for a
+        checkpoint without an EMA) restarts the EMA from the model's weights
+        at step 0, with a warning. An older state_dict() ({"tensors",
+        "metadata"}) loads on the same rank, world size and layout. A failed
+        EMA (its background update raised) is restored by it."""
+        if not isinstance(state, dict):
+            raise TypeError("shardema.EMA.load_state_dict: expected a dict, got "
+                            f"{type(state).__name__}")
+        if "tensors" in state and "metadata" in state:
+            self._engine.load_state_dict(state)
+            return
+        self._refuse_fsdp1("load_state_dict")
+        from . import _dcp
+        _dcp.load_state_dict(self, self._engine, state)
+
+    def save_checkpoint(self, folder: str) -> None:
+        """Collective: this rank's file and (rank 0) the manifest in `folder`."""
+        refuse_tensor_parallel(self._tensor_parallel, "save_checkpoint")
+        write_on_first_replica(self._replicas, lambda: self._engine.save_checkpoint(str(folder)),
+                               self._timeout_s, "save_checkpoint")
+
+    def load_checkpoint(self, folder: str) -> None:
+        """Collective: every rank loads its file of a checkpoint (of the same
+        world size, or of any layout when every rank holds the same
+        elements, as after `shardema export --world-size 1`); if one rank
+        fails, every rank raises and none changed. Restores a failed EMA."""
+        refuse_tensor_parallel(self._tensor_parallel, "load_checkpoint")
+        self._engine.load_checkpoint(str(folder))
+
+    def export_weights(self, path: str, dtype: torch.dtype = torch.float32) -> None:
+        """Collective: rank 0 writes deployable safetensors of the full
+        tensors (floating ones as `dtype`), tied weights under every name."""
+        write_on_first_replica(self._replicas,
+                               lambda: self._engine.export_weights(str(path), dtype),
+                               self._timeout_s, "export_weights")
+
+    def full_state_dict(self, rank0_only: bool = True,
+                        names: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:
+        """Collective: the full EMA tensors as CPU tensors, on rank 0 (empty
+        dict on the others) or on every rank; `names` (the same on every
+        rank): just those, else all. For small models and tests;
+        export_weights() streams large ones."""
+        chosen = None if names is None else [str(n) for n in names]
+        return dict(self._engine.full_state_dict(rank0_only, chosen))
+
+    def local_ema(self) -> Dict[str, torch.Tensor]:
+        """This rank's EMA pieces (1-D clones), the elements it owns."""
+        return dict(self._engine.local_ema())
+
+    def ema_tensors(self, names: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:
+        """The EMA of each tracked tensor (`names`, the same on every rank;
+        else all) in the shape this rank holds the tensor in: a DTensor's
+        to_local() (its rows under Shard(0), the whole under Replicate()),
+        the whole of a plain tensor. Fresh copies (float32 where averaged)
+        where the EMA lives (host memory by default), gathered ones on the
+        CPU. Collective where this rank holds the whole of a tensor whose
+        EMA the ranks split (a plain tensor under DDP or layout="rank0", a
+        Replicate() DTensor): those are gathered, so every rank calls it.
+        Waits for the update in flight."""
+        return _ema_values.ema_tensors(self._engine, self._held, names)
+
+    def load_ema_values(self, values: Dict[str, Any], strict: bool = True) -> None:
+        """The EMA of each named tensor becomes the value given (converted to
+        the EMA's dtype): a DTensor, or a tensor shaped as ema_tensors()
+        gives it, stands for what this rank holds (each rank keeps its rows
+        of a whole); a plain tensor of a DTensor's full shape is the whole,
+        of which this rank takes its part (a checkpoint every rank reads
+        whole). The step and the schedule are unchanged. strict: every
+        tracked name must be given (else the others keep their EMA). One
+        ValueError lists every missing, unexpected and misshapen name, and
+        then nothing was loaded. No communication; waits for the update in
+        flight."""
+        _ema_values.load_ema_values(self._engine, self._held, values, bool(strict),
+                                    self._aliases)
+
+    def offload_stats(self) -> Dict[str, Any]:
+        """What the background pipeline has done so far, all updates:
+        updates, chunks, source_bytes (read from the parameters), staged_bytes
+        (of those, copied through pinned staging: device parameters),
+        staging_bytes (held), fence_wait_seconds / last_fence_wait_seconds
+        (time the training loop blocked in fence()) and waiter_chunks (chunks
+        whose math ran on the thread blocked in fence()/wait() because no
+        worker had started them). A fence wait near zero means the EMA was
+        hidden behind the training step."""
+        return dict(self._engine.offload_stats())
