@@ -7,19 +7,13 @@ read or written: a distributed checkpoint's entries (each a DTensor whose
 to_local() is this rank's part: the whole for Replicate), the resume from
 them, the validation swap, EMA.module(into=...) and EMA.copy_from().
 
-Usage: callback_dtensor_worker.py SCENARIO RANK WORLD PORT OUT
-A failure writes error{rank}.txt (exit 3); a pass writes done{rank}."""
-import datetime
-import os
-import sys
-
+Started by rank_launch.launch; rank_worker.py says how and what it reports."""
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from rank_errors import errors_reported  # noqa: E402
+import rank_worker
 from shardema.callbacks import EMACallback
 
 STEPS = 3
@@ -132,17 +126,5 @@ def replicate(rank, world, out):
 SCENARIOS = {"replicate": replicate}
 
 
-def main():
-    scenario, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
-        int(sys.argv[4]), sys.argv[5]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
-    with errors_reported(rank, out):
-        SCENARIOS[scenario](rank, world, out)
-        dist.barrier()
-    open(os.path.join(out, f"done{rank}"), "w").close()
-    os._exit(0)
-
-
 if __name__ == "__main__":
-    main()
+    rank_worker.main(SCENARIOS)

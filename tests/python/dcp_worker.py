@@ -1,17 +1,16 @@
 """One rank of test_dcp.py's runs: an FSDP2 model (fully_shard on CPU over
 Gloo) with its optimizer and shardema.EMA, saved and loaded through
-torch.distributed.checkpoint. Usage:
-dcp_worker.py SCENARIO RANK WORLD PORT OUT [CHECKPOINT]
+torch.distributed.checkpoint. Started by rank_launch.launch (rank_worker.py
+says how and what it reports), CHECKPOINT its one extra argument:
 
 save: 3 steps, then `OUT/ckpt` (model, optimizer, EMA; async_save),
       `OUT/model_only` (no EMA) and the EMA's own per-rank checkpoint
       `OUT/engine` (save_checkpoint). Rank 0 writes OUT/saved.pt.
 load: a fresh model and EMA load CHECKPOINT, take one more step and save
       `OUT/ckpt` again. Rank 0 writes OUT/loaded.pt.
-cold: as load, then a fresh model and EMA load CHECKPOINT/../model_only.
-Rank r writes its error to OUT/error{r}.txt."""
+cold: as load, then a fresh model and EMA load CHECKPOINT/../model_only."""
+import functools
 import os
-import sys
 import warnings
 
 import torch
@@ -21,8 +20,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+import rank_worker
 import shardema
-from rank_errors import errors_reported  # noqa: E402
 
 STEPS = 3
 # The BatchNorm at index 3: versatil copies its parameters and buffers.
@@ -122,7 +121,7 @@ def load_all(model, optimizer, ema, folder, planner=None):
     ema.load_state_dict(state["ema"])
 
 
-def run(scenario, rank, world, out, checkpoint):
+def run(scenario, rank, world, out, checkpoint=None):
     result = {}
     if scenario == "save":
         model, optimizer = make_model(0, world)
@@ -177,16 +176,8 @@ def run(scenario, rank, world, out, checkpoint):
         torch.save(result, os.path.join(out, "saved.pt" if scenario == "save" else "loaded.pt"))
 
 
-def main():
-    scenario, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
-        int(sys.argv[4]), sys.argv[5]
-    checkpoint = sys.argv[6] if len(sys.argv) > 6 else None
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    with errors_reported(rank, out):
-        run(scenario, rank, world, out, checkpoint)
-    os._exit(0)
+SCENARIOS = {name: functools.partial(run, name) for name in ("save", "load", "cold")}
 
 
 if __name__ == "__main__":
-    main()
+    rank_worker.main(SCENARIOS, group_timeout=None)

@@ -16,14 +16,10 @@ on_fit_start, then the model load, then on_load_checkpoint, as
 FSDPStrategy restores after setup). The stand-in trainer carries what the
 callbacks read, its strategy.model the FSDP1 root.
 
-Usage: fsdp1_callback_worker.py SCENARIO[,SCENARIO...] RANK WORLD PORT OUT
-A scenario that fails writes error{rank}_{scenario}.txt and ends the
-process; one that passes writes done{rank}_{scenario}."""
-import datetime
+Started by rank_launch.launch; rank_worker.py says how and what it reports."""
 import functools
 import os
 import shutil
-import sys
 from types import SimpleNamespace
 
 import torch
@@ -41,7 +37,7 @@ from lightning.pytorch.strategies.strategy import _ForwardRedirection
 import shardema
 from shardema.callbacks import DDPPostHocEMACallback, EMACallback
 from fsdp1_worker import Float64Ema, close, full_tensors  # noqa: E402
-from rank_errors import errors_reported  # noqa: E402
+import rank_worker
 
 ACCUMULATE = 2
 BATCHES = 8  # one epoch: 4 optimizer steps
@@ -388,18 +384,5 @@ SCENARIOS = {
 }
 
 
-def main():
-    scenarios, rank, world, port, out = sys.argv[1].split(","), int(sys.argv[2]), \
-        int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
-    for name in scenarios:
-        with errors_reported(rank, out, name):
-            SCENARIOS[name](rank, world, out)
-            dist.barrier()
-        open(os.path.join(out, f"done{rank}_{name}"), "w").close()
-    os._exit(0)
-
-
 if __name__ == "__main__":
-    main()
+    rank_worker.main(SCENARIOS)

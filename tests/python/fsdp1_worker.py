@@ -5,18 +5,15 @@ After every update the rank recomputes, in float64, the EMA of the full
 parameters (summon_full_params) and of the elements its own local flat
 shard holds, and compares them with full_state_dict() and local_ema().
 
-Usage: fsdp1_worker.py SCENARIO[,SCENARIO...] RANK WORLD PORT OUT
-Scenarios: orig_params (use_orig_params=True: the original parameters are
-1-D views of the local shard, possibly empty), orig_params_bf16 (the same
-under MixedPrecision(param_dtype=bfloat16)), flat_params
-(use_orig_params=False: one FlatParameter per unit), swap and refusals. A
-scenario that fails writes error{rank}_{scenario}.txt and ends the process
-(so swap, which fails until EMA.swap frees FSDP1's gathered root, runs
-last); one that passes writes done{rank}_{scenario}."""
-import datetime
+Scenarios: orig_params (use_orig_params=True: the original parameters
+are 1-D views of the local shard, possibly empty), orig_params_bf16 (the
+same under MixedPrecision(param_dtype=bfloat16)), flat_params
+(use_orig_params=False: one FlatParameter per unit), swap and refusals.
+Started by rank_launch.launch; rank_worker.py says how and what it
+reports (a scenario that fails ends the launch, so swap, which fails until
+EMA.swap frees FSDP1's gathered root, runs last)."""
 import functools
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -25,7 +22,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecis
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 import shardema
-from rank_errors import errors_reported  # noqa: E402
+import rank_worker
 
 STEPS = 4
 POWER = 0.75
@@ -256,18 +253,5 @@ SCENARIOS = {"orig_params": functools.partial(scenario, True),
              "refusals": refusals}
 
 
-def main():
-    scenarios, rank, world, port, out = sys.argv[1].split(","), int(sys.argv[2]), \
-        int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
-    for name in scenarios:
-        with errors_reported(rank, out, name):
-            SCENARIOS[name](rank, world, out)
-            dist.barrier()
-        open(os.path.join(out, f"done{rank}_{name}"), "w").close()
-    os._exit(0)
-
-
 if __name__ == "__main__":
-    main()
+    rank_worker.main(SCENARIOS)

@@ -6,12 +6,8 @@ decided at that update, and compares shardema's full and local views with
 it. Several scenarios run one after the other in one launch, since starting
 processes is the slow part.
 
-Usage: fsdp2_worker.py SCENARIO[,SCENARIO...] RANK WORLD PORT OUT
-A scenario that fails writes error{rank}_{scenario}.txt and ends the
-process (exit 3); one that passes writes done{rank}_{scenario}."""
-import datetime
+Started by rank_launch.launch; rank_worker.py says how and what it reports."""
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -21,7 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import shardema
-from rank_errors import errors_reported  # noqa: E402
+import rank_worker
 
 STEPS = 4
 POWER = 0.75
@@ -435,18 +431,5 @@ SCENARIOS = {"fully_shard": fully_shard_model, "partly_sharded": partly_sharded,
              "batchnorm_buffers": batchnorm_buffers, "ddp_batchnorm": ddp_batchnorm}
 
 
-def main():
-    scenarios, rank, world, port, out = sys.argv[1].split(","), int(sys.argv[2]), \
-        int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
-    for scenario in scenarios:
-        with errors_reported(rank, out, scenario):
-            SCENARIOS[scenario](rank, world, out)
-            dist.barrier()
-        open(os.path.join(out, f"done{rank}_{scenario}"), "w").close()
-    os._exit(0)
-
-
 if __name__ == "__main__":
-    main()
+    rank_worker.main(SCENARIOS)

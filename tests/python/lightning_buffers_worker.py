@@ -6,14 +6,16 @@ EMACallback, once with a reference written here from the VersatIL seed's
 documented behaviour (SeedLikeEMA). Rank r writes {name}.rank{r}.pt: the
 validation outputs it saw, each rank's EMA at each validation start, and
 its final raw weights; rank 0's Lightning checkpoints are in OUT/{name}/.
-
-Usage: lightning_buffers_worker.py RUN RANK WORLD PORT OUT (rank_launch.py)"""
+Started by rank_launch.launch with torchrun's environment as scenarios
+ours and seed (Lightning starts the group); rank_worker.py says how and
+what it reports."""
 import copy
+import functools
 import os
-import sys
 
 import torch
-from rank_errors import errors_reported  # noqa: E402
+
+import rank_worker
 
 EPOCHS = 2
 BATCHES_PER_EPOCH = 4  # per rank; with ACCUMULATE 3: a full window, then a partial one
@@ -172,19 +174,13 @@ def fit(L, name, out, world):
     torch.save(result, os.path.join(out, f"{name}.rank{trainer.global_rank}.pt"))
 
 
-def main():
-    run, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
-        sys.argv[4], sys.argv[5]
-    # The ranks are made outside Lightning, as torchrun makes them.
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
+def run(name, rank, world, out):
     import lightning.pytorch as L
-    with errors_reported(rank, out):
-        for name in run.split(","):
-            fit(L, name, out, world)
-    sys.stdout.flush()
-    os._exit(0)
+    fit(L, name, out, world)
+
+
+SCENARIOS = {name: functools.partial(run, name) for name in ("ours", "seed")}
 
 
 if __name__ == "__main__":
-    main()
+    rank_worker.main(SCENARIOS, start_group=False)

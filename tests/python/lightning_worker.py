@@ -3,10 +3,9 @@
 The single-device runs are called in the test's process; the 2-process
 ones (DDP, ModelParallelStrategy with FSDP2, both on CPU over Gloo) start
 this file once per rank, the ranks created outside Lightning as torchrun
-would (LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the
-environment), so one process can run several Trainers in a row:
-
-    lightning_worker.py SCENARIO OUT
+would (rank_launch.launch with torchrun=True sets its environment; Lightning
+starts the group), so one process can run several Trainers in a row;
+rank_worker.py says how and what it reports.
 
 Every run writes, per rank, {name}.rank{r}.pt: the policy's final raw
 weights and the callback's EMA (full tensors), the raw weights after each
@@ -15,11 +14,11 @@ module saw inside its steps: a training forward that did not use the raw
 weights, a validation forward that did not use the EMA, a test forward
 that did not use the final raw weights."""
 import os
-import sys
 import weakref
 
 import torch
-from rank_errors import errors_reported  # noqa: E402
+
+import rank_worker
 
 EPOCHS = 3
 BATCHES_PER_EPOCH = 3  # per rank; with ACCUMULATE 2: a full window and a partial one
@@ -274,32 +273,29 @@ def model_parallel(save_distributed):
                                          save_distributed_checkpoint=save_distributed)
 
 
-def run(scenario, out):
+def ddp(rank, world, out):
     L = framework("lightning")
-    world = int(os.environ["WORLD_SIZE"])
-    if scenario == "ddp":
-        ema_runs(L, out, world=world, strategy=lambda: "ddp")
-        parity_with_lightning(L, out, world)
-    elif scenario == "model_parallel":
-        # bf16 weights: the checkpoint must keep the float32 EMA (sharded).
-        ema_runs(L, out, world=world, strategy=model_parallel(True), dtype=torch.bfloat16,
-                 sharded=True)
-        lightning_averaging_on_fsdp2(L, out, world)
-    elif scenario == "model_parallel_full_save":
-        # save_distributed_checkpoint=False: rank 0 writes one full checkpoint.
-        ema_runs(L, out, world=world, strategy=model_parallel(False), sharded=True)
-    else:
-        raise ValueError(scenario)
+    ema_runs(L, out, world=world, strategy=lambda: "ddp")
+    parity_with_lightning(L, out, world)
 
 
-def main():
-    scenario, out = sys.argv[1], sys.argv[2]
-    rank = int(os.environ["LOCAL_RANK"])
-    with errors_reported(rank, out):
-        run(scenario, out)
-    sys.stdout.flush()
-    os._exit(0)
+def model_parallel_runs(rank, world, out):
+    # bf16 weights: the checkpoint must keep the float32 EMA (sharded).
+    L = framework("lightning")
+    ema_runs(L, out, world=world, strategy=model_parallel(True), dtype=torch.bfloat16,
+             sharded=True)
+    lightning_averaging_on_fsdp2(L, out, world)
+
+
+def model_parallel_full_save(rank, world, out):
+    # save_distributed_checkpoint=False: rank 0 writes one full checkpoint.
+    ema_runs(framework("lightning"), out, world=world, strategy=model_parallel(False),
+             sharded=True)
+
+
+SCENARIOS = {"ddp": ddp, "model_parallel": model_parallel_runs,
+             "model_parallel_full_save": model_parallel_full_save}
 
 
 if __name__ == "__main__":
-    main()
+    rank_worker.main(SCENARIOS, start_group=False)

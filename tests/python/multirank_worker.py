@@ -1,13 +1,13 @@
 """One rank of the multi-process tests (test_multirank.py starts W of them
-over Gloo on loopback). Usage: multirank_worker.py SCENARIO RANK WORLD PORT OUT"""
+over Gloo on loopback with rank_launch.launch; rank_worker.py says how and
+what it reports)."""
+import functools
 import os
-import sys
 
 import torch
-import torch.distributed as dist
 
+import rank_worker
 import shardema
-from rank_errors import errors_reported  # noqa: E402
 
 STEPS = 5
 
@@ -231,15 +231,11 @@ def run(scenario, rank, world, out):
         raise ValueError(scenario)
 
 
-def main():
-    scenario, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
-        int(sys.argv[4]), sys.argv[5]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    with errors_reported(rank, out):
-        run(scenario, rank, world, out)
-    os._exit(0)
+SCENARIOS = {name: functools.partial(run, name)
+             for name in ("replicated", "rows", "rows_save", "dtensor", "rows_load",
+                          "swap_rank_raises", "dtensor_checkpoint", "rank_raises")}
 
 
 if __name__ == "__main__":
-    main()
+    # swap_rank_raises: rank 1 raises alone, rank 0 goes on without it.
+    rank_worker.main(SCENARIOS, group_timeout=None, out_of_step={"swap_rank_raises"})

@@ -2,18 +2,18 @@
 before a collective of the EMA; rank 0 runs it, records how long it took to
 raise and to leave the process group, then exits the normal way (interpreter
 shutdown included), so the test sees whether the job can end at once.
-
-Usage: peer_failure_worker.py MODE OP RANK PORT OUT_DIR"""
-import datetime
+Started by rank_launch.launch as scenario MODE (kill or stop) with OP its
+extra argument; rank_worker.py says how and what it reports."""
+import functools
 import json
 import os
 import signal
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
+import rank_worker
 import shardema
 
 EMA_TIMEOUT = 3.0
@@ -33,13 +33,7 @@ def run_op(op, ema, model, out):
         raise ValueError(op)
 
 
-def main():
-    mode, op, rank, port, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \
-        sys.argv[5]
-    # The torch group keeps its default 30-minute timeout: the EMA's own
-    # must be what ends the wait, and leaving the group must not wait for it.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(minutes=30))
+def survive(mode, rank, world, out, op):
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 32)
     ema = shardema.EMA(model, shardema.DecaySchedule.constant(0.5), timeout=EMA_TIMEOUT)
@@ -66,8 +60,15 @@ def main():
     report["reported_at"] = time.time()  # wall clock: the test compares it with the exit
     with open(os.path.join(out, "rank0.json"), "w") as f:
         json.dump(report, f)
-    # A normal return: the interpreter's shutdown is part of what is timed.
+
+
+SCENARIOS = {mode: functools.partial(survive, mode) for mode in ("kill", "stop")}
 
 
 if __name__ == "__main__":
-    main()
+    # The torch group keeps its default 30-minute timeout: the EMA's own
+    # must be what ends the wait, and leaving the group must not wait for
+    # it. The ranks part on purpose (out of step); a normal return: the
+    # interpreter's shutdown is part of what is timed.
+    rank_worker.main(SCENARIOS, group_timeout=30 * 60, out_of_step=set(SCENARIOS),
+                     exit_normally=True)

@@ -4,11 +4,8 @@ test_lightning_posthoc.py.
 The single-device runs are called in the test's process; the 2-process
 ones (DDPStrategy with layout "rank0", ModelParallelStrategy with FSDP2 and
 layout "sharded", both on CPU over Gloo) start this file once per rank
-through rank_launch.py, which passes the rank on the command line; the
-rank is put in the environment as torchrun would, before Lightning is
-imported:
-
-    posthoc_lightning_worker.py SCENARIO RANK WORLD PORT OUT
+through rank_launch.launch with torchrun's environment (Lightning starts
+the group); rank_worker.py says how and what it reports.
 
 Each scenario runs, on every rank:
   A: 4 epochs (8 optimizer steps, accumulate_grad_batches 2), snapshots
@@ -29,9 +26,11 @@ the same with EMACallback before or after the post-hoc callback.
 Per rank it writes {name}.rank{r}.pt: the policy's raw weights after each
 optimizer step (full tensors), the final raw weights, what the policy held
 in each validation, and where the callback put its files."""
+import functools
 import os
 import shutil
-import sys
+
+import rank_worker
 
 EPOCHS = 4
 CHECKPOINT_EVERY = 3
@@ -175,7 +174,7 @@ def posthoc_runs(L, out, *, world=1, strategy=lambda: "auto", layout="rank0", sh
         **common)
 
 
-def run(scenario, out, world):
+def run(scenario, rank, world, out):
     import lightning.pytorch as L
     if scenario == "ddp":
         posthoc_runs(L, out, world=world, strategy=lambda: "ddp", layout="rank0")
@@ -197,18 +196,10 @@ def run(scenario, out, world):
         raise ValueError(scenario)
 
 
-def main():
-    scenario, rank, world, port, out = sys.argv[1:6]
-    # As torchrun would: Lightning reads the ranks from the environment.
-    os.environ.update(LOCAL_RANK=rank, NODE_RANK="0", WORLD_SIZE=world,
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from rank_errors import errors_reported
-    with errors_reported(int(rank), out):
-        run(scenario, out, int(world))
-    sys.stdout.flush()
-    os._exit(0)
+SCENARIOS = {name: functools.partial(run, name)
+             for name in ("ddp", "ddp_sharded", "two_callbacks_ema_first",
+                          "two_callbacks_posthoc_first", "model_parallel")}
 
 
 if __name__ == "__main__":
-    main()
+    rank_worker.main(SCENARIOS, start_group=False)

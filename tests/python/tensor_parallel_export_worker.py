@@ -3,10 +3,10 @@ EMA over tensor-parallel DTensors (Shard(d > 0): parallelize_module's
 RowwiseParallel, distribute_tensor with Shard(1) and Shard(2)), on CPU/Gloo.
 The file rank 0 writes is read with safetensors and checked against
 full_state_dict() (bit for bit), a float64 EMA of full_tensor()
-(tensor_parallel_worker.Checker's reference) and a strict load_state_dict
-into the same model unsharded. The scenario functions and helpers are
-tensor_parallel_worker's; usage as there:
-tensor_parallel_export_worker.py SCENARIO[,SCENARIO...] RANK WORLD PORT OUT"""
+(dtensor_checks.Checker's reference) and a strict load_state_dict into
+the same model unsharded. The models and the training step are
+tensor_parallel_worker's. Started by rank_launch.launch; rank_worker.py
+says how and what it reports."""
 import os
 
 import safetensors.torch
@@ -16,8 +16,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+import rank_worker
 import shardema
 import tensor_parallel_worker as tp
+from dtensor_checks import STEPS, Checker, module_tensors
 from fsdp2_worker import Float64Ema, close, schedule, versatil_averaged
 
 
@@ -45,12 +47,12 @@ def tp_export(rank, world, out):
     refused with "cannot hold this split"."""
     mesh = init_device_mesh("cpu", (world,))
     model = tp.tp_model(20, mesh)
-    tensors = tp.module_tensors(model)
+    tensors = module_tensors(model)
     ema = shardema.EMA(model, schedule=schedule(), policy="versatil", timeout=60)
     reference = Float64Ema(lambda: tensors, lambda: versatil_averaged(model))
-    check = tp.Checker(ema, reference, tensors, rank, world)
+    check = Checker(ema, reference, tensors, rank, world)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
-    for step in range(1, tp.STEPS + 1):
+    for step in range(1, STEPS + 1):
         tp.tp_step(model, optimizer, ema, step)
         reference.update(step)
     full = check("trained")
@@ -58,7 +60,7 @@ def tp_export(rank, world, out):
     check_export(got, full, reference, "float32 export")
     plain = tp.tp_model(21, None)
     plain.load_state_dict(got, strict=True)
-    for name, value in tp.module_tensors(plain).items():
+    for name, value in module_tensors(plain).items():
         assert torch.equal(value.detach(), got[name]), f"'{name}' after load_state_dict"
     got16 = read_export(ema, os.path.join(out, "tp16.safetensors"), torch.bfloat16)
     for name, value in got16.items():
@@ -99,10 +101,10 @@ def peak_bytes(call):
 
 def trained_big(seed, mesh, placement):
     model = big_model(seed, mesh, placement)
-    tensors = tp.module_tensors(model)
+    tensors = module_tensors(model)
     ema = shardema.EMA(model, schedule=schedule(), policy="versatil", timeout=60)
     reference = Float64Ema(lambda: tensors, lambda: versatil_averaged(model))
-    for step in range(1, tp.STEPS + 1):
+    for step in range(1, STEPS + 1):
         ema.fence()
         with torch.no_grad():
             for t in tensors.values():
@@ -159,10 +161,10 @@ def tp_hsdp_export(rank, world, out):
     base = os.path.dirname(out)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model = hsdp_tp_model(23, mesh)
-    tensors = tp.module_tensors(model)
+    tensors = module_tensors(model)
     ema = shardema.EMA(model, schedule=schedule(), policy="versatil", timeout=60)
     reference = Float64Ema(lambda: tensors, lambda: versatil_averaged(model))
-    for step in range(1, tp.STEPS + 1):
+    for step in range(1, STEPS + 1):
         ema.fence()
         with torch.no_grad():  # the same values on both replicas
             for t in tensors.values():
@@ -184,4 +186,4 @@ SCENARIOS = {"tp_export": tp_export, "tp_export_memory": tp_export_memory,
              "tp_hsdp_export": tp_hsdp_export}
 
 if __name__ == "__main__":
-    tp.main(SCENARIOS)
+    rank_worker.main(SCENARIOS)

@@ -9,14 +9,9 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from rank_launch import launch  # noqa: E402
+from rank_launch import assert_passed, launch  # noqa: E402
 
 
 def test_replicate_dtensor_checkpoint_resume_swap_and_module(tmp_path):
-    world = 2
-    codes, errors = launch("callback_dtensor_worker.py", "replicate", world, tmp_path,
-                           timeout=90)
-    said = {r: "\n".join(text.splitlines()[:1] + text.splitlines()[-4:])
-            for r, text in errors.items()}
-    missing = [r for r in range(world) if not (tmp_path / f"done{r}").exists()]
-    assert not missing and not errors, f"ranks {missing} failed (exit codes {codes}): {said}"
+    assert_passed(launch("callback_dtensor_worker.py", "replicate", 2, tmp_path, timeout=90),
+                  "replicate")

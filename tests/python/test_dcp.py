@@ -7,10 +7,8 @@ then one more step checked against a float64 recomputation; a checkpoint
 without an EMA cold-starts it; the EMA stays fp32 for a bf16 model."""
 import math
 import os
-import socket
 import subprocess
 import sys
-import time
 import warnings
 
 import pytest
@@ -18,38 +16,19 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import shardema
-from conftest import python_for_workers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import dcp_worker as worker  # noqa: E402
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+import rank_launch  # noqa: E402
 
 
 def launch(scenario, world, out, checkpoint=None, timeout=150):
-    """Runs `scenario` on `world` ranks; fails the test on a hang or an error."""
-    os.makedirs(out, exist_ok=True)
-    port = free_port()
-    args = [str(out)] + ([str(checkpoint)] if checkpoint else [])
-    procs = [subprocess.Popen([python_for_workers(), os.path.join(HERE, "dcp_worker.py"),
-                               scenario, str(r), str(world), str(port)] + args)
-             for r in range(world)]
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"{scenario} on {world} ranks hung past {timeout} s")
-    errors = {r: open(os.path.join(out, f"error{r}.txt")).read() for r in range(world)
-              if os.path.exists(os.path.join(out, f"error{r}.txt"))}
-    assert [p.returncode for p in procs] == [0] * world, errors
+    """Runs `scenario` on `world` ranks; fails the test on a hang or an
+    error, else returns what rank 0 saved."""
+    ranks = rank_launch.launch("dcp_worker.py", scenario, world, out, timeout=timeout,
+                               args=[checkpoint] if checkpoint else [])
+    assert ranks.codes == [0] * world, ranks.errors
     return torch.load(os.path.join(out, "saved.pt" if scenario == "save" else "loaded.pt"))
 
 

@@ -5,16 +5,13 @@ README's table of the two sets of names."""
 import inspect
 import pathlib
 import re
-import socket
-import subprocess
-import time
 
 import ema_pytorch
 import pytest
 import torch
 
 import shardema
-from conftest import python_for_workers
+import rank_launch
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -225,28 +222,10 @@ def test_module_refuses_what_it_cannot_build():
         shardema.EMA({"w": torch.nn.Parameter(torch.ones(2))}).module()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_module_and_copy_from_under_ddp_and_fully_shard_on_two_ranks(tmp_path):
     """view_worker.py: DDP (rows gathered) and real FSDP2 (into=, local rows)."""
-    port, world = free_port(), 2
-    procs = [subprocess.Popen([python_for_workers(), str(HERE / "view_worker.py"), str(rank),
-                               str(world), str(port), str(tmp_path)]) for rank in range(world)]
-    deadline = time.monotonic() + 180
-    for p in procs:
-        try:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("view_worker.py hung past 180 s")
-    errors = {r: (tmp_path / f"error{r}.txt").read_text() for r in range(world)
-              if (tmp_path / f"error{r}.txt").exists()}
-    assert [p.returncode for p in procs] == [0] * world, errors
+    ranks = rank_launch.launch("view_worker.py", ["ddp", "fsdp2"], 2, tmp_path, timeout=180)
+    assert ranks.codes == [0, 0], ranks.errors
 
 
 def readme_table():

@@ -13,34 +13,10 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from rank_launch import launch  # noqa: E402
+from rank_launch import assert_passed, launched_once  # noqa: E402
 
-RUNS = {2: ["orig_params", "flat_params", "refusals", "swap"],
-        3: ["orig_params_bf16", "flat_params"]}
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """world -> (folder, exit codes, errors), each world launched once, lazily."""
-    done = {}
-
-    def run(world):
-        if world not in done:
-            out = tmp_path_factory.mktemp(f"fsdp1_w{world}")
-            codes, errors = launch("fsdp1_worker.py", ",".join(RUNS[world]), world, out,
-                                   timeout=120)
-            done[world] = (out, codes, errors)
-        return done[world]
-    return run
-
-
-def passed(runs, world, scenario):
-    out, codes, errors = runs(world)
-    missing = [r for r in range(world) if not (out / f"done{r}_{scenario}").exists()]
-    said = {r: text.splitlines()[0] + "\n" + "\n".join(text.splitlines()[-6:])
-            for r, text in errors.items()}
-    assert not missing, f"{scenario} did not pass on ranks {missing} (exit codes {codes}): {said}"
-    return out
+runs = launched_once("fsdp1_worker.py", [(2, ["orig_params", "flat_params", "refusals", "swap"]),
+                                         (3, ["orig_params_bf16", "flat_params"])], timeout=120)
 
 
 @pytest.mark.parametrize("world, scenario", [(2, "orig_params"), (3, "orig_params_bf16")])
@@ -49,20 +25,20 @@ def test_use_orig_params_ema_equals_float64_reference(runs, world, scenario):
     # (copied; its buffers rank 0's), a save_checkpoint/load_checkpoint round
     # trip; at W = 3 MixedPrecision(param_dtype=bfloat16), which aligns the
     # members for bf16 and puts the BatchNorm in a unit of its own
-    passed(runs, world, scenario)
+    assert_passed(runs(world), scenario)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_flat_params_ema_equals_float64_reference(runs, world):
-    passed(runs, world, "flat_params")
+    assert_passed(runs(world), "flat_params")
 
 
 def test_module_inside_an_fsdp1_root_and_other_layouts_are_refused(runs):
-    passed(runs, 2, "refusals")
+    assert_passed(runs(2), "refusals")
 
 
 def test_swap_puts_the_raw_weights_back_in_what_fsdp1_gathers(runs):
-    passed(runs, 2, "swap")
+    assert_passed(runs(2), "swap")
 
 
 def test_lightning_and_fabric_refuse_fsdp1_on_cpu():

@@ -10,19 +10,15 @@ and fit then test. The EMA is checked against a float64 recomputation from
 the raw weights recorded after every optimizer step, and against
 Lightning's own EMAWeightAveraging under DDP."""
 import os
-import socket
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from conftest import python_for_workers
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import lightning_worker as worker  # noqa: E402
+import rank_launch  # noqa: E402
 
 PARAMS = ("inp.weight", "inp.bias", "out.weight", "out.bias")
 BUFFERS = ("offset", "updates")
@@ -89,46 +85,12 @@ def load_results(out, names, world):
     return out_by_name
 
 
-def launch(scenario, out, timeout=120):
+def launch(scenario, out):
     """Both ranks of `scenario`, created outside Lightning as torchrun does;
     a rank that fails ends the other after a grace period, so a test fails
     instead of hanging. Returns {rank: error text}."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(WORLD):
-        env = dict(os.environ, LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(WORLD),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        with open(os.path.join(out, f"stderr{rank}.txt"), "w") as stderr:
-            procs.append(subprocess.Popen(
-                [python_for_workers(), os.path.join(HERE, "lightning_worker.py"), scenario,
-                 str(out)], env=env, stdout=subprocess.DEVNULL, stderr=stderr))
-    deadline = time.monotonic() + timeout
-    failed_at = None
-    while any(p.poll() is None for p in procs):
-        now = time.monotonic()
-        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
-            failed_at = now
-        if now > deadline or (failed_at is not None and now > failed_at + 15):
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            break
-        time.sleep(0.2)
-    for p in procs:
-        p.wait()
-    errors = {}
-    for rank in range(WORLD):
-        path = os.path.join(out, f"error{rank}.txt")
-        if os.path.exists(path):
-            errors[rank] = open(path).read()
-        elif procs[rank].returncode != 0:
-            with open(os.path.join(out, f"stderr{rank}.txt")) as f:
-                errors[rank] = f"exit {procs[rank].returncode}; stderr: {f.read()[-3000:]}"
-    if time.monotonic() > deadline:
-        pytest.fail(f"{scenario} hung past {timeout} s; errors: {errors}")
-    return errors
+    return rank_launch.launch("lightning_worker.py", scenario, WORLD, out, timeout=120,
+                              torchrun=True, grace=15).errors
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -14,7 +14,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from rank_launch import launch  # noqa: E402
+import rank_launch  # noqa: E402
 
 WORLD = 2
 
@@ -28,9 +28,9 @@ def close(got, want, what):
 
 
 def test_ddp_batchnorm_ema_matches_the_seed_on_every_rank(tmp_path):
-    codes, errors = launch("lightning_buffers_worker.py", "ours,seed", WORLD, tmp_path,
-                           timeout=240)
-    assert errors == {} and codes == [0] * WORLD, (codes, errors)
+    ranks = rank_launch.launch("lightning_buffers_worker.py", ["ours", "seed"], WORLD, tmp_path,
+                               timeout=240, torchrun=True)
+    assert ranks.errors == {} and ranks.codes == [0] * WORLD, (ranks.codes, ranks.errors)
     runs = {name: [torch.load(tmp_path / f"{name}.rank{r}.pt") for r in range(WORLD)]
             for name in ("ours", "seed")}
     ours, seed = runs["ours"], runs["seed"]

@@ -31,7 +31,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import posthoc_lightning_worker as worker  # noqa: E402
-from rank_launch import launch  # noqa: E402
+import rank_launch  # noqa: E402
 
 import shardema  # noqa: E402
 
@@ -39,6 +39,14 @@ WORLD = 2
 STEPS = 8  # 4 epochs of 2 optimizer steps
 SNAPSHOT_STEPS = (3, 6, 8)  # every 3rd step, and the final one at train end
 TRACKED = ("inp.weight", "inp.bias", "out.weight", "out.bias", "offset", "updates")
+
+
+def launch(scenario, out):
+    """Both ranks of `scenario` with torchrun's environment (Lightning
+    starts the group): their exit codes and errors."""
+    ranks = rank_launch.launch("posthoc_lightning_worker.py", scenario, WORLD, out, timeout=120,
+                               torchrun=True)
+    return ranks.codes, ranks.errors
 
 
 # --- float64 references ------------------------------------------------------
@@ -263,7 +271,7 @@ def test_single_device(tmp_path):
 
 
 def test_ddp_two_processes_rank0_layout(tmp_path):
-    codes, errors = launch("posthoc_lightning_worker.py", "ddp", WORLD, tmp_path, timeout=120)
+    codes, errors = launch("ddp", tmp_path)
     assert errors == {} and codes == [0] * WORLD, (codes, errors)
     check_runs(str(tmp_path))
     check_extended(str(tmp_path))
@@ -273,8 +281,7 @@ def test_ddp_two_processes_rank0_layout(tmp_path):
 
 
 def test_model_parallel_fsdp2_two_processes_sharded_layout(tmp_path):
-    codes, errors = launch("posthoc_lightning_worker.py", "model_parallel", WORLD, tmp_path,
-                           timeout=120)
+    codes, errors = launch("model_parallel", tmp_path)
     assert errors == {} and codes == [0] * WORLD, (codes, errors)
     check_runs(str(tmp_path), world=WORLD, sharded=True)
     check_extended(str(tmp_path), world=WORLD, sharded=True)
@@ -291,8 +298,7 @@ def test_ddp_two_processes_sharded_layout_extended(tmp_path):
     """DDP with layout "sharded": every rank keeps the profiles of its rows
     of the replicated model in its rank_NNNNN folder; a finished run
     extended through ckpt_path synthesizes what the uninterrupted one does."""
-    codes, errors = launch("posthoc_lightning_worker.py", "ddp_sharded", WORLD, tmp_path,
-                           timeout=120)
+    codes, errors = launch("ddp_sharded", tmp_path)
     assert errors == {} and codes == [0] * WORLD, (codes, errors)
     check_extended(str(tmp_path), world=WORLD, sharded=True)
     for name in "ABE":
@@ -313,8 +319,7 @@ def test_ddp_beside_ema_callback_trains_as_alone(tmp_path, order):
     other's update still in flight failed; now every swap waits for every
     EMA of the process (fenceEveryAverager) and one validation swaps one
     EMA in."""
-    codes, errors = launch("posthoc_lightning_worker.py", f"two_callbacks_{order}", WORLD,
-                           tmp_path, timeout=120)
+    codes, errors = launch(f"two_callbacks_{order}", tmp_path)
     assert errors == {} and codes == [0] * WORLD, (codes, errors)
     for rank in range(WORLD):
         alone, both = load(str(tmp_path), "R", rank), load(str(tmp_path), "T", rank)

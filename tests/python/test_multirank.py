@@ -19,7 +19,9 @@ import rank_launch  # noqa: E402
 
 def launch(scenario, world, out, timeout=120, env=None):
     """Starts `world` ranks of multirank_worker.py; their exit codes and error texts."""
-    return rank_launch.launch("multirank_worker.py", scenario, world, out, timeout, env)
+    ranks = rank_launch.launch("multirank_worker.py", scenario, world, out, timeout=timeout,
+                               env=env)
+    return ranks.codes, ranks.errors
 
 
 def single_process_ema():

@@ -16,59 +16,35 @@ import shardema
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from rank_launch import launch  # noqa: E402
+from rank_launch import assert_passed, launched_once  # noqa: E402
 
-RUNS = {2: ["fully_shard", "partly_sharded", "ddp", "replicated_dtensor", "batchnorm_buffers",
-            "ddp_batchnorm"], 3: ["fully_shard"], 4: ["hsdp"]}
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """world -> (folder, exit codes, errors), each world launched once, lazily."""
-    done = {}
-
-    def run(world):
-        if world not in done:
-            out = tmp_path_factory.mktemp(f"fsdp2_w{world}")
-            codes, errors = launch("fsdp2_worker.py", ",".join(RUNS[world]), world, out,
-                                   timeout=150)
-            done[world] = (out, codes, errors)
-        return done[world]
-    return run
-
-
-def passed(runs, world, scenario):
-    """The folder of a run in which `scenario` passed on every rank."""
-    out, codes, errors = runs(world)
-    missing = [r for r in range(world) if not (out / f"done{r}_{scenario}").exists()]
-    # a rank's first line and the end of its traceback say what failed
-    said = {r: text.splitlines()[0] + "\n" + "\n".join(text.splitlines()[-6:])
-            for r, text in errors.items()}
-    assert not missing, f"{scenario} did not pass on ranks {missing} (exit codes {codes}): {said}"
-    return out
+runs = launched_once("fsdp2_worker.py", [(2, ["fully_shard", "partly_sharded", "ddp",
+                                              "replicated_dtensor", "batchnorm_buffers",
+                                              "ddp_batchnorm"]),
+                                         (3, ["fully_shard"]), (4, ["hsdp"])], timeout=150)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_fully_shard_ema_equals_float64_reference(runs, world):
     # nested fully_shard (reshard after forward or not), uneven and empty
     # shards, bf16 compute at W = 2, frozen and unfrozen at step 3
-    passed(runs, world, "fully_shard")
+    assert_passed(runs(world), "fully_shard")
 
 
 def test_model_partly_under_fully_shard(runs):
-    passed(runs, 2, "partly_sharded")
+    assert_passed(runs(2), "partly_sharded")
 
 
 def test_ddp_ema_equals_float64_reference(runs):
-    passed(runs, 2, "ddp")
+    assert_passed(runs(2), "ddp")
 
 
 def test_replicate_dtensor_beside_shard0(runs):
-    passed(runs, 2, "replicated_dtensor")
+    assert_passed(runs(2), "replicated_dtensor")
 
 
 def test_hsdp_replicas_agree_and_only_replica_0_writes(runs):
-    out = passed(runs, 4, "hsdp")
+    out = assert_passed(runs(4), "hsdp")
     results = [torch.load(out / f"hsdp{r}.pt") for r in range(4)]
     # global rank = replica * 2 + shard rank: 0 and 2 are the shard groups' rank 0
     assert [r["replica"] for r in results] == [0, 0, 1, 1]
@@ -98,7 +74,7 @@ def test_batchnorm_buffers_each_rank_its_own_rank_0s_for_the_job(runs, scenario,
     rank 0's EMA."""
     import torch.distributed.checkpoint as dcp
     from fsdp2_worker import batchnorm_model
-    out = passed(runs, 2, scenario)
+    out = assert_passed(runs(2), scenario)
     saved = torch.load(out / f"{tag}_{policy}.pt")
     schedule = shardema.DecaySchedule.warmup(power=0.75)
 

@@ -4,14 +4,12 @@ processes with a real fully_shard model (one in a Lightning Trainer with
 ModelParallelStrategy), the Lightning block in a real Trainer. A leading
 "# ranks: N" comment starts a block on N processes with torchrun's
 environment (Gloo on loopback)."""
-import os
 import pathlib
 import re
-import socket
-import subprocess
 
 import pytest
 
+import rank_launch
 from conftest import python_for_workers
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -26,12 +24,6 @@ def doc_blocks():
     return found
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 BLOCKS = doc_blocks()
 
 
@@ -44,27 +36,16 @@ def test_the_documents_have_their_blocks():
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_python_block_runs(index, tmp_path):
     block = BLOCKS[index]
-    script = tmp_path / f"block{index + 1}.py"
+    folder = tmp_path / "block"
+    folder.mkdir()
+    script = folder / f"block{index + 1}.py"
     script.write_text(block)
-    ranks = int(re.search(r"^# ranks: (\d+)", block, flags=re.M).group(1)) \
+    world = int(re.search(r"^# ranks: (\d+)", block, flags=re.M).group(1)) \
         if re.search(r"^# ranks: (\d+)", block, flags=re.M) else 1
-    port = str(free_port())
-    procs = []
-    for rank in range(ranks):
-        env = dict(os.environ)
-        if ranks > 1:
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank),
-                       LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks))
-        procs.append(subprocess.Popen([python_for_workers(), str(script)], cwd=tmp_path, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outputs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"README block {index + 1} hung")
-        outputs.append(out.decode(errors="replace"))
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"README block {index + 1}, rank {rank}:\n{out}"
+    # The ranks' output beside the block's folder, which holds only what it writes.
+    ranks = rank_launch.run_ranks(lambda rank, port: [python_for_workers(), str(script)], world,
+                                  tmp_path / "ranks", timeout=240, torchrun=world > 1,
+                                  cwd=folder, what=f"README block {index + 1}")
+    for rank, code in enumerate(ranks.codes):
+        assert code == 0, f"README block {index + 1}, rank {rank}:\n" + \
+            (ranks.out / f"output{rank}.txt").read_text(errors="replace")

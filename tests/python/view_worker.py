@@ -1,16 +1,13 @@
 """One rank of test_ema_pytorch_names.py's multi-process test: EMA.module()
 and EMA.copy_from() on a DDP model and on a real fully_shard (FSDP2) model,
-Gloo on loopback. Usage: view_worker.py RANK WORLD PORT OUT. Each check
-asserts here; a failure is written to OUT/error<RANK>.txt."""
-import os
-import sys
+Gloo on loopback. Each check asserts here; started by rank_launch.launch,
+rank_worker.py says how and what it reports."""
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
+import rank_worker
 import shardema
-from rank_errors import errors_reported  # noqa: E402
 
 STEPS = 4
 DECAY = 0.75
@@ -141,15 +138,9 @@ def check_fsdp2(rank, world):
         assert torch.equal(mine[name], param.to_local().reshape(-1).float()), name
 
 
-def main():
-    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    with errors_reported(rank, out):
-        check_ddp(rank, world)
-        check_fsdp2(rank, world)
-    os._exit(0)
+SCENARIOS = {"ddp": lambda rank, world, out: check_ddp(rank, world),
+             "fsdp2": lambda rank, world, out: check_fsdp2(rank, world)}
 
 
 if __name__ == "__main__":
-    main()
+    rank_worker.main(SCENARIOS, group_timeout=None)
