@@ -191,6 +191,7 @@ class EMA(EmaState):
         _optimizer_fence.install()
         self._group = plan.group  # None: one process (copies and pickling allowed)
         self._hooks: list = []
+        self._attached: list = []  # the optimizers attach() hooked, to refuse a second
         self._replicas = plan.replicas  # HSDP: only the first replica writes files
         self._timeout_s = options.timeout_seconds  # HSDP's waiting replicas honour it too
         # Shard(d > 0) DTensors by name: kept out of the engine's per-rank files.
@@ -239,8 +240,14 @@ class EMA(EmaState):
 
     def attach(self, optimizer: torch.optim.Optimizer) -> "EMA":
         """update() after every step of `optimizer`, through its step post
-        hook; returns self. detach() removes it."""
+        hook, returns self. detach() removes it. Attaching to the same
+        optimizer twice is a ValueError (each step would update twice)."""
+        if any(attached is optimizer for attached in self._attached):
+            raise ValueError(f"shardema.EMA.attach: already attached to this "
+                             f"{type(optimizer).__name__}; each of its steps would update the "
+                             "EMA twice (detach() first)")
         self._hooks.append(optimizer.register_step_post_hook(lambda *_: self.update()))
+        self._attached.append(optimizer)
         return self
 
     def detach(self) -> None:
@@ -248,6 +255,7 @@ class EMA(EmaState):
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        self._attached.clear()
 
     @property
     def step(self) -> int:
@@ -386,4 +394,11 @@ class EMA(EmaState):
             local = [(n, t.to_local()) for n, t in self._given if is_dtensor(t)]
         else:
             full, local = [], [(s.spec.name, s.local) for s in self._local_shards]
+        for name, tensor in full + local:
+            # Inside another EMA's swap the model holds that EMA's weights.
+            owner = _C.swapped_in_by(tensor)
+            if owner is not None:
+                raise ValueError(f"shardema.EMA.copy_from: '{name}' holds the EMA weights "
+                                 f"{owner} swapped in; copy_from() after that swap ends (it "
+                                 "would copy those EMA weights, not the model's)")
         copy_model_into_ema(self, full, local, self._names)

@@ -9,7 +9,7 @@ from . import _C
 from ._ema import EMA
 from ._ema_callback_checkpoint import CheckpointHooks
 from ._fsdp1 import fsdp1_names, fsdp1_non_persistent, fsdp1_root
-from ._ema_arguments import STORAGES
+from ._ema_arguments import POLICIES, STORAGES
 from ._lightning import CALLBACK_BASES, optimizer_stepped, refuse_two_validation_swaps, reshard, \
     submodule
 from ._model import LAYOUTS, module_tensors
@@ -31,9 +31,11 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
     the module; with several EMA callbacks on one module, give all but one
     False. copy_ema_at_fit_end (default False, the seed's): True writes the
     EMA into the module when fit ends, as Lightning's EMAWeightAveraging
-    does, so the trained module holds the average. The EMA's policy is
-    VersatIL's ("versatil": buffers and BatchNorm parameters copied, frozen
-    parameters copied while frozen); storage and layout as shardema.EMA's."""
+    does, so the trained module holds the average. policy (default
+    "versatil", the seed's: buffers and BatchNorm parameters copied, frozen
+    parameters copied while frozen; "ema_pytorch": every floating parameter
+    and buffer averaged, as Lightning's EMAWeightAveraging), storage and
+    layout as shardema.EMA's."""
 
     #: Where the raw (online) weights are kept: a key of the checkpoint; in a
     #: distributed (DCP) checkpoint, a prefix of its state_dict keys, so
@@ -54,8 +56,13 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
                  attribute: Optional[str] = None, *, schedule: Optional["_C.DecaySchedule"] = None,
                  copy_on_first_update: bool = False, storage: str = "pinned_host",
                  layout: str = "auto", process_group: Any = None,
-                 validate_with_ema: bool = True, copy_ema_at_fit_end: bool = False) -> None:
+                 validate_with_ema: bool = True, copy_ema_at_fit_end: bool = False,
+                 policy: str = "versatil") -> None:
         super().__init__()
+        if policy not in POLICIES:
+            raise ValueError(f"EMACallback: policy must be one of {', '.join(map(repr, POLICIES))}"
+                             f", got {policy!r}")
+        self.policy = policy
         for name, flag in (("copy_on_first_update", copy_on_first_update),
                            ("validate_with_ema", validate_with_ema),
                            ("copy_ema_at_fit_end", copy_ema_at_fit_end)):
@@ -124,7 +131,7 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
     def _build(self, pl_module: Any) -> EMA:
         if self._root is not None:
             return self._build_fsdp1()
-        return EMA(self._target(pl_module), schedule=self._schedule, policy="versatil",
+        return EMA(self._target(pl_module), schedule=self._schedule, policy=self.policy,
                    storage=self._storage, layout=self._layout, process_group=self._process_group,
                    copy_on_first_update=self.copy_on_first_update and not self._started)
 
@@ -147,7 +154,7 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
         kept, others = self._fsdp1_saved(self._root)
         transient = fsdp1_non_persistent(self._root)
         self._root_saved = [n for n in kept if n not in transient]
-        return EMA(self._root, schedule=self._schedule, policy="versatil", storage=self._storage,
+        return EMA(self._root, schedule=self._schedule, policy=self.policy, storage=self._storage,
                    layout=self._layout, process_group=self._process_group,
                    copy_on_first_update=self.copy_on_first_update and not self._started,
                    ignore_names=others)

@@ -99,6 +99,11 @@ void bindEma(py::module_& m) {
       py::arg("adopt_ema") = false, Release(),
       "The EMA into the named slots at their dtypes: (slots, raw, float32_ema), each a list of "
       "(name, tensor)");
+  m.def(
+      "swapped_in_by",
+      [](const at::Tensor& tensor) -> std::optional<std::string> { return swappedInBy(tensor); },
+      py::arg("tensor"),
+      "Who swapped EMA weights into the memory of `tensor` (None when no swap holds it)");
   m.def("fence_every_averager", &fenceEveryAverager, Release(),
         "fence() on every EMA of this process: each has read the sources of its update in "
         "flight when this returns (shardema calls it before every optimizer step)");

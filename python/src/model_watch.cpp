@@ -45,6 +45,16 @@ DataFingerprint DataFingerprint::of(PyObject* tensor) {
   return out;
 }
 
+bool DataFingerprint::matches(PyObject* tensor) const {
+  // What of() would give, compared in place: no copy of the sizes, since
+  // this runs for every tracked tensor at every update.
+  if (tensor == nullptr || !THPVariable_Check(tensor)) return storage == nullptr;
+  const at::Tensor& t = THPVariable_Unpack(tensor);
+  if (!t.defined() || !t.has_storage()) return storage == nullptr;
+  return t.storage().unsafeGetStorageImpl() == storage && t.storage_offset() == offset &&
+         t.scalar_type() == dtype && t.sizes() == c10::IntArrayRef(sizes);
+}
+
 bool DataFingerprint::operator==(const DataFingerprint& other) const {
   return storage == other.storage && offset == other.offset && dtype == other.dtype &&
          sizes == other.sizes;
@@ -96,7 +106,7 @@ ModelWatch::Changes ModelWatch::scan() const {
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Slot& slot = slots_[i];
     PyObject* now = held(slot.container, slot.key);
-    const bool same = now == slot.tensor.ptr() && DataFingerprint::of(now) == slot.data;
+    const bool same = now == slot.tensor.ptr() && slot.data.matches(now);
     if (same) continue;
     // An alias (a tied weight's other key) holding something else: untied.
     if (slot.alias || now == nullptr) {

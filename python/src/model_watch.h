@@ -36,6 +36,9 @@ struct DataFingerprint {
   c10::ScalarType dtype = c10::ScalarType::Undefined;
   std::vector<int64_t> sizes;
   static DataFingerprint of(PyObject* tensor);
+  /// Whether `tensor` has this fingerprint (of(tensor) == *this, without
+  /// building one).
+  bool matches(PyObject* tensor) const;
   bool operator==(const DataFingerprint& other) const;
 };
 

@@ -1,6 +1,7 @@
 #include "python_terms.h"
 
 #include <cctype>
+#include <map>
 #include <regex>
 
 namespace shardema::python {
@@ -59,6 +60,7 @@ const std::vector<std::pair<std::string, std::string>>& pythonTermsTable() {
       {"PostHocCallback", "the post-hoc EMA"},
       {"options.moreSchedules", "more_schedules"},
       {"this Averager", "this EMA"},
+      {"(refuseNonFinite)", "(refuse_non_finite=True)"},
       {"ShardedAverager: ", "shardema.EMA: "},
       {"Averager: ", "shardema.EMA: "},
   };
@@ -94,6 +96,26 @@ std::string inPythonTerms(const std::string& message) {
   result += out.substr(last);
   // "shardema.EMA.wait: shardema.EMA: ..." (a call's prefix over its
   // engine's) says the API once.
+  // c10's dtype names where a message shows a tensor's dtype: "got
+  // Double" is "got torch.float64".
+  static const std::regex dtype(
+      R"(\b(got|is|from|to) (Double|Float|Half|BFloat16|Long|Int|Short|Char|Byte|Bool)\b)");
+  static const std::map<std::string, std::string> torchName = {
+      {"Double", "torch.float64"}, {"Float", "torch.float32"}, {"Half", "torch.float16"},
+      {"BFloat16", "torch.bfloat16"}, {"Long", "torch.int64"}, {"Int", "torch.int32"},
+      {"Short", "torch.int16"}, {"Char", "torch.int8"}, {"Byte", "torch.uint8"},
+      {"Bool", "torch.bool"}};
+  {
+    std::string named;
+    size_t at = 0;
+    for (auto it = std::sregex_iterator(result.begin(), result.end(), dtype);
+         it != std::sregex_iterator(); ++it) {
+      named += result.substr(at, static_cast<size_t>(it->position()) - at);
+      named += (*it)[1].str() + " " + torchName.at((*it)[2].str());
+      at = static_cast<size_t>(it->position() + it->length());
+    }
+    result = named + result.substr(at);
+  }
   static const std::regex twice(R"((shardema\.EMA\.[a-z_]+: )shardema\.EMA: )");
   return std::regex_replace(result, twice, "$1");
 }

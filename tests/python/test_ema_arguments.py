@@ -115,3 +115,52 @@ def test_a_wrong_argument_is_one_line_naming_it(arguments, error, says):
     with pytest.raises(error, match=says) as raised:
         shardema.EMA(model, **arguments)
     assert "\n" not in str(raised.value) and "::" not in str(raised.value)
+
+
+def test_ema_callback_with_ema_pytorch_policy_gives_lightnings_numbers_with_batch_norm(tmp_path):
+    """EMACallback set up as docs/python.md says against Lightning's own
+    EMAWeightAveraging in two real Trainers fed the same batches, on a model
+    with BatchNorm: equal after fit (the average copied into the module by
+    both); with the seed's default policy the BatchNorm tensors differ (a
+    user trial found the docs claiming equality without the policy)."""
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    from shardema.callbacks import EMACallback
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net, _ = model_and_optimizer(3)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(48, 5, generator=torch.Generator().manual_seed(4))),
+        batch_size=8)
+
+    def fitted(callback):
+        module = Module()
+        L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, limit_val_batches=0, callbacks=[callback],
+                  default_root_dir=str(tmp_path)).fit(module, data)
+        return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+
+    def ours(policy):
+        return EMACallback(schedule=shardema.DecaySchedule.constant(0.9, update_every=2),
+                           update_after_step=1, copy_on_first_update=True, policy=policy,
+                           copy_ema_at_fit_end=True)
+
+    theirs = fitted(EMAWeightAveraging(decay=0.9, update_every_n_steps=2,
+                                       update_starting_at_step=1))
+    assert_floats_close(fitted(ours("ema_pytorch")), theirs, "policy ema_pytorch")
+    seed = fitted(ours("versatil"))
+    assert not torch.allclose(seed["1.running_mean"], theirs["1.running_mean"], atol=1e-4)
+    with pytest.raises(ValueError, match="EMACallback: policy must be one of 'ema_pytorch', "
+                       "'versatil', got 'timm'"):
+        EMACallback(policy="timm")

@@ -277,10 +277,10 @@ def test_a_resize_of_p_data_is_followed_without_a_warning():
 
 
 @pytest.mark.parametrize("mutate,change", [
-    (lambda m: m.to(torch.bfloat16), "to BFloat16"),
-    (lambda m: setattr(m.weight, "data", torch.zeros(9, 1)), "to Float [9, 1]"),
+    (lambda m: m.to(torch.bfloat16), "to torch.bfloat16"),
+    (lambda m: setattr(m.weight, "data", torch.zeros(9, 1)), "to torch.float32 [9, 1]"),
     (lambda m: setattr(m, "weight", torch.nn.Parameter(torch.zeros(3, 3, dtype=torch.float64))),
-     "to Double"),
+     "to torch.float64"),
 ], ids=["module.to(bfloat16)", "p.data= another shape", "new Parameter of another dtype"])
 def test_a_replacement_of_another_dtype_or_shape_is_refused_naming_it(mutate, change):
     model, ema = fresh()
@@ -390,3 +390,55 @@ def test_engine_warnings_are_python_warnings_not_stderr_lines():
     assert "::" not in written[0]
     if not torch.cuda.is_available():
         assert not any("CUDA" in message for message in caught), caught
+
+
+def test_copy_from_inside_another_emas_swap_is_refused_and_changes_nothing():
+    """Inside b.swap(model) the model holds b's EMA: a.copy_from(model)
+    would make a's EMA b's (found by a user trial), as a.update() and
+    a.copy_to() there are refused."""
+    model = torch.nn.Linear(4, 4)
+    a = shardema.EMA(model, decay=0.9)
+    b = shardema.EMA(model, decay=0.5)
+    for step in range(1, 4):
+        with torch.no_grad():
+            model.weight.add_(float(step))
+        a.update()
+        b.update()
+    before = a.full_state_dict()
+    with b.swap(model):
+        with pytest.raises(ValueError, match=r"^shardema\.EMA\.copy_from: 'weight' holds the EMA "
+                           r"weights .* swapped in; copy_from\(\) after that swap ends"):
+            a.copy_from(model)
+    after = a.full_state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    a.copy_from(model)  # after the swap: the raw weights
+    assert torch.equal(a.full_state_dict()["weight"], model.weight.detach())
+
+
+def test_attach_twice_to_one_optimizer_is_refused():
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ema = shardema.EMA(model, decay=0.9).attach(optimizer)
+    with pytest.raises(ValueError, match="already attached to this SGD; each of its steps would "
+                       "update the EMA twice"):
+        ema.attach(optimizer)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    assert ema.step == 1
+    ema.detach()
+    ema.attach(optimizer)  # after detach(): once again
+    optimizer.step()
+    assert ema.step == 2
+
+
+def test_engine_messages_name_python_arguments_and_torch_dtypes():
+    model = torch.nn.Linear(2, 2)
+    ema = shardema.EMA(model, decay=0.9, refuse_non_finite=True)
+    ema.update()
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"\(refuse_non_finite=True\)") as raised:
+        ema.update()
+    assert "refuseNonFinite" not in str(raised.value)
+    with pytest.raises(ValueError, match=r"got torch\.float64$"):
+        ema.export_weights("/tmp/never.safetensors", dtype=torch.float64)
