@@ -67,7 +67,9 @@ void warnFollowed(const std::vector<std::string>& followed) {
       " replaced in the model after the EMA was built (a new nn.Parameter, p.data = ..., or a "
       "module of the same shape); the EMA follows the new tensor";
   // stacklevel 2: the user's line that called into shardema.EMA.
-  if (PyErr_WarnEx(PyExc_UserWarning, message.c_str(), 2) != 0) throw py::error_already_set();
+  if (PyErr_WarnEx(PyExc_UserWarning, message.c_str(), userStackLevel()) != 0) {
+    throw py::error_already_set();
+  }
 }
 
 }  // namespace

@@ -34,6 +34,13 @@ class PythonWarnings {
   c10::WarningHandler* previous_;
 };
 
+/// The stacklevel of PyErr_WarnEx that names the user's line: the first
+/// frame, from the caller of the binding outwards, whose file is not in the
+/// shardema, torch or Lightning packages (a warning of an update that
+/// torch's optimizer hook or a callback made points at the user's
+/// optimizer.step() or trainer.fit(), not at their internals). Needs the GIL.
+int userStackLevel();
+
 /// Every call that waits, copies or communicates: Python warnings, then the
 /// GIL released for the call.
 using Release = pybind11::call_guard<PythonWarnings, pybind11::gil_scoped_release>;

@@ -122,7 +122,7 @@ TEST_F(FileSystemTreeTest, RemovePathRemovesFilesLinksAndEmptyFoldersOnly) {
 TEST_F(FileSystemTreeTest, WeaklyCanonicalIsStdsWithoutATrailingSeparator) {
   const std::string cwd = fs::current_path();
   ASSERT_EQ(::chdir(dir_.path().c_str()), 0);
-  for (const std::string path :
+  for (const std::string& path :
        {dir_.file("link/../file"), dir_.file("link/x/../y/"), dir_.file("missing/../folder"),
         dir_.file("folder/./a/b/.."), std::string("link/new"), std::string("./file"),
         std::string("../") + fs::path(dir_.path()).filename().string() + "/link", dir_.path()}) {

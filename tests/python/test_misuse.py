@@ -442,3 +442,30 @@ def test_engine_messages_name_python_arguments_and_torch_dtypes():
     assert "refuseNonFinite" not in str(raised.value)
     with pytest.raises(ValueError, match=r"got torch\.float64$"):
         ema.export_weights("/tmp/never.safetensors", dtype=torch.float64)
+
+
+def test_a_warning_from_the_optimizer_hook_points_at_the_users_step():
+    """The write warning of an update that torch's optimizer pre-hook fenced
+    names the user's optimizer.step() line, not torch's or shardema's code
+    (a user trial saw torch/optim/optimizer.py)."""
+    import inspect
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ema = shardema.EMA(model, decay=0.9)
+    ema.update()
+    ema.fence()
+    gate = _C._ChunkGate(2, 30.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ema.update()
+        assert gate.await_arrival(30.0)
+        with torch.no_grad():
+            model.weight.add_(1.0)  # while the background read is held
+        gate.open()
+        model(torch.ones(1, 4)).sum().backward()
+        step_line = inspect.currentframe().f_lineno + 1
+        optimizer.step()
+    gate.close()
+    written = [w for w in caught if "written in place" in str(w.message)]
+    assert len(written) == 1, [str(w.message) for w in caught]
+    assert (written[0].filename, written[0].lineno) == (__file__, step_line)
