@@ -102,7 +102,7 @@ uint64_t stateDigest(const Metadata& metadata) {
   for (const char* key : kStateKeys) {
     const auto it = metadata.find(key);
     hash.update(key, std::strlen(key) + 1);
-    const std::string value = it == metadata.end() ? std::string("\x01absent") : it->second;
+    const std::string value = it == metadata.end() ? std::string("\x01" "absent") : it->second;
     hash.update(value.data(), value.size() + 1);
   }
   return hash.digest();
