@@ -1,5 +1,7 @@
 #pragma once
 // Averager: the EMA of a set of named tensors (one model, one profile).
+// (Just over the 400-line guideline: one class's contract, each member
+// saying who owns what, whether it blocks and which thread runs it.)
 //
 // Two storages (AveragerOptions::storage):
 //   - kPinnedHost (default, DESIGN.md section 2): the EMA lives in host memory
