@@ -30,6 +30,34 @@ void EmaStore::initStorage(const std::vector<TrackedTensor>& tracked, int numPro
     }
     storage_.push_back(std::move(profiles));
   }
+  recordPrefetch();
+}
+
+void EmaStore::recordPrefetch() {
+  // Sizes: a TensorImpl's fields an update reads span its first 256
+  // bytes; a StorageImpl's data pointer and size its first 128.
+  const auto addTensor = [this](const at::Tensor& t) {
+    if (!t.defined()) return;
+    prefetch_.add(t.unsafeGetTensorImpl(), 256);
+    if (t.has_storage()) prefetch_.add(t.storage().unsafeGetStorageImpl(), 128);
+  };
+  prefetch_.clear();
+  prefetchStale_ = false;
+  for (size_t i = 0; i < bound_.size() && i < storage_.size(); ++i) {
+    prefetch_.add(bound_[i].name.data());
+    prefetch_.add(storage_[i].data(), storage_[i].size() * sizeof(at::Tensor));
+    addTensor(bound_[i].source);
+    for (const at::Tensor& ema : storage_[i]) addTensor(ema);
+    // The version handle each update's job copies (PipelineJob::version,
+    // or the source's own): its counter's reference count is written.
+    const at::Tensor& source = bound_[i].source;
+    if (bound_[i].writeVersion) {
+      prefetch_.addForWrite(core::versionCounterAddress(*bound_[i].writeVersion));
+    } else if (source.defined()) {
+      prefetch_.addForWrite(
+          core::versionCounterAddress(source.unsafeGetTensorImpl()->version_counter()));
+    }
+  }
 }
 
 }  // namespace shardema::detail

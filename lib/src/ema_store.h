@@ -20,6 +20,8 @@
 #include <functional>
 #include <vector>
 
+#include "shardema/core/prefetch.h"
+
 #include "shardema/core/update_kernels.h"
 #include "shardema/offload/pipeline_stats.h"
 #include "shardema/tracking_policy.h"
@@ -66,6 +68,7 @@ class EmaStore {
   void rebind(size_t index, const at::Tensor& source, bool newWriter) {
     bound_[index].source = source;
     if (newWriter) bound_[index].writeVersion = std::nullopt;
+    prefetchStale_ = true;  // recorded again by the next update, once
   }
   /// The pipeline's counters (zero for the device store).
   virtual offload::PipelineStats stats() const = 0;
@@ -104,12 +107,19 @@ class EmaStore {
   /// the sources into it.
   void initStorage(const std::vector<TrackedTensor>& tracked, int numProfiles,
                    const Allocate& allocate);
+  /// Records in prefetch_ the per-tensor records an update reads (names,
+  /// the sources' and the EMAs' TensorImpls and storages).
+  void recordPrefetch();
 
   // Per tracked tensor, in construction order: one tensor per profile
   // (averaging roles) or one shared copy. Written by initStorage only.
   std::vector<std::vector<at::Tensor>> storage_;
   // The tracked tensors, in construction order (rebind() replaces sources).
   std::vector<TrackedTensor> bound_;
+  // What an update issues first: with cold caches its per-tensor reads
+  // would be a chain of misses taken one by one (core/prefetch.h).
+  core::PrefetchList prefetch_;
+  bool prefetchStale_ = false;
 };
 
 }  // namespace detail

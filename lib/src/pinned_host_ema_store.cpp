@@ -35,6 +35,8 @@ PinnedHostEmaStore::PinnedHostEmaStore(const std::vector<TrackedTensor>& tracked
 }
 
 void PinnedHostEmaStore::update(const EmaUpdate& update) {
+  if (prefetchStale_) recordPrefetch();
+  prefetch_.issue();
   // One pass over the bound sources: each is checked here against its EMA
   // (shape) and then by the pipeline's submit() (dtype, layout), once each,
   // before anything is folded in.

@@ -2,6 +2,8 @@
 
 #include <torch/csrc/autograd/python_variable.h>
 
+#include "shardema/core/prefetch.h"
+
 namespace shardema::python {
 namespace {
 
@@ -93,9 +95,41 @@ ModelWatch::ModelWatch(const py::list& slots, const py::list& edges, const py::l
     }
     deciders_.push_back(py::reinterpret_borrow<py::object>(tensor));
   }
+  recordPrefetch();
+}
+
+// The objects scan() and trainable() read for each tensor: with cold
+// caches (a large model's EMA math or a forward pass ran since the last
+// update) walking them slot by slot costs a memory latency per object,
+// about 1 us per tensor on the VMs measured (bench/python_bench.py,
+// return_times); issued together first, their misses overlap.
+void ModelWatch::recordPrefetch() const {
+  const auto addTensor = [this](PyObject* object) {
+    prefetch_.add(object, 64);
+    if (object == nullptr || !THPVariable_Check(object)) return;
+    const at::Tensor& t = THPVariable_Unpack(object);
+    if (!t.defined()) return;
+    // A TensorImpl's fields read here (storage, sizes, offset, dtype,
+    // autograd meta) span its first 256 bytes.
+    prefetch_.add(t.unsafeGetTensorImpl(), 256);
+    prefetch_.add(t.unsafeGetTensorImpl()->autograd_meta());
+    if (t.has_storage()) prefetch_.add(t.storage().unsafeGetStorageImpl());
+  };
+  prefetch_.clear();
+  prefetchStale_ = false;
+  for (const Slot& slot : slots_) {
+    prefetch_.add(slot.container.ptr());
+    prefetch_.add(reinterpret_cast<const PyDictObject*>(slot.container.ptr())->ma_keys, 192);
+    prefetch_.add(slot.key.ptr());
+    prefetch_.add(slot.data.sizes.data());
+    addTensor(slot.tensor.ptr());
+  }
+  for (const py::object& tensor : deciders_) addTensor(tensor.ptr());
 }
 
 ModelWatch::Changes ModelWatch::scan() const {
+  if (prefetchStale_) recordPrefetch();
+  prefetch_.issue();
   Changes changes;
   for (const Edge& edge : edges_) {
     if (held(edge.children, edge.key) != edge.module.ptr()) changes.restructured = true;
@@ -138,6 +172,7 @@ void ModelWatch::refresh(size_t index) {
   }
   slot.tensor = py::reinterpret_borrow<py::object>(now != nullptr ? now : Py_None);
   slot.data = DataFingerprint::of(now);
+  prefetchStale_ = true;  // recorded again by the next scan(), once
 }
 
 }  // namespace shardema::python

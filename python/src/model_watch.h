@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "shardema/core/prefetch.h"
+
 namespace shardema::python {
 
 namespace py = pybind11;
@@ -85,6 +87,9 @@ class ModelWatch {
   bool empty() const { return slots_.empty() && edges_.empty(); }
 
  private:
+  /// Records in prefetch_ what scan() and trainable() read.
+  void recordPrefetch() const;
+
   struct Edge {
     py::dict children;
     py::object key;
@@ -95,6 +100,10 @@ class ModelWatch {
     Py_ssize_t size = 0;
   };
   std::vector<Slot> slots_;
+  // Issued at the start of scan() (core/prefetch.h); recorded again after
+  // refresh() changed a slot.
+  mutable core::PrefetchList prefetch_;
+  mutable bool prefetchStale_ = false;
   std::vector<Edge> edges_;
   std::vector<Counted> counted_;
   std::vector<py::object> deciders_;
