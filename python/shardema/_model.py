@@ -14,11 +14,21 @@ LAYOUTS = ("auto", "replicated", "rank0", "fsdp2")
 
 
 def unwrap(model: Any) -> Any:
-    """The module inside DDP (and DataParallel), so names have no 'module.'."""
-    inner = getattr(model, "module", None)
-    if isinstance(model, torch.nn.Module) and isinstance(inner, torch.nn.Module) and \
-            type(model).__name__ in ("DistributedDataParallel", "DataParallel"):
-        return inner
+    """The module inside DDP (and DataParallel) and torch.compile's
+    OptimizedModule, in any nesting, so names have neither 'module.' nor
+    '_orig_mod.': an EMA built on the compiled module or on the eager one
+    tracks the same tensors under the same names, and takes either."""
+    while isinstance(model, torch.nn.Module):
+        wrapper = type(model).__name__
+        if wrapper in ("DistributedDataParallel", "DataParallel"):
+            inner = getattr(model, "module", None)
+        elif wrapper == "OptimizedModule":  # torch._dynamo.eval_frame.OptimizedModule
+            inner = getattr(model, "_orig_mod", None)
+        else:
+            return model
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
     return model
 
 
