@@ -12,7 +12,7 @@ from ._fsdp1 import fsdp1_names, fsdp1_non_persistent, fsdp1_root
 from ._ema_arguments import POLICIES, STORAGES
 from ._lightning import CALLBACK_BASES, optimizer_stepped, refuse_two_validation_swaps, reshard, \
     submodule
-from ._model import LAYOUTS, module_tensors
+from ._model import LAYOUTS, module_tensors, unwrap, wrapper_prefix
 from ._selection import keep_trainable
 
 class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
@@ -129,10 +129,18 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
             self._schedule = schedule
 
     def _target(self, pl_module: Any) -> torch.nn.Module:
-        return submodule("EMACallback", pl_module, self.attribute)
+        # The module inside a compiled attribute (self.net = torch.compile(net)):
+        # the one the EMA is built on, under plain names.
+        return unwrap(submodule("EMACallback", pl_module, self.attribute))
 
-    def _prefix(self) -> str:
-        return f"{self.attribute}." if self.attribute else ""
+    def _prefix(self, pl_module: Any = None) -> str:
+        """The attribute's state_dict prefix, with the wrappers the module's
+        own keys hold (`net._orig_mod.` for a compiled attribute) when
+        `pl_module` is given."""
+        prefix = f"{self.attribute}." if self.attribute else ""
+        if pl_module is None or not self.attribute:
+            return prefix
+        return prefix + wrapper_prefix(submodule("EMACallback", pl_module, self.attribute))
 
     def _build(self, pl_module: Any) -> EMA:
         if self._root is not None:

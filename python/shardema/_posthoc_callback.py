@@ -98,7 +98,7 @@ class DDPPostHocEMACallback(*CALLBACK_BASES):  # type: ignore[misc]
             raise ValueError(f"DDPPostHocEMACallback: attribute {self.attribute!r} of "
                              f"{type(module).__name__} is not an nn.Module (got "
                              f"{type(target).__name__})")
-        return target
+        return unwrap(target)  # a compiled attribute: its module, plain names
 
     def _start_fsdp1(self, trainer: Any, pl_module: Any) -> Any:
         """The post-hoc engine over FSDP1 root self._root: each rank keeps

@@ -116,3 +116,62 @@ def test_either_module_is_taken_by_every_model_api(tmp_path):
     other = torch.compile(tiny())
     with pytest.raises(ValueError, match="tracks another model"):
         on_compiled.swap_in(other)
+
+
+class Trainer:
+    def __init__(self, root):
+        self.global_step, self.accumulate_grad_batches = 0, 1
+        self.is_last_batch, self.default_root_dir = False, root
+
+
+class Holder(nn.Module):
+    """A LightningModule's shape: a compiled submodule as an attribute, whose
+    state_dict keys are 'policy._orig_mod.*'."""
+
+    def __init__(self):
+        super().__init__()
+        self.policy = torch.compile(tiny())
+
+    def forward(self, x):
+        return self.policy(x)
+
+
+def test_callbacks_on_a_compiled_attribute_use_plain_names_and_the_modules_keys(tmp_path):
+    from shardema.callbacks import DDPPostHocEMACallback, EMACallback
+    module, trainer = Holder(), Trainer(str(tmp_path))
+    callback = EMACallback(attribute="policy", policy="ema_pytorch", copy_on_first_update=True,
+                           schedule=shardema.DecaySchedule.constant(DECAY))
+    posthoc = DDPPostHocEMACallback(attribute="policy", checkpoint_every=2,
+                                    checkpoint_folder=str(tmp_path / "ph"),
+                                    validate_with_ema=False)
+    callback.on_fit_start(trainer, module)
+    posthoc.on_fit_start(trainer, module)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    for batch in range(3):
+        module(torch.randn(5, 4)).square().mean().backward()
+        for cb in (callback, posthoc):
+            cb.on_before_optimizer_step(trainer, module, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        trainer.global_step += 1
+        for cb in (callback, posthoc):
+            cb.on_train_batch_end(trainer, module, None, None, batch)
+    ema = callback.ema.full_state_dict()
+    assert sorted(ema) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    raw = {k: v.clone() for k, v in module.state_dict().items()}
+    assert sorted(raw) == [f"policy._orig_mod.{n}" for n in sorted(ema)]
+    checkpoint = {"state_dict": {k: v.clone() for k, v in raw.items()}}
+    callback.on_save_checkpoint(trainer, module, checkpoint)
+    for name, value in ema.items():
+        assert torch.equal(checkpoint["state_dict"][f"policy._orig_mod.{name}"], value), name
+    resumed, module2 = EMACallback(attribute="policy", policy="ema_pytorch",
+                                   schedule=shardema.DecaySchedule.constant(DECAY)), Holder()
+    module2.load_state_dict(checkpoint["state_dict"])
+    resumed.on_load_checkpoint(trainer, module2, checkpoint)
+    resumed.on_fit_start(trainer, module2)
+    for name, value in ema.items():
+        assert torch.equal(resumed.ema.full_state_dict()[name], value), name
+    assert all(torch.equal(v, raw[k]) for k, v in module2.state_dict().items())
+    posthoc.on_train_end(trainer, module)
+    out = shardema.read_tensor_file(posthoc.output_path)["tensors"]
+    assert sorted(out) == sorted(ema)
