@@ -300,8 +300,13 @@ def test_posthoc_callback_trainable_only_keeps_the_adapters(tmp_path):
         callback.on_train_batch_end(trainer, model, None, None, 0)
 
 
-runs = launched_once("trainable_worker.py", [(2, ["hand_frozen_fsdp2"])], timeout=150)
+runs = launched_once("trainable_worker.py", [(2, ["hand_frozen_fsdp2", "posthoc_sharded_fsdp2"])],
+                     timeout=150)
 
 
 def test_hand_frozen_layers_under_fsdp2_equal_float64_ema_of_full_tensors(runs):
     assert_passed(runs(2), "hand_frozen_fsdp2")
+
+
+def test_sharded_posthoc_ema_of_the_trainable_parameters_under_fsdp2(runs):
+    assert_passed(runs(2), "posthoc_sharded_fsdp2")

@@ -102,7 +102,54 @@ def hand_frozen_fsdp2(rank, world, out):
                                        msg=f"exported '{name}'")
 
 
-SCENARIOS = {"hand_frozen_fsdp2": hand_frozen_fsdp2}
+def posthoc_sharded_fsdp2(rank, world, out):
+    """PostHocEMA(layout="sharded", trainable_only=True) on the same
+    hand-frozen FSDP2 model beside one of everything: the syntheses hold
+    the trainable parameters only, each equal to the everything run's."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = model_of()
+    for part in (model[0], model[1], model[2]):
+        fully_shard(part, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model[0].requires_grad_(False)
+    model[2].requires_grad_(False)
+    kept = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    runs = {}
+    for name, only in (("trainable", True), ("everything", False)):
+        runs[name] = shardema.PostHocEMA(
+            model, sigma_rels=(0.05, 0.1), checkpoint_every_num_steps=2,
+            checkpoint_folder=os.path.join(out, f"posthoc_{name}"), layout="sharded",
+            trainable_only=only)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.3)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(4):
+        model(torch.randn(4, 3, generator=g)).square().mean().backward()
+        for run in runs.values():
+            run.fence()
+        optimizer.step()
+        optimizer.zero_grad()
+        for run in runs.values():
+            run.update()
+    for run in runs.values():
+        run.wait()
+    torch.distributed.barrier()
+    if rank == 0:
+        only = runs["trainable"].synthesize(0.07)
+        everything = runs["everything"].synthesize(0.07)
+        assert sorted(only) == kept, sorted(only)
+        for name in kept:
+            assert torch.equal(only[name], everything[name]), name
+    torch.distributed.barrier()
+    model[2].bias.requires_grad_(True)
+    try:
+        runs["trainable"].update()
+    except ValueError as error:
+        assert "2.bias" in str(error) and "trainable_only" in str(error), str(error)
+    else:
+        raise AssertionError("an unfrozen left-out parameter was not refused")
+
+
+SCENARIOS = {"hand_frozen_fsdp2": hand_frozen_fsdp2, "posthoc_sharded_fsdp2": posthoc_sharded_fsdp2}
 
 
 if __name__ == "__main__":
