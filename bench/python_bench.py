@@ -2,7 +2,7 @@
 """shardema.EMA from Python beside the EMAs a PyTorch user would pick instead.
 
     python_bench.py [--elements N] [--tensors T] [--repeats R] [--json PATH]
-                    [--no-fsdp2]
+                    [--no-fsdp2] [--no-trainable]
 
 One model of T tensors (default 1000) of log-uniform sizes, N elements in
 all (default 64 Mi), with fp32 and then bf16 parameters; an update every
@@ -29,6 +29,10 @@ rounds. Each round runs every method once, in rotating order, so all see
 the same load (this VM's memory rate drifts by 2x within a minute); figures
 are medians of R rounds after one warm-up. A rate above the limit is marked
 '!' and means the limit is wrong, not that the method is faster than memory.
+
+Then (python_bench_trainable.py) a LoRA-style model of 8.5 M parameters,
+131 k trainable: the EMA of everything beside EMA(trainable_only=True),
+host memory and update time, against the same kind of limit.
 """
 import argparse
 import json
@@ -47,6 +51,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import python_bench_peers as peers  # noqa: E402
+import python_bench_trainable as trainable  # noqa: E402
 
 try:
     from lightning.pytorch import LightningModule as _ModelBase  # EMAWeightAveraging needs one
@@ -295,6 +300,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--json", default="")
     parser.add_argument("--no-fsdp2", action="store_true", help="skip the W = 2 FSDP2 rows")
+    parser.add_argument("--no-trainable", action="store_true",
+                        help="skip the trainable-only rows")
     if len(sys.argv) > 1 and sys.argv[1] == "--fsdp2-worker":
         rank, world, port, spec, dtype_name, repeats, out = sys.argv[2:9]
         with open(spec) as f:
@@ -339,11 +346,17 @@ def main():
     if over:
         print("  '!': above the limit measured in the same rounds; the limit kernel is slower "
               "than the memory system there (see docs/performance.md)")
+    trainable_rows = None
+    if not args.no_trainable:
+        trainable_rows = trainable.bench_trainable(args.repeats, limit_kernels,
+                                                   interleaved_medians)
+        trainable.print_trainable(trainable_rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "elements": args.elements,
                        "tensors": args.tensors, "limits": limits, "rows": rows,
-                       "update_returns_ms": returns}, f, indent=1)
+                       "update_returns_ms": returns, "trainable_only": trainable_rows}, f,
+                      indent=1)
     return 0
 
 

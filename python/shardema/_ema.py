@@ -16,7 +16,7 @@ from ._ema_values import held_of
 from ._model import Plan, checked_group, is_dtensor, module_tensors, named_tensors, \
     plan_layout, unwrap
 from ._model_watch import replan, watch_of
-from ._selection import select
+from ._selection import keep_trainable, select
 from ._shards import as_local_shard
 from ._view import copy_model_into_ema, materialize, model_values, reshard_fsdp
 
@@ -59,6 +59,14 @@ class EMA(EmaState):
     leave them at the model's own values. copy_names (ema-pytorch's
     param_or_buffer_names_no_ema): copied at each due update instead of
     averaged. A name that matches no tracked tensor is a ValueError.
+    trainable_only: True keeps the EMA of the parameters that require grad
+    only (LoRA adapters, a fine-tuned head): frozen parameters and buffers
+    take no host memory and no update reads them; swap(), copy_to(),
+    module(), checkpoints and export_weights() leave them to the model
+    (export_weights(include_untracked=True) writes the model's own beside
+    the EMA). A left-out parameter that requires grad later is a ValueError
+    naming it at the next update, swap or copy; a kept one frozen later is
+    still averaged. A model only (not named tensors), not FSDP1.
 
     Call update() after optimizer.step() (or before it): every optimizer
     step first waits until the EMA has read the weights, so the loop needs
@@ -80,7 +88,7 @@ class EMA(EmaState):
                  more_schedules: Sequence["_C.DecaySchedule"] = (),
                  refuse_non_finite: bool = False, ignore_names: Iterable[str] = (),
                  ignore_prefixes: Iterable[str] = (), copy_names: Iterable[str] = (),
-                 **other_libraries: Any) -> None:
+                 trainable_only: bool = False, **other_libraries: Any) -> None:
         # What a copy or an unpickled EMA is built with again (__getstate__).
         arguments = {k: v for k, v in locals().items()
                      if k not in ("self", "model_or_named_tensors", "other_libraries")}
@@ -98,21 +106,33 @@ class EMA(EmaState):
             copy_on_first_update=copy_on_first_update, fence_in_update=fence_in_update,
             engine=engine, timeout=timeout, more_schedules=more_schedules,
             refuse_non_finite=refuse_non_finite)
+        if not isinstance(trainable_only, bool):
+            raise TypeError(f"shardema.EMA: trainable_only must be a bool, got {trainable_only!r}")
         model = unwrap(model_or_named_tensors)
         # Kept for a replan: a generator would be spent after the first use
         # (a string or a non-collection stays as given, for select()'s error).
         selection = tuple(x if isinstance(x, (str, bytes)) or not isinstance(x, Iterable)
                           else tuple(x) for x in (ignore_names, ignore_prefixes, copy_names))
         if isinstance(model, torch.nn.Module):
+            kept: list = []  # trainable_only: the names kept at construction
+
             def plan_again() -> Plan:
                 # The model as it is now: the plan at construction, and the
                 # one a changed model is compared against (_model_watch.py).
-                return plan_layout(select(module_tensors(model, policy), *selection), layout,
-                                   process_group)
+                tracked, frozen = select(module_tensors(model, policy), *selection), []
+                if trainable_only:
+                    tracked, frozen = keep_trainable(tracked, kept)
+                planned = plan_layout(tracked, layout, process_group)
+                planned.frozen = frozen
+                return planned
             self._model, self._given, self._plan_again = model, None, plan_again
             self._rebuild = (model, arguments)
             plan = plan_again()
+            kept.extend(shard.spec.name for shard in plan.shards)
         else:
+            if trainable_only:
+                raise ValueError("shardema.EMA: trainable_only=True needs an nn.Module; with "
+                                 "named tensors, pass only the tensors to average")
             items = list(model.items()) if isinstance(model, dict) else model
             items = list(items) if isinstance(items, Iterable) and \
                 not isinstance(items, (str, bytes, torch.Tensor)) else items
@@ -203,7 +223,8 @@ class EMA(EmaState):
         slots, edges, counted, deciders = watch_of(self._model, plan, self._names)
         self._engine = _C.Ema(process_group=plan.group, shards=plan.shards,
                               whole_tensors=plan.whole, options=options, layout=plan.layout,
-                              slots=slots, edges=edges, counted=counted, deciders=deciders)
+                              slots=slots, edges=edges, counted=counted, deciders=deciders,
+                              frozen=plan.frozen)
         # How this rank holds each tracked tensor, for ema_tensors() and
         # load_ema_values().
         self._held = held_of(plan)

@@ -12,7 +12,8 @@ from ._fsdp1 import fsdp1_names, fsdp1_non_persistent, fsdp1_root
 from ._ema_arguments import POLICIES, STORAGES
 from ._lightning import CALLBACK_BASES, optimizer_stepped, refuse_two_validation_swaps, reshard, \
     submodule
-from ._model import LAYOUTS, module_tensors
+from ._model import LAYOUTS, module_tensors, unwrap, wrapper_prefix
+from ._selection import keep_trainable
 
 class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
     """Warmup EMA of the LightningModule (or of its `attribute`, e.g.
@@ -35,7 +36,10 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
     "versatil", the seed's: buffers and BatchNorm parameters copied, frozen
     parameters copied while frozen; "ema_pytorch": every floating parameter
     and buffer averaged, as Lightning's EMAWeightAveraging), storage and
-    layout as shardema.EMA's."""
+    layout as shardema.EMA's. trainable_only (default False): the EMA of
+    the parameters that require grad at fit start only (LoRA adapters),
+    as shardema.EMA's; checkpoints then hold the EMA of those and the
+    model's own frozen weights and buffers."""
 
     #: Where the raw (online) weights are kept: a key of the checkpoint; in a
     #: distributed (DCP) checkpoint, a prefix of its state_dict keys, so
@@ -57,7 +61,7 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
                  copy_on_first_update: bool = False, storage: str = "pinned_host",
                  layout: str = "auto", process_group: Any = None,
                  validate_with_ema: bool = True, copy_ema_at_fit_end: bool = False,
-                 policy: str = "versatil") -> None:
+                 policy: str = "versatil", trainable_only: bool = False) -> None:
         super().__init__()
         if policy not in POLICIES:
             raise ValueError(f"EMACallback: policy must be one of {', '.join(map(repr, POLICIES))}"
@@ -65,7 +69,8 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
         self.policy = policy
         for name, flag in (("copy_on_first_update", copy_on_first_update),
                            ("validate_with_ema", validate_with_ema),
-                           ("copy_ema_at_fit_end", copy_ema_at_fit_end)):
+                           ("copy_ema_at_fit_end", copy_ema_at_fit_end),
+                           ("trainable_only", trainable_only)):
             if not isinstance(flag, bool):
                 raise TypeError(f"EMACallback: {name} must be a bool, got {flag!r}")
         if storage not in STORAGES:
@@ -77,6 +82,7 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
                             f"attribute holding the module), got {type(attribute).__name__}")
         self.validate_with_ema = validate_with_ema
         self.copy_ema_at_fit_end = copy_ema_at_fit_end
+        self.trainable_only = trainable_only
         self.power = power
         self.update_after_step = update_after_step
         self.inv_gamma = inv_gamma
@@ -123,17 +129,26 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
             self._schedule = schedule
 
     def _target(self, pl_module: Any) -> torch.nn.Module:
-        return submodule("EMACallback", pl_module, self.attribute)
+        # The module inside a compiled attribute (self.net = torch.compile(net)):
+        # the one the EMA is built on, under plain names.
+        return unwrap(submodule("EMACallback", pl_module, self.attribute))
 
-    def _prefix(self) -> str:
-        return f"{self.attribute}." if self.attribute else ""
+    def _prefix(self, pl_module: Any = None) -> str:
+        """The attribute's state_dict prefix, with the wrappers the module's
+        own keys hold (`net._orig_mod.` for a compiled attribute) when
+        `pl_module` is given."""
+        prefix = f"{self.attribute}." if self.attribute else ""
+        if pl_module is None or not self.attribute:
+            return prefix
+        return prefix + wrapper_prefix(submodule("EMACallback", pl_module, self.attribute))
 
     def _build(self, pl_module: Any) -> EMA:
         if self._root is not None:
             return self._build_fsdp1()
         return EMA(self._target(pl_module), schedule=self._schedule, policy=self.policy,
                    storage=self._storage, layout=self._layout, process_group=self._process_group,
-                   copy_on_first_update=self.copy_on_first_update and not self._started)
+                   copy_on_first_update=self.copy_on_first_update and not self._started,
+                   trainable_only=self.trainable_only)
 
     def _fsdp1_saved(self, root: torch.nn.Module) -> Tuple[List[str], List[str]]:
         """(the names the EMA averages under FSDP1 root `root`: its clean
@@ -157,18 +172,24 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
         return EMA(self._root, schedule=self._schedule, policy=self.policy, storage=self._storage,
                    layout=self._layout, process_group=self._process_group,
                    copy_on_first_update=self.copy_on_first_update and not self._started,
-                   ignore_names=others)
+                   ignore_names=others, trainable_only=self.trainable_only)
 
     def _tracked(self, target: torch.nn.Module) -> Dict[str, Any]:
         """The tracked tensors a state dict of `target` holds (not the
         non-persistent buffers; tied weights once, under their first name),
         by name. Read from the modules, not from state_dict() (FSDP2
         reshards in it), and the same on every rank, so the ranks agree on
-        every collective of a save."""
+        every collective of a save. trainable_only: what the EMA keeps (the
+        parameters that required grad when it was built; before it is, those
+        that require grad now, as it will be built)."""
         transient = {f"{prefix}.{b}" if prefix else b for prefix, m in target.named_modules()
                      for b in getattr(m, "_non_persistent_buffers_set", ())}
-        return {t.name: t.tensor for t in module_tensors(target, "versatil")
-                if t.name not in transient}
+        tracked = [t for t in module_tensors(target, "versatil") if t.name not in transient]
+        if self.trainable_only:
+            kept = set(self.ema._names) if self.ema is not None else \
+                {t.name for t in keep_trainable(tracked)[0]}
+            tracked = [t for t in tracked if t.name in kept]
+        return {t.name: t.tensor for t in tracked}
 
     def _validation_target(self, pl_module: Any) -> Optional[torch.nn.Module]:
         """The module validation sees this EMA in (None: it does not swap)."""

@@ -80,7 +80,7 @@ class CheckpointHooks:
             raise RuntimeError("EMACallback.on_save_checkpoint: the EMA is swapped in for "
                                "validation; save outside validation so the raw weights are kept")
         state = checkpoint.setdefault("state_dict", {})
-        prefix = self._prefix()
+        prefix = self._prefix(pl_module)
         if self._root is not None:
             # FSDPStrategy(state_dict_type="full"): rank 0 holds the full
             # state dict, the other ranks an empty one; the EMA's names are
@@ -180,7 +180,7 @@ class CheckpointHooks:
             self._load_fsdp1(root, pl_module, checkpoint, record, raw)
             return
         target = self._target(pl_module)
-        prefix = self._prefix()
+        prefix = self._prefix(pl_module)
         tracked = self._tracked(target)
         names = {prefix + name: name for name in tracked}
         # ModelParallelStrategy loads the state_dict into the model itself and
@@ -188,7 +188,7 @@ class CheckpointHooks:
         state = checkpoint.get("state_dict")
         kept = checkpoint.get(self.EMA_FLOAT32_KEY) or {}
         if record.get("raw_in_state_dict"):
-            raw, kept = self._entries_of_distributed(trainer, tracked, record, state)
+            raw, kept = self._entries_of_distributed(trainer, tracked, record, state, prefix)
         raw = raw or {}
         self._refuse_foreign_raw(raw_differences(raw, names, tracked))
         # The EMA: its float32 copy, else the state_dict's entry, else what
@@ -244,8 +244,8 @@ class CheckpointHooks:
         self._resume_with(pl_module, record, ema_values)
 
     def _entries_of_distributed(self, trainer: Any, tracked: Dict[str, Any],
-                                record: Dict[str, Any], state: Optional[Dict[str, Any]]
-                                ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+                                record: Dict[str, Any], state: Optional[Dict[str, Any]],
+                                prefix: str) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         """The raw weights and float32 EMA that on_save_checkpoint put in a
         distributed checkpoint's state_dict: from the dict when it is there,
         else read (DCP, each rank its rows) from trainer.ckpt_path."""
@@ -261,7 +261,6 @@ class CheckpointHooks:
                                  "handed to this hook, and trainer.ckpt_path does not say where "
                                  "the checkpoint is")
             from torch.distributed.checkpoint import load as load_distributed
-            prefix = self._prefix()
             state = {}
             for entry, (kind, key) in wanted.items():
                 like = tracked.get(key[len(prefix):])

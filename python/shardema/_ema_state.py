@@ -19,6 +19,8 @@ class EmaState:
     _engine: Any
     _held: Dict[str, Any]
     _aliases: Dict[str, str]
+    _names: Sequence[str]
+    _model: Any
     _replicas: Any
     _tensor_parallel: Dict[str, Any]
     _timeout_s: float
@@ -75,12 +77,38 @@ class EmaState:
         refuse_tensor_parallel(self._tensor_parallel, "load_checkpoint")
         self._engine.load_checkpoint(str(folder))
 
-    def export_weights(self, path: str, dtype: torch.dtype = torch.float32) -> None:
+    def export_weights(self, path: str, dtype: torch.dtype = torch.float32, *,
+                       include_untracked: bool = False) -> None:
         """Collective: rank 0 writes deployable safetensors of the full
-        tensors (floating ones as `dtype`), tied weights under every name."""
-        write_on_first_replica(self._replicas,
-                               lambda: self._engine.export_weights(str(path), dtype),
-                               self._timeout_s, "export_weights")
+        tensors (floating ones as `dtype`), tied weights under every name.
+        include_untracked: True also writes the model's own current values
+        of what the EMA leaves out (frozen parameters under
+        trainable_only=True, buffers, ignore_names), so that the file loads
+        strict into the plain model; rank 0 then holds those full tensors
+        while it writes (their names are listed in the file's metadata
+        under "shardema.from_model")."""
+        if not isinstance(include_untracked, bool):
+            raise TypeError("shardema.EMA.export_weights: include_untracked must be a bool, got "
+                            f"{include_untracked!r}")
+        if not include_untracked:
+            write_on_first_replica(self._replicas,
+                                   lambda: self._engine.export_weights(str(path), dtype),
+                                   self._timeout_s, "export_weights")
+            return
+        if self._model is None:
+            raise ValueError("shardema.EMA.export_weights: include_untracked=True takes the "
+                             "values from the model, and this EMA was built from named tensors "
+                             "or local shards")
+        self._refuse_fsdp1("export_weights(include_untracked=True)")
+        from ._export_untracked import add_to_export, untracked_values
+        ema_names = set(self._names) | set(self._aliases)
+        values = untracked_values(self._model, ema_names, dtype, keep=self.rank == 0)
+
+        def write() -> None:
+            self._engine.export_weights(str(path), dtype)
+            if self.rank == 0:
+                add_to_export(str(path), values)
+        write_on_first_replica(self._replicas, write, self._timeout_s, "export_weights")
 
     def full_state_dict(self, rank0_only: bool = True,
                         names: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:

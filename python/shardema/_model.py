@@ -14,12 +14,35 @@ LAYOUTS = ("auto", "replicated", "rank0", "fsdp2")
 
 
 def unwrap(model: Any) -> Any:
-    """The module inside DDP (and DataParallel), so names have no 'module.'."""
-    inner = getattr(model, "module", None)
-    if isinstance(model, torch.nn.Module) and isinstance(inner, torch.nn.Module) and \
-            type(model).__name__ in ("DistributedDataParallel", "DataParallel"):
-        return inner
-    return model
+    """The module inside DDP (and DataParallel) and torch.compile's
+    OptimizedModule, in any nesting, so names have neither 'module.' nor
+    '_orig_mod.': an EMA built on the compiled module or on the eager one
+    tracks the same tensors under the same names, and takes either."""
+    return _unwrapped(model)[0]
+
+
+def wrapper_prefix(model: Any) -> str:
+    """The state_dict key prefix of what unwrap() strips ('_orig_mod.' for a
+    compiled module, 'module.' for DDP, in nesting order): a LightningModule
+    holding `self.net = torch.compile(net)` saves `net._orig_mod.*` keys."""
+    return _unwrapped(model)[1]
+
+
+def _unwrapped(model: Any) -> Tuple[Any, str]:
+    prefix = ""
+    while isinstance(model, torch.nn.Module):
+        wrapper = type(model).__name__
+        if wrapper in ("DistributedDataParallel", "DataParallel"):
+            key = "module"
+        elif wrapper == "OptimizedModule":  # torch._dynamo.eval_frame.OptimizedModule
+            key = "_orig_mod"
+        else:
+            break
+        inner = getattr(model, key, None)
+        if not isinstance(inner, torch.nn.Module):
+            break
+        model, prefix = inner, f"{prefix}{key}."
+    return model, prefix
 
 
 def module_tensors(module: torch.nn.Module, policy: str) -> List[Tracked]:

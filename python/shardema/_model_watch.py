@@ -34,12 +34,13 @@ def watch_of(model: Any, plan: Plan, names: Sequence[str]) -> Watch:
 
 
 def replan(model: torch.nn.Module, plan_again: Callable[[], Plan], names: Sequence[str],
-           layout: str) -> Tuple[list, list, list, list, list]:
+           layout: str) -> Tuple[list, list, list, list, list, list]:
     """After the module structure changed: plan the model again
     (`plan_again`, the constructor's own selection and policy) and compare
     with the engine's `names`. The same names: the watch of the new
     structure, and every tracked (name, tensor) for the engine to follow
-    where its tensor is new. Otherwise a ValueError naming what was added,
+    where its tensor is new, and the frozen parameters left out
+    (trainable_only=True). Otherwise a ValueError naming what was added,
     removed or untied."""
     plan = plan_again()
     now = [shard.spec.name for shard in plan.shards]
@@ -67,7 +68,7 @@ def replan(model: torch.nn.Module, plan_again: Callable[[], Plan], names: Sequen
     plan.owners = owners
     slots, edges, counted, deciders = watch_of(model, plan, names)
     followed = [(slot[3], slot[2]) for slot in slots if not slot[4] and not is_dtensor(slot[2])]
-    return slots, edges, counted, deciders, followed
+    return slots, edges, counted, deciders, followed, plan.frozen
 
 
 def _listed(names: List[str]) -> str:

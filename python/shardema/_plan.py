@@ -61,6 +61,9 @@ class Plan:
     aliases: Dict[str, str] = field(default_factory=dict)
     # (container, key, tensor, shard index) of each alias held by a module.
     alias_slots: List[Tuple[dict, str, Any, int]] = field(default_factory=list)
+    # trainable_only=True: (container, key, name) of each frozen parameter
+    # left out, which must not require grad later (_selection.keep_trainable).
+    frozen: List[Tuple[dict, str, str]] = field(default_factory=list)
 
 
 

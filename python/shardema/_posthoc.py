@@ -14,6 +14,7 @@ from . import _C
 from ._model import (Plan, Tracked, _default_group, is_dtensor, module_tensors, plan_layout,
                      unwrap)
 from ._plan import checked_group
+from ._selection import keep_trainable, refuse_unfrozen
 
 OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -171,12 +172,17 @@ def _sharded_plan(tracked: List[Tracked], layout: str, process_group: Any) -> Pl
 def start_engine(model: torch.nn.Module, *, sigma_rels: Sequence[float], update_every: int,
                  checkpoint_every: int, folder: str, start_iter: int, default_sigma: float,
                  step_size_correction: bool, layout: str, policy: str,
-                 output_dtype: torch.dtype, process_group: Any, seconds: float) -> Any:
+                 output_dtype: torch.dtype, process_group: Any, seconds: float,
+                 trainable_only: bool = False) -> Tuple[Any, list]:
     """The C++ post-hoc engine (the PostHocCallback) over `model`'s tensors,
     started: what PostHocEMA and DDPPostHocEMACallback share. A model with
     DTensor parameters runs over its mesh's group (unless `process_group`
-    names one), each rank on its own rows."""
-    tracked = module_tensors(model, policy)
+    names one), each rank on its own rows. Also the frozen parameters
+    trainable_only=True left out (_selection.keep_trainable), which the
+    caller checks with refuse_unfrozen at each step."""
+    tracked, frozen = module_tensors(model, policy), []
+    if trainable_only:
+        tracked, frozen = keep_trainable(tracked)
     plan = None
     group = process_group if process_group is not None else _default_group()
     if any(is_dtensor(t.tensor) for t in tracked):
@@ -191,7 +197,7 @@ def start_engine(model: torch.nn.Module, *, sigma_rels: Sequence[float], update_
     else:
         engine.on_fit_start([(t.name, t.tensor) for t in tracked], [t.role for t in tracked],
                             [t.is_buffer for t in tracked])
-    return engine
+    return engine, frozen
 
 
 class PostHocEMA:
@@ -205,6 +211,11 @@ class PostHocEMA:
     update() after optimizer.step() (returns at once) and fence() before the
     next one; synthesize(sigma_rel) for any profile afterwards.
 
+    trainable_only: True keeps the profiles of the parameters that require
+    grad only, as shardema.EMA's (snapshots and syntheses hold those); a
+    parameter left out that requires grad later is a ValueError naming it
+    at the next update().
+
     Every argument is checked here: a one-line ValueError for a value out of
     range (each sigma_rel in (0, 1/sqrt(12)), at least 2 and distinct; the
     step counts >= 1) and a TypeError for a wrong type, naming it.
@@ -216,7 +227,7 @@ class PostHocEMA:
                  layout: str = "rank0", step_size_correction: bool = False, *,
                  policy: str = "ema_pytorch", process_group: Any = None,
                  output_dtype: torch.dtype = torch.float32,
-                 timeout: Union[float, timedelta] = 300.0) -> None:
+                 timeout: Union[float, timedelta] = 300.0, trainable_only: bool = False) -> None:
         api = "PostHocEMA"
         model = unwrap(model)
         if not isinstance(model, torch.nn.Module):
@@ -232,15 +243,18 @@ class PostHocEMA:
         process_group = checked_group_of(api, process_group)
         output_dtype = checked_output_dtype(api, "output_dtype", output_dtype)
         seconds = checked_seconds(api, "timeout", timeout)
-        self._engine = start_engine(
+        trainable_only = checked_bool(api, "trainable_only", trainable_only)
+        self._engine, self._frozen = start_engine(
             model, sigma_rels=sigmas, update_every=every, checkpoint_every=snapshot_every,
             folder=self.checkpoint_folder, start_iter=0, default_sigma=sigmas[0],
             step_size_correction=correction, layout=layout, policy=policy,
-            output_dtype=output_dtype, process_group=process_group, seconds=seconds)
+            output_dtype=output_dtype, process_group=process_group, seconds=seconds,
+            trainable_only=trainable_only)
         self.sigma_rels = sigmas
 
     def update(self) -> bool:
         """One optimizer step; returns whether it was counted (always)."""
+        refuse_unfrozen(self._frozen, "PostHocEMA.update")
         calls = self._engine.calls
         return self._engine.on_train_batch_end(calls + 1, 0, 1, True)
 

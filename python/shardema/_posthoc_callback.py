@@ -11,6 +11,7 @@ from ._fsdp1 import fsdp1_root, reshard_fsdp1
 from ._lightning import CALLBACK_BASES, refuse_two_validation_swaps, reshard, submodule
 from ._model import module_tensors, unwrap
 from ._posthoc import start_engine
+from ._selection import keep_trainable, refuse_unfrozen
 
 class DDPPostHocEMACallback(*CALLBACK_BASES):  # type: ignore[misc]
     """Post-hoc EMA with FastVideo's signature and defaults: rank 0 keeps
@@ -28,7 +29,11 @@ class DDPPostHocEMACallback(*CALLBACK_BASES):  # type: ignore[misc]
     uninterrupted run would not hold, so extending a finished run
     synthesizes what the longer run does. validate_with_ema (default True):
     validation runs with the synthesized EMA swapped in; beside another
-    EMA callback on the same module, give all but one False. Every argument
+    EMA callback on the same module, give all but one False. trainable_only
+    (default False): the profiles of the parameters that require grad at
+    fit start only (LoRA adapters), as shardema.EMA's; one of the others
+    that requires grad later is a ValueError naming it at the next step.
+    Every argument
     is checked here:
     a one-line ValueError (out of range: sigma_rel outside (0,
     1/sqrt(12)), a count below 1) or TypeError naming it."""
@@ -40,7 +45,8 @@ class DDPPostHocEMACallback(*CALLBACK_BASES):  # type: ignore[misc]
                  start_iter: int = 0, default_output_sigma: float = 0.05,
                  step_size_correction: bool = True, layout: str = "rank0",
                  process_group: Any = None, output_dtype: torch.dtype = torch.float32,
-                 attribute: Optional[str] = None, validate_with_ema: bool = True) -> None:
+                 attribute: Optional[str] = None, validate_with_ema: bool = True,
+                 trainable_only: bool = False) -> None:
         super().__init__()
         # Every argument is checked here, naming it (the seed clamps
         # update_every and checkpoint_every to 1; a 0 is refused instead).
@@ -56,6 +62,8 @@ class DDPPostHocEMACallback(*CALLBACK_BASES):  # type: ignore[misc]
                              "None, got ''")
         self.attribute = attribute
         self.validate_with_ema = checked_bool(api, "validate_with_ema", validate_with_ema)
+        self.trainable_only = checked_bool(api, "trainable_only", trainable_only)
+        self._frozen: list = []  # trainable_only: the parameters left out
         self.sigma_rels = checked_sigma_rels(api, "sigma_rels", sigma_rels)
         self.update_every = checked_int(api, "update_every", update_every, 1)
         self.checkpoint_every = checked_int(api, "checkpoint_every", checkpoint_every, 1)
@@ -90,7 +98,7 @@ class DDPPostHocEMACallback(*CALLBACK_BASES):  # type: ignore[misc]
             raise ValueError(f"DDPPostHocEMACallback: attribute {self.attribute!r} of "
                              f"{type(module).__name__} is not an nn.Module (got "
                              f"{type(target).__name__})")
-        return target
+        return unwrap(target)  # a compiled attribute: its module, plain names
 
     def _start_fsdp1(self, trainer: Any, pl_module: Any) -> Any:
         """The post-hoc engine over FSDP1 root self._root: each rank keeps
@@ -108,6 +116,8 @@ class DDPPostHocEMACallback(*CALLBACK_BASES):  # type: ignore[misc]
         prefix = f"{self.attribute}." if self.attribute else ""
         tracked = [t for t in module_tensors(self._root, "ema_pytorch")
                    if t.name.startswith(prefix)]
+        if self.trainable_only:
+            keep_trainable(tracked)  # refuses FSDP1 by name
         outside = [t.name for t in tracked if t.piece is None]
         if outside:
             # FSDP1 leaves buffers (and ignored modules' parameters) whole
@@ -149,13 +159,14 @@ class DDPPostHocEMACallback(*CALLBACK_BASES):  # type: ignore[misc]
                 self._engine.on_load_checkpoint(self._queued_state)
                 self._queued_state = None
             return
-        self._engine = start_engine(
+        self._engine, self._frozen = start_engine(
             self._target(pl_module), sigma_rels=self.sigma_rels, update_every=self.update_every,
             checkpoint_every=self.checkpoint_every, folder=self._folder(trainer),
             start_iter=self.start_iter, default_sigma=self.default_output_sigma,
             step_size_correction=self.step_size_correction, layout=self.layout,
             policy="ema_pytorch", output_dtype=self._output_dtype,
-            process_group=self._process_group, seconds=300.0)
+            process_group=self._process_group, seconds=300.0,
+            trainable_only=self.trainable_only)
         if self._queued_state is not None:
             self._engine.on_load_checkpoint(self._queued_state)
             self._queued_state = None
@@ -167,6 +178,7 @@ class DDPPostHocEMACallback(*CALLBACK_BASES):  # type: ignore[misc]
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._engine is not None:
+            refuse_unfrozen(self._frozen, "DDPPostHocEMACallback")
             self._engine.on_train_batch_end(int(trainer.global_step), int(batch_idx),
                                             int(trainer.accumulate_grad_batches),
                                             bool(trainer.is_last_batch))

@@ -2,7 +2,7 @@
 name: ema-pytorch's ignore_names, ignore_startswith_names and
 param_or_buffer_names_no_ema, checked against the names the EMA tracks so
 that a misspelt name is an error instead of a tensor silently averaged."""
-from typing import Iterable, List
+from typing import Iterable, List, Tuple
 
 from ._model import Tracked
 
@@ -63,3 +63,49 @@ def select(tracked: List[Tracked], ignore_names: Iterable[str], ignore_prefixes:
         if is_copied(t):
             t.role = "copy"
     return kept
+
+
+def keep_trainable(tracked: List[Tracked], kept_before: Iterable[str] = ()) -> \
+        Tuple[List[Tracked], List[Tuple[dict, str, str]]]:
+    """trainable_only=True: (the parameters that require grad, or that were
+    kept when the EMA was built (`kept_before`, so a plan made again after a
+    module was replaced keeps the same tensors); the (container, key, name)
+    of each frozen parameter left out, which the engine's model watch checks
+    before every update, swap and copy: one that requires grad later is
+    refused by name, since the EMA holds nothing of it).
+
+    Buffers are left out: they are not trained (BatchNorm's statistics
+    follow the data, rotary caches and position ids are constants), so the
+    model's own values stand beside the EMA of the trainable weights, as in
+    diffusers' EMAModel over model.parameters()."""
+    before = set(kept_before)
+    kept, frozen = [], []
+    for t in tracked:
+        if t.piece is not None:
+            raise ValueError("trainable_only=True is not supported for an FSDP1 model "
+                             "(FullyShardedDataParallel); leave the frozen parameters out by "
+                             "name with ignore_names= / ignore_prefixes=")
+        if t.is_buffer:
+            continue
+        if bool(t.tensor.requires_grad) or t.name in before:
+            kept.append(t)
+        elif t.container is not None:
+            frozen.append((t.container, t.key, t.name))
+    if not kept:
+        raise ValueError("trainable_only=True: no parameter of the model requires grad (and "
+                         "none is left after ignore_names / ignore_prefixes); unfreeze the "
+                         "ones to average before building the EMA")
+    return kept, frozen
+
+
+def refuse_unfrozen(frozen: List[Tuple[dict, str, str]], api: str) -> None:
+    """The check the EMA's model watch makes of `frozen` (keep_trainable's
+    left-out parameters), for the engines without one (the post-hoc EMA):
+    a ValueError naming those that require grad now."""
+    unfrozen = [name for container, key, name in frozen
+                if getattr(container.get(key), "requires_grad", False)]
+    if unfrozen:
+        raise ValueError(f"{api}: {unfrozen[:5]} require grad now, but trainable_only=True left "
+                         "them out while they were frozen, so the post-hoc EMA holds nothing "
+                         "of them; freeze them again, or start a new run without "
+                         "trainable_only")

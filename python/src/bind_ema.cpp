@@ -149,7 +149,8 @@ void bindEma(py::module_& m) {
       .def(py::init([](const py::object& group, std::vector<LocalShard> shards,
                        const NamedTensors& wholeTensors, const PythonEmaOptions& options,
                        std::string layoutName, const py::list& slots, const py::list& edges,
-                       const py::list& counted, const py::list& deciders) {
+                       const py::list& counted, const py::list& deciders,
+                       const py::list& frozen) {
              py::list deciderTensors;
              std::vector<Decider> native;
              for (const py::handle entry : deciders) {
@@ -157,7 +158,7 @@ void bindEma(py::module_& m) {
                deciderTensors.append(tensor);
                native.push_back(Decider{shard, tensor.cast<at::Tensor>()});
              }
-             ModelWatch watch(slots, edges, counted, deciderTensors);
+             ModelWatch watch(slots, edges, counted, deciderTensors, frozen);
              std::vector<TrackedTensor> whole;
              for (const auto& [name, tensor] : wholeTensors) whole.push_back({name, tensor});
              auto comm = communicatorFor(group, options.timeoutSeconds);
@@ -169,7 +170,7 @@ void bindEma(py::module_& m) {
            }),
            py::kw_only(), py::arg("process_group"), py::arg("shards"), py::arg("whole_tensors"),
            py::arg("options"), py::arg("layout"), py::arg("slots"), py::arg("edges"),
-           py::arg("counted"), py::arg("deciders"))
+           py::arg("counted"), py::arg("deciders"), py::arg("frozen") = py::list())
       // One crossing per update: the model checked and followed, the flags
       // mirrored (GIL held), then the update (GIL released).
       .def(

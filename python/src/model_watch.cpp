@@ -63,7 +63,7 @@ bool DataFingerprint::operator==(const DataFingerprint& other) const {
 }
 
 ModelWatch::ModelWatch(const py::list& slots, const py::list& edges, const py::list& counted,
-                       const py::list& deciders) {
+                       const py::list& deciders, const py::list& frozen) {
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(slots.ptr()); ++i) {
     PyObject* entry = entryOf(slots, i, 5, "slots");
     Slot slot;
@@ -94,6 +94,12 @@ ModelWatch::ModelWatch(const py::list& slots, const py::list& edges, const py::l
       throw py::type_error("ModelWatch: deciders[" + std::to_string(i) + "]: expected a tensor");
     }
     deciders_.push_back(py::reinterpret_borrow<py::object>(tensor));
+  }
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(frozen.ptr()); ++i) {
+    PyObject* entry = entryOf(frozen, i, 3, "frozen");
+    frozen_.push_back({dictAt(entry, 0, "frozen", i),
+                       py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(entry, 1)),
+                       py::cast<std::string>(PyTuple_GET_ITEM(entry, 2))});
   }
   recordPrefetch();
 }
@@ -147,6 +153,12 @@ ModelWatch::Changes ModelWatch::scan() const {
       changes.restructured = true;
     } else {
       changes.replaced.push_back(i);
+    }
+  }
+  for (const Frozen& frozen : frozen_) {
+    PyObject* now = held(frozen.container, frozen.key);
+    if (now != nullptr && THPVariable_Check(now) && THPVariable_Unpack(now).requires_grad()) {
+      changes.unfrozen.push_back(frozen.name);
     }
   }
   return changes;

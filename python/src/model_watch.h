@@ -10,8 +10,10 @@
 //   - each module on the way to it is still the one its parent holds (a
 //     submodule replaced: model[2] = nn.Linear(...));
 //   - no parameter or buffer was added to or removed from those modules;
-//   - and, for the parameters whose requires_grad decides whether they are
-//     averaged or copied, that flag now.
+//   - for the parameters whose requires_grad decides whether they are
+//     averaged or copied, that flag now;
+//   - and that no parameter left out for being frozen (trainable_only=True)
+//     requires grad now: the EMA holds nothing of it, so it is refused.
 // What to do about a change is the lib's rule (ShardedAverager::
 // followReplaced) and, for a changed structure, the package's planner
 // (python/shardema/_ema.py, EMA._replan). Holds Python references only:
@@ -65,16 +67,20 @@ class ModelWatch {
     /// A module on a tracked path replaced, a tensor added or removed, or
     /// a tied weight untied: the planner decides.
     bool restructured = false;
+    /// Names of parameters left out because frozen that require grad now.
+    std::vector<std::string> unfrozen;
   };
 
   ModelWatch() = default;
   /// From the planner's lists (python/shardema/_ema.py): slots as
   /// (container, key, tensor, name, alias) tuples; edges as (parent's
   /// _modules dict, key, child module); counted as (a module's _parameters
-  /// or _buffers dict) whose sizes are recorded now; deciders as tensors.
+  /// or _buffers dict) whose sizes are recorded now; deciders as tensors;
+  /// frozen as (container, key, name): parameters left out of the EMA for
+  /// being frozen, read through their slot so a replaced one is seen too.
   /// TypeError naming the list and index for a malformed entry.
   ModelWatch(const py::list& slots, const py::list& edges, const py::list& counted,
-             const py::list& deciders);
+             const py::list& deciders, const py::list& frozen = py::list());
 
   /// The loop. GIL held.
   Changes scan() const;
@@ -99,6 +105,11 @@ class ModelWatch {
     py::dict dict;
     Py_ssize_t size = 0;
   };
+  struct Frozen {
+    py::dict container;
+    py::object key;
+    std::string name;
+  };
   std::vector<Slot> slots_;
   // Issued at the start of scan() (core/prefetch.h); recorded again after
   // refresh() changed a slot.
@@ -107,6 +118,7 @@ class ModelWatch {
   std::vector<Edge> edges_;
   std::vector<Counted> counted_;
   std::vector<py::object> deciders_;
+  std::vector<Frozen> frozen_;
 };
 
 }  // namespace shardema::python

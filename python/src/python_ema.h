@@ -74,8 +74,10 @@ class PythonEma {
   /// changed structure (a submodule replaced, a tensor added or removed, a
   /// tied weight untied) asks `replan` (the package's planner:
   /// EMA._replan), which returns (slots, edges, counted, deciders,
-  /// followed) for a new watch, or raises. Then the requires_grad of each
-  /// decider is mirrored into its shard.
+  /// followed[, frozen]) for a new watch, or raises. A parameter left out
+  /// for being frozen (trainable_only) that requires grad now is refused
+  /// naming it (ValueError), first. Then the requires_grad of each decider
+  /// is mirrored into its shard.
   std::vector<std::string> checkModel(const py::object& replan);
   /// step: the 1-based optimizer step; nullopt counts calls (step() + 1).
   /// Refused inside a swap (weight_swap.h). Call checkModel() first.

@@ -37,13 +37,23 @@ py::list listAt(const py::tuple& planned, size_t item, const char* what) {
 std::vector<std::string> PythonEma::checkModel(const py::object& replan) {
   std::vector<std::string> followed;
   const ModelWatch::Changes changes = watch_.scan();
+  if (!changes.unfrozen.empty()) {
+    std::string names;
+    for (const std::string& name : changes.unfrozen) {
+      names += (names.empty() ? "'" : ", '") + name + "'";
+    }
+    TORCH_CHECK_VALUE(false, kModelApi, ": ", names,
+                      " requires grad now, but the EMA was built with trainable_only=True while "
+                      "it was frozen, so it holds no EMA of it; freeze it again, or build a new "
+                      "EMA (trainable_only=False keeps every parameter)");
+  }
   if (changes.restructured) {
     TORCH_CHECK_VALUE(!replan.is_none(), kModelApi,
                       ": the model changed after the EMA was built (a module replaced, or a "
                       "parameter or buffer added or removed); build a new EMA");
     const py::object result = replan();
-    if (!py::isinstance<py::tuple>(result) || py::len(result) != 5) {
-      throw py::type_error(std::string(kModelApi) + " replan: expected a tuple of 5 lists");
+    if (!py::isinstance<py::tuple>(result) || (py::len(result) != 5 && py::len(result) != 6)) {
+      throw py::type_error(std::string(kModelApi) + " replan: expected a tuple of 5 or 6 lists");
     }
     const py::tuple planned = result.cast<py::tuple>();
     // followReplaced refuses before it rebinds each one; a refusal part-way
@@ -63,7 +73,8 @@ std::vector<std::string> PythonEma::checkModel(const py::object& replan) {
       deciders.append(entry.cast<py::tuple>()[0]);
     }
     watch_ = ModelWatch(listAt(planned, 0, "slots"), listAt(planned, 1, "edges"),
-                        listAt(planned, 2, "counted"), deciders);
+                        listAt(planned, 2, "counted"), deciders,
+                        py::len(planned) == 6 ? listAt(planned, 5, "frozen") : py::list());
     deciderShards_ = std::move(shards);
   } else {
     for (size_t index : changes.replaced) {
