@@ -177,6 +177,11 @@ def start_engine(model: torch.nn.Module, *, sigma_rels: Sequence[float], update_
     DTensor parameters runs over its mesh's group (unless `process_group`
     names one), each rank on its own rows."""
     tracked = module_tensors(model, policy)
+    from ._zero3 import Partition
+    zero3 = next((t.name for t in tracked if isinstance(t.piece, Partition)), None)
+    if zero3 is not None:
+        raise ValueError(f"'{zero3}' is partitioned by DeepSpeed ZeRO-3: the post-hoc EMA does "
+                         "not follow ZeRO-3 partitions (shardema.EMA does)")
     plan = None
     group = process_group if process_group is not None else _default_group()
     if any(is_dtensor(t.tensor) for t in tracked):

@@ -205,6 +205,12 @@ def refusals(rank, world, out):
         else:
             raise AssertionError(f"EMA.{api} was not refused")
     try:
+        shardema.PostHocEMA(engine.module, checkpoint_folder=os.path.join(out, "posthoc"))
+    except ValueError as error:
+        assert "'body.scale' is partitioned by DeepSpeed ZeRO-3" in str(error), str(error)
+    else:
+        raise AssertionError("PostHocEMA over ZeRO-3 partitions was not refused")
+    try:
         shardema.EMA(engine.module, layout="replicated")
     except ValueError as error:
         assert "partitioned by DeepSpeed ZeRO-3; use layout='auto'" in str(error), str(error)
