@@ -157,12 +157,11 @@ def release_gathered(module: Any) -> None:
     communication."""
     if not isinstance(module, torch.nn.Module):
         return
-    try:
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-    except ImportError:  # no DeepSpeed, so no ZeRO-3 parameter either
+    partitioned = [p for p in module.parameters() if is_zero3_parameter(p)]
+    if not partitioned:  # DeepSpeed is not imported for other models
         return
-    gathered = [p for p in module.parameters() if is_zero3_parameter(p)
-                and p.ds_status == ZeroParamStatus.AVAILABLE
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    gathered = [p for p in partitioned if p.ds_status == ZeroParamStatus.AVAILABLE
                 and not getattr(p, "ds_active_sub_modules", None)]
     if gathered:
         gathered[0].partition(param_list=gathered, has_been_updated=False)
