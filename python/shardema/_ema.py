@@ -2,7 +2,7 @@
 host memory, updated in the background. A thin map over the engine
 (shardema._C.Ema, the C++ PythonEma): the constructor's arguments
 (_ema_arguments.py), the plan of what this rank tracks (_model.py,
-_fsdp1.py), what is watched of the model (_model_watch.py), and the state
+_fsdp1.py, _zero3.py), what is watched of the model (_model_watch.py), and the state
 and files half (_ema_state.py)."""
 import contextlib
 from datetime import timedelta
@@ -25,8 +25,8 @@ class EMA(EmaState):
     """The EMA of a model, or of named tensors, on this rank.
 
     model_or_named_tensors: an nn.Module (DDP-wrapped or not; FSDP2, FSDP1,
-    HSDP and tensor-parallel DTensor parameters included) or (name, tensor)
-    pairs.
+    HSDP and tensor-parallel DTensor parameters included; a DeepSpeed ZeRO-3
+    engine or its module) or (name, tensor) pairs.
 
     The decay, one of:
     - ema-pytorch's arguments, with its defaults for the ones not given:

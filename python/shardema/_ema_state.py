@@ -29,11 +29,14 @@ class EmaState:
         # Under FSDP1 a rank's EMA of a parameter is a range of a flattened
         # FlatParameter shard: neither a DTensor (state_dict) nor a module
         # sharded like the model (module, copy_from) can describe it.
-        if self._engine.layout == "fsdp1":
-            raise ValueError(f"shardema.EMA.{api} is not supported for an FSDP1 model "
-                             "(FullyShardedDataParallel: each rank's EMA is a range of a "
-                             "flattened parameter); use save_checkpoint() / load_checkpoint(), "
-                             "export_weights(), full_state_dict() or swap()")
+        # ZeRO-3's partitions are such ranges too.
+        model = {"fsdp1": "an FSDP1 model (FullyShardedDataParallel",
+                 "zero3": "a DeepSpeed ZeRO-3 model (partitioned parameters"}.get(
+                     self._engine.layout)
+        if model is not None:
+            raise ValueError(f"shardema.EMA.{api} is not supported for {model}: each rank's "
+                             "EMA is a range of a flattened parameter); use save_checkpoint() / "
+                             "load_checkpoint(), export_weights(), full_state_dict() or swap()")
 
     def state_dict(self) -> Dict[str, Any]:
         """{"weights": {name: tensor}, "progress": {...}}, for DCP beside the

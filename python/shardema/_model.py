@@ -14,7 +14,7 @@ LAYOUTS = ("auto", "replicated", "rank0", "fsdp2")
 
 
 def unwrap(model: Any) -> Any:
-    """The module inside DDP (and DataParallel) and torch.compile's
+    """The module inside DDP (and DataParallel, DeepSpeed's engine) and torch.compile's
     OptimizedModule, in any nesting, so names have neither 'module.' nor
     '_orig_mod.': an EMA built on the compiled module or on the eager one
     tracks the same tensors under the same names, and takes either."""
@@ -32,7 +32,7 @@ def _unwrapped(model: Any) -> Tuple[Any, str]:
     prefix = ""
     while isinstance(model, torch.nn.Module):
         wrapper = type(model).__name__
-        if wrapper in ("DistributedDataParallel", "DataParallel"):
+        if wrapper in ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine"):
             key = "module"
         elif wrapper == "OptimizedModule":  # torch._dynamo.eval_frame.OptimizedModule
             key = "_orig_mod"
@@ -51,8 +51,13 @@ def module_tensors(module: torch.nn.Module, policy: str) -> List[Tracked]:
     gives each. A tensor held under several keys (tied weights, a module
     used twice) is tracked once, under its first, with the others as its
     aliases. A model holding FSDP1 units: their FlatParameters' members by
-    clean name (_fsdp1.py)."""
+    clean name (_fsdp1.py); a ZeRO-3 model: its parameters' partitions
+    (_zero3.py)."""
     from ._fsdp1 import fsdp1_tensors
+    from ._zero3 import zero3_tensors
+    zero3 = zero3_tensors(module, policy)
+    if zero3 is not None:
+        return zero3
     fsdp1 = fsdp1_tensors(module, policy)
     if fsdp1 is not None:
         return fsdp1
@@ -208,6 +213,9 @@ def plan_layout(tracked: List[Tracked], layout: str, process_group: Any, *,
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got '{layout}'")
     checked_group(process_group)
+    from ._zero3 import Partition, plan_zero3
+    if any(isinstance(t.piece, Partition) for t in tracked):
+        return plan_zero3(tracked, layout, process_group)
     if any(t.piece is not None for t in tracked):
         from ._fsdp1 import plan_fsdp1
         return plan_fsdp1(tracked, layout, process_group)

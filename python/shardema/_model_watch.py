@@ -56,9 +56,9 @@ def replan(model: torch.nn.Module, plan_again: Callable[[], Plan], names: Sequen
                          f"{'; '.join(parts)}. The EMA follows tensors replaced by ones of the "
                          "same shape; for another set of tensors build a new EMA (or leave "
                          "new ones out with ignore_names=)")
-    if layout in ("fsdp1", "local_shards"):
+    if layout in ("fsdp1", "zero3", "local_shards"):
         raise ValueError(f"shardema.EMA: the model changed after the EMA was built; an "
-                         f"{layout} EMA cannot follow its modules: build a new EMA")
+                         f"EMA of layout '{layout}' cannot follow its modules: build a new EMA")
     order = {name: index for index, name in enumerate(names)}
     plan.watched = [(c, k, t, order[now[i]]) for c, k, t, i in plan.watched]
     plan.alias_slots = [(c, k, t, order[now[i]]) for c, k, t, i in plan.alias_slots]

@@ -1,6 +1,7 @@
 """What a plan of shardema.EMA is made of: the tracked tensors (Tracked)
 and how this rank holds them (Plan), with the checks every planner
-(_model.py for plain, DDP and DTensor models, _fsdp1.py for FSDP1) makes
+(_model.py for plain, DDP and DTensor models, _fsdp1.py for FSDP1,
+_zero3.py for DeepSpeed ZeRO-3) makes
 of a tensor. Below both planners, so neither imports the other's module
 for these."""
 from dataclasses import dataclass, field
@@ -21,8 +22,9 @@ class Tracked:
     container: Optional[dict] = None
     key: Optional[str] = None
     # FSDP1: (this rank's LocalShard of the member, unit path, unit), a view
-    # into the FlatParameter's local shard (_fsdp1.py); `tensor` is then the
-    # parameter whose requires_grad decides the role at each update.
+    # into the FlatParameter's local shard (_fsdp1.py); ZeRO-3: a
+    # _zero3.Partition. `tensor` is then the parameter whose requires_grad
+    # decides the role at each update.
     piece: Any = None
     # The tensor's other state_dict keys: a tied weight (head.weight =
     # emb.weight) is tracked once, under its first name, and exported under

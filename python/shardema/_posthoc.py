@@ -181,6 +181,11 @@ def start_engine(model: torch.nn.Module, *, sigma_rels: Sequence[float], update_
     trainable_only=True left out (_selection.keep_trainable), which the
     caller checks with refuse_unfrozen at each step."""
     tracked, frozen = module_tensors(model, policy), []
+    from ._zero3 import Partition
+    zero3 = next((t.name for t in tracked if isinstance(t.piece, Partition)), None)
+    if zero3 is not None:
+        raise ValueError(f"'{zero3}' is partitioned by DeepSpeed ZeRO-3: the post-hoc EMA does "
+                         "not follow ZeRO-3 partitions (shardema.EMA does)")
     if trainable_only:
         tracked, frozen = keep_trainable(tracked)
     plan = None

@@ -36,9 +36,12 @@ def reshard_fsdp(module: Any) -> None:
     full copies as they are: without this, a forward inside swap() would not
     see the EMA of the root's parameters, one after it would still see it,
     and module(into=) / copy_from() would meet plain tensors. FSDP1 keeps
-    its root unit's gathered FlatParameter the same way (_fsdp1.py)."""
+    its root unit's gathered FlatParameter the same way (_fsdp1.py), ZeRO-3
+    its persistent parameters gathered (_zero3.py)."""
     from ._fsdp1 import reshard_fsdp1
+    from ._zero3 import release_gathered
     reshard_fsdp1(module)
+    release_gathered(module)
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch without FSDP2
