@@ -20,17 +20,16 @@ weights and optimizer state Lightning restores, and the same batches, so
 every later profile update runs the same float32 operations on the same
 inputs; the synthesis then solves the same system over byte-identical
 files."""
-import math
 import os
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import posthoc_lightning_worker as worker  # noqa: E402
+import posthoc_reference  # noqa: E402
 import rank_launch  # noqa: E402
 
 import shardema  # noqa: E402
@@ -49,57 +48,18 @@ def launch(scenario, out):
     return ranks.codes, ranks.errors
 
 
-# --- float64 references ------------------------------------------------------
-def gamma_of(sigma_rel):
-    """The power-function exponent of a relative width: the largest root of
-    (g + 2)^2 (g + 3) = sigma_rel^-2 (g + 1) (Karras et al., Eq. 123)."""
-    q = sigma_rel ** -2
-    roots = np.roots([1.0, 7.0, 16.0 - q, 12.0 - q])
-    return float(max(r.real for r in roots if abs(r.imag) < 1e-9))
-
-
-def profile_decay(gamma, n):
-    """nitrous' beta at call n, (1 - 1/(n + 1))^(gamma + 1), with its step
-    size correction for an update every call: the geometric mean of the
-    betas of n and n + 1."""
-    def beta(m):
-        return (1.0 - 1.0 / (m + 1.0)) ** (gamma + 1.0)
-    return math.sqrt(beta(n) * beta(n + 1))
-
-
+# --- float64 references (posthoc_reference.py) -------------------------------
 def reference_profiles(trace, sigma_rel):
-    """{step: {name: float64 EMA}}: the first call copies the weights, call
-    n >= 2 lerps with profile_decay(n); the trace holds the weights after
-    each optimizer step (step 0: fit start)."""
-    gamma = gamma_of(sigma_rel)
-    ema, out = None, {}
-    for step, weights in trace[1:]:
-        if ema is None:
-            ema = {k: weights[k].double().clone() for k in TRACKED}
-        else:
-            d = profile_decay(gamma, step)
-            ema = {k: ema[k] * d + weights[k].double() * (1.0 - d) for k in TRACKED}
-        out[step] = ema
-    return out
-
-
-def p_dot_p(t_a, g_a, t_b, g_b):
-    """Inner product of two power-function EMA profiles (Algorithm 3)."""
-    exponent = g_b if t_a < t_b else -g_a
-    return ((g_a + 1) * (g_b + 1) * (t_a / t_b) ** exponent) / ((g_a + g_b + 1) * max(t_a, t_b))
+    """{step: {name: float64 EMA}} of the tracked tensors (nitrous, with
+    its step size correction)."""
+    return posthoc_reference.power_profiles(trace, sigma_rel, TRACKED)
 
 
 def reference_synthesis(profiles, steps, sigma_rel, at):
     """float64 least-squares synthesis of `sigma_rel` at step `at` from the
     reference profiles' snapshots at `steps`."""
-    basis = [(t, gamma_of(s), profiles[s][t]) for t in steps for s in worker.SIGMA_RELS]
-    a = torch.tensor([[p_dot_p(ti, gi, tj, gj) for tj, gj, _ in basis] for ti, gi, _ in basis],
-                     dtype=torch.float64)
-    b = torch.tensor([p_dot_p(ti, gi, at, gamma_of(sigma_rel)) for ti, gi, _ in basis],
-                     dtype=torch.float64)
-    weights = torch.linalg.solve(a, b)
-    return {k: sum(w * values[k] for w, (_, _, values) in zip(weights.tolist(), basis))
-            for k in TRACKED}
+    return posthoc_reference.synthesis_of({s: profiles[s] for s in worker.SIGMA_RELS}, steps,
+                                          sigma_rel, at, TRACKED)
 
 
 # --- the checks ---------------------------------------------------------------
