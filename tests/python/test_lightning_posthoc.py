@@ -2,6 +2,8 @@
 on CPU: the default strategy (in this process), DDPStrategy on 2 processes
 (layout "rank0") and ModelParallelStrategy with FSDP2 on 2 processes
 (layout "sharded": each rank keeps the profiles of its DTensors' rows),
+and with tensor parallelism (one run, each rank its Shard(0) / Shard(1)
+pieces),
 with attribute="policy", accumulate_grad_batches 2, a resume from a
 checkpoint taken between two snapshot steps, and a finished 2-epoch run
 extended to 4 epochs through ckpt_path (posthoc_lightning_worker.py); DDP
@@ -252,6 +254,47 @@ def test_model_parallel_fsdp2_two_processes_sharded_layout(tmp_path):
         # Each rank swapped its rows in and the buffers whole: the same EMA.
         for (_, seen1), (_, seen0) in zip(rank1["validation_seen"], rank0["validation_seen"]):
             assert_same(seen1, seen0, f"{name}: rank 1's validation weights")
+
+
+def test_model_parallel_tensor_parallel_two_processes_sharded_layout(tmp_path):
+    """ModelParallelStrategy's tensor-parallel mesh (ColwiseParallel `inp`,
+    RowwiseParallel `out`): each rank's snapshots hold its pieces in their
+    own layout, and the offline synthesis, what validation saw (on every
+    rank) and the deployable weights match the float64 reference in the
+    tensors' own shapes."""
+    codes, errors = launch("model_parallel_tp", tmp_path)
+    assert errors == {} and codes == [0] * WORLD, (codes, errors)
+    a, a1 = load(str(tmp_path), "A"), load(str(tmp_path), "A", 1)
+    assert a["problems"] == [] and a1["problems"] == [], (a["problems"], a1["problems"])
+    trace = a["trace"]
+    # Every rank reads all of the batches (no data parallelism): 3 steps an epoch.
+    steps = a["global_step"]
+    assert steps == 12 and [s for s, _ in trace] == list(range(steps + 1))
+    snapshot_steps = list(range(3, steps + 1, 3))
+    profiles = {s: reference_profiles(trace, s) for s in worker.SIGMA_RELS}
+    files = snapshot_files(a["folder"])
+    for rank in range(WORLD):
+        tensors, metadata = files[os.path.join(f"rank_{rank:05d}", "0.6.safetensors")]
+        assert metadata["shardema.split_dims"] == '{"out.weight":1}', metadata
+        want = profiles[0.05][6]["out.weight"].chunk(WORLD, dim=1)[rank]
+        close(tensors["out.weight"].reshape(want.shape), want, f"rank {rank} out.weight")
+    expected = reference_synthesis(profiles, snapshot_steps, 0.05, steps)
+    synthesized = shardema.synthesize_snapshot_folder(a["folder"], 0.05)
+    deployable = shardema.read_tensor_file(a["output_path"])["tensors"]
+    for k in TRACKED:
+        assert synthesized[k].shape == deployable[k].shape == expected[k].shape, k
+        close(synthesized[k], expected[k], f"synthesized '{k}'")
+        close(deployable[k], expected[k], f"deployable '{k}'")
+    for result in (a, a1):
+        assert [s for s, _ in result["validation_seen"]] == [3, 6, 9, 12]
+        for step, seen in result["validation_seen"]:
+            newest = max((t for t in snapshot_steps if t <= step), default=None)
+            if newest is None:
+                continue
+            want = reference_synthesis(profiles, [t for t in snapshot_steps if t <= newest],
+                                       0.05, newest)
+            for k in seen:
+                close(seen[k], want[k], f"validation at step {step}: '{k}'")
 
 
 def test_ddp_two_processes_sharded_layout_extended(tmp_path):
