@@ -1,3 +1,7 @@
+// Post-hoc snapshot files: names, metadata (shardema.split_dims's JSON
+// included), writes, and the strict scan of a folder. Just over the ~400-
+// line guideline: what a file says and what a folder holds are checked by
+// the same rules, kept together.
 #include "shardema/core/posthoc_snapshot.h"
 
 #include <ATen/core/Tensor.h>
@@ -8,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <tuple>
 
@@ -28,6 +33,7 @@ using detail::kLayoutKey;
 using detail::kProfileIndexKey;
 using detail::kRankKey;
 using detail::kSigmaRelKey;
+using detail::kSplitDimsKey;
 using detail::kStepKey;
 using detail::kWorldSizeKey;
 constexpr const char* kKind = detail::kPostHocSnapshotKind;
@@ -83,9 +89,10 @@ void validateInfo(const SnapshotInfo& info, const std::string& path) {
   if (info.rank < 0) {
     TORCH_CHECK_VALUE(info.rank == -1, "writeSnapshot(", path,
                       "): rank must be -1 (full-copy layout) or >= 0, got ", info.rank);
-    TORCH_CHECK_VALUE(info.worldSize == 0 && info.layoutJson.empty(), "writeSnapshot(", path,
-                      "): a full-copy snapshot (rank -1) must have worldSize 0 and an empty "
-                      "layoutJson, got worldSize ",
+    TORCH_CHECK_VALUE(info.worldSize == 0 && info.layoutJson.empty() && info.splitDims.empty(),
+                      "writeSnapshot(", path,
+                      "): a full-copy snapshot (rank -1) must have worldSize 0, an empty "
+                      "layoutJson and no splitDims, got worldSize ",
                       info.worldSize);
   } else {
     TORCH_CHECK_VALUE(info.worldSize >= 1 && info.rank < info.worldSize, "writeSnapshot(", path,
@@ -94,6 +101,42 @@ void validateInfo(const SnapshotInfo& info, const std::string& path) {
     TORCH_CHECK_VALUE(!info.layoutJson.empty(), "writeSnapshot(", path,
                       "): a sharded snapshot (rank ", info.rank, ") needs a non-empty layoutJson");
   }
+  for (const auto& [name, dim] : info.splitDims) {
+    TORCH_CHECK_VALUE(dim >= 1, "writeSnapshot(", path, "): splitDims of tensor '", name,
+                      "' must be >= 1, got ", dim);
+  }
+}
+
+// {"name": d, ...}: the JSON of SnapshotInfo::splitDims (names in order).
+std::string splitDimsJson(const std::map<std::string, int64_t>& splitDims) {
+  nlohmann::ordered_json object = nlohmann::ordered_json::object();
+  for (const auto& [name, dim] : splitDims) object[name] = dim;
+  try {
+    return object.dump();
+  } catch (const nlohmann::json::exception& error) {
+    TORCH_CHECK_VALUE(false,
+                      "writeSnapshot: a split tensor's name is not valid UTF-8: ", error.what());
+  }
+}
+
+std::map<std::string, int64_t> parseSplitDims(const std::string& text, const std::string& path) {
+  nlohmann::json object;
+  try {
+    object = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& error) {
+    TORCH_CHECK_VALUE(false, path, ": metadata ", kSplitDimsKey,
+                      " is not valid JSON: ", error.what());
+  }
+  TORCH_CHECK_VALUE(object.is_object() && !object.empty(), path, ": metadata ", kSplitDimsKey,
+                    " must be a non-empty JSON object {\"tensor name\": dim}, got ", text);
+  std::map<std::string, int64_t> out;
+  for (const auto& item : object.items()) {
+    const bool valid = item.value().is_number_integer() && item.value().get<int64_t>() >= 1;
+    TORCH_CHECK_VALUE(valid, path, ": metadata ", kSplitDimsKey, " gives tensor '", item.key(),
+                      "' the dim ", item.value().dump(), "; a split dim is an integer >= 1");
+    out[item.key()] = item.value().get<int64_t>();
+  }
+  return out;
 }
 
 // "rank_NNNNN" exactly as rankFolderName spells it; other folders are not ours.
@@ -178,6 +221,9 @@ void checkRankEntries(const std::vector<SnapshotEntry>& entries, int64_t rank,
                       ": its shardema.layout differs "
                       "from that of ",
                       entries.front().path);
+    TORCH_CHECK_VALUE(entry.info.splitDims == entries.front().info.splitDims, entry.path,
+                      ": mixed layouts in ", rankDir, ": its ", kSplitDimsKey,
+                      " differs from that of ", entries.front().path);
   }
   checkDistinctGammas(entries, rankDir);
 }
@@ -256,6 +302,7 @@ std::map<std::string, std::string> snapshotMetadata(const SnapshotInfo& info) {
     metadata[kRankKey] = std::to_string(info.rank);
     metadata[kWorldSizeKey] = std::to_string(info.worldSize);
     metadata[kLayoutKey] = info.layoutJson;
+    if (!info.splitDims.empty()) metadata[kSplitDimsKey] = splitDimsJson(info.splitDims);
   }
   return metadata;
 }
@@ -307,6 +354,11 @@ SnapshotInfo readSnapshotInfo(const std::string& path) {
     TORCH_CHECK_VALUE(info.rank < info.worldSize, path, ": metadata ", kRankKey, " ", info.rank,
                       " must be below ", kWorldSizeKey, " ", info.worldSize);
     TORCH_CHECK_VALUE(!info.layoutJson.empty(), path, ": metadata ", kLayoutKey, " is empty");
+    const auto split = metadata.find(kSplitDimsKey);
+    if (split != metadata.end()) info.splitDims = parseSplitDims(split->second, path);
+  } else {
+    TORCH_CHECK_VALUE(metadata.count(kSplitDimsKey) == 0, path, ": metadata ", kSplitDimsKey,
+                      " in a full-copy snapshot (it describes sharded files only)");
   }
   const std::string name = detail::fileName(path);
   int64_t nameIndex = 0;

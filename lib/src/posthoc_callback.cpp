@@ -75,7 +75,16 @@ PostHocCallback::PostHocCallback(PostHocCallbackOptions options, PostHocRanks ra
 PostHocCallback::~PostHocCallback() = default;
 
 bool PostHocCallback::holdsEma() const {
-  return options_.layout == PostHocLayout::kSharded || ranks_.rank == 0;
+  const bool firstReplica = ranks_.replicas == nullptr || ranks_.replicas->rank() == 0;
+  return (options_.layout == PostHocLayout::kSharded || ranks_.rank == 0) && firstReplica;
+}
+
+std::map<std::string, int64_t> PostHocCallback::splitDims() const {
+  std::map<std::string, int64_t> out;
+  for (const LocalShard& s : averager_->shards()) {
+    if (s.splitDim > 0) out[s.spec.name] = s.splitDim;
+  }
+  return out;
 }
 
 const ShardedAverager& PostHocCallback::averager() const {
@@ -167,6 +176,9 @@ void PostHocCallback::onFitStart(std::vector<LocalShard> shards,
 
 void PostHocCallback::build(std::vector<LocalShard> shards, std::vector<TrackedTensor> targets) {
   TORCH_CHECK(averager_ == nullptr, kApi, "::onFitStart: called twice");
+  // HSDP's later replicas hold the first one's shards and keep no EMA of
+  // them: the first replica's profiles and files stand for all of them.
+  if (!holdsEma()) shards.clear();
   averager_ = std::make_unique<ShardedAverager>(ranks_.rank, ranks_.worldSize, std::move(shards),
                                                 averagerOptions(options_));
   swapTargets_ = std::move(targets);
@@ -262,6 +274,7 @@ void PostHocCallback::writeProfiles(const std::string& folder) {
       info.rank = ranks_.rank;
       info.worldSize = ranks_.worldSize;
       info.layoutJson = layoutJson;
+      info.splitDims = splitDims();
       for (auto& named : tensors) named.second = named.second.reshape({-1});
     }
     writeSnapshot(detail::joinPath(folder, snapshotFileName(p, calls_)), tensors, info);
@@ -335,6 +348,9 @@ void PostHocCallback::resumeAt(int64_t calls) {
           kApi, ": ", path, " was written by rank ", info.rank, " of ", info.worldSize,
           " with another shard layout; resuming post-hoc "
           "snapshots on another world size or layout is not supported");
+      TORCH_CHECK_VALUE(info.splitDims == splitDims(), kApi, ": ", path,
+                        " records other tensor-parallel splits (shardema.split_dims) than this "
+                        "run's pieces; resume with the same parallelization");
       TensorFile file = readTensorFile(path);
       for (auto& [name, tensor] : file.tensors) {
         const auto shape = localShapes.find(name);

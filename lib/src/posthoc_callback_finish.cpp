@@ -1,5 +1,8 @@
 // PostHocCallback: the validation swap of the synthesized defaultOutputSigma
 // and the end of training (final snapshot, synthesis, deployable weights).
+// A little over the ~400-line guideline: the swap's paths (rank 0, shards,
+// HSDP's replicas) and the end share this file's solve agreement and piece
+// helpers, which a split would move into a header of their own.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
@@ -75,13 +78,22 @@ void agreeOnSolves(shard::Communicator& comm, const SynthesisWeights* mine,
               " synthesized from another snapshot set than rank 0");
 }
 
+int64_t splitDimOf(const std::map<std::string, int64_t>& splitDims, const std::string& name) {
+  const auto found = splitDims.find(name);
+  return found == splitDims.end() ? 0 : found->second;
+}
+
 // `pieces` (this rank's, layout order) as full tensors when they are all
-// there is (one rank).
+// there is (one rank): a tensor-parallel piece is then the whole tensor in
+// its own layout.
 std::vector<std::pair<std::string, at::Tensor>> wholeFromPieces(
-    const shard::ShardLayout& layout, const std::vector<at::Tensor>& pieces) {
+    const shard::ShardLayout& layout, const std::vector<at::Tensor>& pieces,
+    const std::map<std::string, int64_t>& splitDims = {}) {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (size_t i = 0; i < layout.specs.size(); ++i) {
-    out.emplace_back(layout.specs[i].name, pieces[i].reshape(layout.specs[i].globalShape));
+    const shard::ShardSpec& spec = layout.specs[i];
+    out.emplace_back(spec.name, pieces[i].reshape(detail::splitTensorShape(
+                                    spec, splitDimOf(splitDims, spec.name))));
   }
   return out;
 }
@@ -127,7 +139,8 @@ void PostHocCallback::keepRawForValidation() {
   swap_ = std::make_unique<WeightSwap>(std::move(targets), kFinishApi);
 }
 
-void PostHocCallback::swapInValues(const std::unordered_map<std::string, at::Tensor>& values) {
+void PostHocCallback::checkSwapValues(
+    const std::unordered_map<std::string, at::Tensor>& values) const {
   for (const TrackedTensor& target : swapTargets_) {
     if (!at::isFloatingType(target.source.scalar_type())) continue;
     const auto found = values.find(target.name);
@@ -135,6 +148,10 @@ void PostHocCallback::swapInValues(const std::unordered_map<std::string, at::Ten
                       kFinishApi, "::onValidationStart: the synthesized EMA holds no '",
                       target.name, "' of ", target.source.numel(), " elements");
   }
+}
+
+void PostHocCallback::swapInValues(const std::unordered_map<std::string, at::Tensor>& values) {
+  checkSwapValues(values);
   // Raw copies first: whatever fails below, onValidationEnd restores them.
   keepRawForValidation();
   torch::NoGradGuard noGrad;
@@ -145,13 +162,33 @@ void PostHocCallback::swapInValues(const std::unordered_map<std::string, at::Ten
 }
 
 bool PostHocCallback::swapInSharded() {
-  const bool collective = ranks_.worldSize > 1;  // the constructor made sure of comm
   // Every rank counts the same calls, so all agree on whether there is a
   // snapshot without asking each other.
   if (newestSnapshot_ == 0) {
     wait();
     return false;
   }
+  std::unordered_map<std::string, at::Tensor> values;
+  std::string ownError;
+  if (holdsEma()) {
+    try {
+      values = synthesizedSwapValues();
+      checkSwapValues(values);
+    } catch (...) {
+      if (ranks_.replicas == nullptr) throw;
+      ownError = detail::currentErrorMessage();
+      values.clear();
+    }
+  }
+  if (ranks_.replicas != nullptr) shareWithReplicas(values, ownError);
+  swapInValues(values);
+  return true;
+}
+
+// What each swap target of this rank takes: its synthesized piece (from
+// this rank's snapshots), the gathered whole of a tensor every rank holds.
+std::unordered_map<std::string, at::Tensor> PostHocCallback::synthesizedSwapValues() {
+  const bool collective = ranks_.worldSize > 1;  // the constructor made sure of comm
   std::optional<SynthesizedTensors> synth;
   std::vector<at::Tensor> pieces;
   std::string ownError;
@@ -199,8 +236,7 @@ bool PostHocCallback::swapInSharded() {
       }
       for (auto& [name, tensor] : whole) values[name] = tensor;
     }
-    swapInValues(values);
-    return true;
+    return values;
   }
   // A replicated module: every rank needs the whole EMA, not just its rows.
   std::vector<std::pair<std::string, at::Tensor>> whole;
@@ -212,8 +248,28 @@ bool PostHocCallback::swapInSharded() {
   } else {
     whole = wholeFromPieces(averager_->layout(), pieces);
   }
-  swapInValues(byName(whole));
-  return true;
+  return byName(whole);
+}
+
+// HSDP: the first replica's values to the same rank of the others, once
+// every replica knows it has them (or every replica fails with its error,
+// the raw weights in place).
+void PostHocCallback::shareWithReplicas(std::unordered_map<std::string, at::Tensor>& values,
+                                        const std::string& ownError) {
+  shard::Communicator& replicas = *ranks_.replicas;
+  shard::AgreementRequest request;
+  request.api = std::string(kFinishApi) + "::onValidationStart";
+  request.consequence = "the EMA was not swapped in on any HSDP replica";
+  request.localError = ownError;
+  shard::agreeAcrossRanks(replicas, request);
+  for (const TrackedTensor& target : swapTargets_) {
+    if (!at::isFloatingType(target.source.scalar_type())) continue;
+    at::Tensor value = replicas.rank() == 0 ? values.at(target.name).to(at::kFloat).contiguous()
+                                            : at::empty({target.source.numel()},
+                                                        at::TensorOptions().dtype(at::kFloat));
+    replicas.broadcast(value, 0, "PostHocCallback validation replicas " + target.name);
+    values[target.name] = value;
+  }
 }
 
 bool PostHocCallback::swapInRankZero() {
@@ -316,6 +372,11 @@ std::string PostHocCallback::finishRankZero() {
 }
 
 std::string PostHocCallback::finishSharded() {
+  if (!holdsEma()) {
+    // HSDP's later replicas: the first one writes for them.
+    newestSnapshot_ = calls_;
+    return "";
+  }
   const std::string path = deployablePath();
   std::optional<SynthesizedTensors> synth;
   std::vector<at::Tensor> pieces;
@@ -339,12 +400,13 @@ std::string PostHocCallback::finishSharded() {
     pieces.clear();
   }
   const shard::ShardLayout& layout = averager_->layout();
+  const std::map<std::string, int64_t> split = splitDims();
   const std::map<std::string, std::string> metadata =
       synth ? detail::synthesizedMetadata(synth->weights, options_.normalize)
             : std::map<std::string, std::string>{};
   if (ranks_.worldSize == 1) {
     TensorFile file;
-    for (auto& [name, full] : wholeFromPieces(layout, pieces)) {
+    for (auto& [name, full] : wholeFromPieces(layout, pieces, split)) {
       file.tensors.emplace_back(
           name, full.to(detail::exportedDtype(full.scalar_type(), options_.outputDtype)));
     }
@@ -358,11 +420,26 @@ std::string PostHocCallback::finishSharded() {
   // A gather's checks failed so before: keep the type callers saw.
   request.failureIsValueError = true;
   agreeOnSolves(*ranks_.comm, synth ? &synth->weights : nullptr, localError, request);
+  // The gather assembles each tensor from its spec's rows: a tensor-
+  // parallel piece (in its own layout) goes with its split dim moved
+  // first, and the writer moves it back.
+  std::vector<detail::ExportedTensor> tensors;
+  for (size_t i = 0; i < layout.specs.size(); ++i) {
+    const shard::ShardSpec& spec = layout.specs[i];
+    const int64_t dim = splitDimOf(split, spec.name);
+    tensors.push_back({{}, dim});
+    if (dim == 0 || pieces.empty()) continue;
+    pieces[i] = pieces[i]
+                    .view(averager_->shards()[i].local.sizes())
+                    .movedim(dim, 0)
+                    .contiguous()
+                    .view({-1});
+  }
   shard::GatherOptions gather;
   gather.root = 0;
   gather.bufferBytes = options_.bufferBytes;
   detail::exportPieces(*ranks_.comm, path, layout, pieces, options_.outputDtype, metadata, gather,
-                       "PostHocCallback::onTrainEnd");
+                       "PostHocCallback::onTrainEnd", tensors);
   return ranks_.rank == 0 ? path : "";
 }
 

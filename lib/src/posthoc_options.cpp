@@ -111,6 +111,9 @@ void checkPostHocRanks(const PostHocRanks& r, PostHocLayout layout) {
   TORCH_CHECK_VALUE(layout != PostHocLayout::kSharded || r.worldSize == 1 || r.comm != nullptr,
                     kOptionsApi, ": the sharded layout with worldSize ", r.worldSize,
                     " needs ranks.comm (onTrainEnd gathers the synthesized shards)");
+  TORCH_CHECK_VALUE(r.replicas == nullptr || layout == PostHocLayout::kSharded, kOptionsApi,
+                    ": ranks.replicas (HSDP) needs the sharded layout; the rank-0 layout keeps "
+                    "full EMAs on rank 0 of the job");
 }
 
 }  // namespace shardema::detail

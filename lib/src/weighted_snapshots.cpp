@@ -88,6 +88,16 @@ void synthesizeRange(const WeightedReaders& used, const std::string& name, at::S
   }
 }
 
+std::vector<int64_t> splitTensorShape(const shard::ShardSpec& spec, int64_t splitDim) {
+  std::vector<int64_t> shape = spec.globalShape;
+  if (splitDim > 0) {
+    const int64_t rows = shape.front();
+    shape.erase(shape.begin());
+    shape.insert(shape.begin() + splitDim, rows);
+  }
+  return shape;
+}
+
 std::map<std::string, std::string> synthesizedMetadata(const SynthesisWeights& solve,
                                                        bool normalize) {
   DeployableInfo info;

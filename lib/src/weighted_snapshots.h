@@ -17,6 +17,7 @@
 #include "shardema/core/posthoc_snapshot.h"
 #include "shardema/core/posthoc_synthesis.h"
 #include "shardema/core/tensor_file_reader.h"
+#include "shardema/shard/shard_spec.h"
 #include "shardema/synthesis.h"
 
 namespace shardema {
@@ -56,6 +57,11 @@ using PieceConsumer = std::function<void(const at::Tensor& piece)>;
 void synthesizeRange(const WeightedReaders& used, const std::string& name, at::ScalarType type,
                      int64_t begin, int64_t count, int64_t roundElements, c10::ScalarType outType,
                      std::vector<double>& scratch, const PieceConsumer& consume);
+
+/// The shape of a tensor whose spec describes it with dim `splitDim` moved
+/// first (tensor parallelism's Shard(splitDim), SnapshotInfo::splitDims):
+/// the spec's shape with dim 0 moved back there. The spec's own for 0.
+std::vector<int64_t> splitTensorShape(const shard::ShardSpec& spec, int64_t splitDim);
 
 /// The metadata of a synthesized deployable file: shardema.kind =
 /// deployable_weights, shardema.sigma_rel, shardema.gamma (17 digits),

@@ -148,25 +148,20 @@ def synthesize_snapshot_folder(folder: str, sigma_rel: float, step: Optional[int
 
 
 def _sharded_plan(tracked: List[Tracked], layout: str, process_group: Any) -> Plan:
-    """This rank's rows of a model with DTensor parameters (FSDP2): the
-    post-hoc profiles of each DTensor's to_local(), and of this rank's rows
-    of the tensors every rank holds whole (buffers). ValueError naming what
-    the post-hoc snapshots cannot hold."""
+    """This rank's pieces of a model with DTensor parameters: the post-hoc
+    profiles of each DTensor's to_local() (FSDP2's rows, tensor
+    parallelism's Shard(d) piece in its own layout, recorded with its
+    split), and of this rank's rows of the tensors every rank holds whole
+    (buffers), over the mesh's last dimension. Under HSDP plan.replicas is
+    the group of the replicas of these pieces. ValueError naming what the
+    post-hoc snapshots cannot hold."""
     first = next(t.name for t in tracked if is_dtensor(t.tensor))
     if layout != "sharded":
         raise ValueError(f"layout='{layout}' keeps full EMAs on rank 0, but '{first}' is a "
-                         "DTensor (fully_shard): each rank holds only its rows. Use "
-                         "layout='sharded', where each rank keeps the profiles of its rows")
-    plan = plan_layout(tracked, "fsdp2", process_group, buffers="replicated")  # rows in snapshots
-    if plan.replicas is not None:
-        raise ValueError(f"'{first}' lives on a 2-D device mesh (HSDP): the post-hoc EMA "
-                         "writes one snapshot folder per rank of one shard group and does not "
-                         "support replicas of it; use a 1-D mesh (fully_shard)")
-    for name, t in plan.tensor_parallel.items():
-        raise ValueError(f"'{name}' has placements {tuple(t.placements)} (tensor "
-                         "parallelism): the sharded post-hoc snapshots describe each rank's "
-                         "part as rows of dim 0 and cannot hold this split")
-    return plan
+                         "DTensor (fully_shard, tensor parallelism): each rank holds only its "
+                         "piece. Use layout='sharded', where each rank keeps the profiles of "
+                         "its piece")
+    return plan_layout(tracked, "fsdp2", process_group, buffers="replicated")  # rows in snapshots
 
 
 def start_engine(model: torch.nn.Module, *, sigma_rels: Sequence[float], update_every: int,
@@ -176,8 +171,10 @@ def start_engine(model: torch.nn.Module, *, sigma_rels: Sequence[float], update_
                  trainable_only: bool = False) -> Tuple[Any, list]:
     """The C++ post-hoc engine (the PostHocCallback) over `model`'s tensors,
     started: what PostHocEMA and DDPPostHocEMACallback share. A model with
-    DTensor parameters runs over its mesh's group (unless `process_group`
-    names one), each rank on its own rows. Also the frozen parameters
+    DTensor parameters runs over the group of its mesh's last dimension
+    (unless `process_group` names one), each rank on its own piece; on a
+    2-D (replicate, shard) mesh (HSDP) the first replica keeps the profiles
+    and writes the files for all. Also the frozen parameters
     trainable_only=True left out (_selection.keep_trainable), which the
     caller checks with refuse_unfrozen at each step."""
     tracked, frozen = module_tensors(model, policy), []
@@ -190,13 +187,14 @@ def start_engine(model: torch.nn.Module, *, sigma_rels: Sequence[float], update_
         tracked, frozen = keep_trainable(tracked)
     plan = None
     group = process_group if process_group is not None else _default_group()
+    replicas = None
     if any(is_dtensor(t.tensor) for t in tracked):
         plan = _sharded_plan(tracked, layout, process_group)
-        group = plan.group
+        group, replicas = plan.group, plan.replicas
     engine = _C.PostHoc(
         [float(s) for s in sigma_rels], int(update_every), int(checkpoint_every), str(folder),
         int(start_iter), float(default_sigma), bool(step_size_correction), layout, policy, "",
-        "shardema_ema_final", output_dtype, group, float(seconds))
+        "shardema_ema_final", output_dtype, group, float(seconds), replicas)
     if plan is not None:
         engine.on_fit_start(plan.shards, plan.whole)
     else:
@@ -209,9 +207,11 @@ class PostHocEMA:
     """Post-hoc EMA of a model: one power-function EMA per sigma_rel, updated
     in one pass, snapshotted every checkpoint_every_num_steps updates into
     checkpoint_folder. layout "rank0" (rank 0 keeps full EMAs, as under
-    DDP) or "sharded" (every rank its FSDP2-style rows; a model under
-    fully_shard needs it, and each rank then keeps the profiles of its
-    DTensors' to_local() rows, over the mesh's group).
+    DDP) or "sharded" (every rank its FSDP2-style rows; a model with
+    DTensor parameters needs it: fully_shard, tensor parallelism's Shard(d)
+    pieces, HSDP's 2-D mesh. Each rank then keeps the profiles of its
+    DTensors' to_local(), over the group of the mesh's last dimension;
+    under HSDP only the first replica keeps them and writes the files).
 
     update() after optimizer.step() (returns at once) and fence() before the
     next one; synthesize(sigma_rel) for any profile afterwards.
@@ -278,7 +278,10 @@ class PostHocEMA:
                    dtype: torch.dtype = torch.float32) -> Union[str, Dict[str, torch.Tensor]]:
         """The EMA of profile `sigma_rel` at `step` (default: the newest
         snapshot) from this run's snapshots; see shardema.synthesize_snapshot_folder. Reads
-        the snapshot folder (every rank's, for the sharded layout)."""
+        the snapshot folder (every rank's, for the sharded layout; under HSDP
+        the first replica's), so in a multi-rank job call it once every
+        rank's update() has returned (after a dist.barrier(), say): a rank
+        still writing its snapshots would leave the folder incomplete."""
         self._engine.wait()
         return synthesize_snapshot_folder(self.checkpoint_folder, sigma_rel, step=step,
                                           path=path, dtype=dtype)

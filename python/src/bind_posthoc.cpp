@@ -28,9 +28,11 @@ namespace py = pybind11;
 namespace shardema::python {
 namespace {
 
-// The callback and the communicator it borrows, alive together.
+// The callback and the communicators it borrows, alive together.
 struct PythonPostHoc {
   std::unique_ptr<shard::Communicator> comm;
+  // HSDP: the replicas of this rank's shards (the mesh's replicate dimension).
+  std::unique_ptr<shard::Communicator> replicas;
   std::unique_ptr<PostHocCallback> callback;
 };
 
@@ -47,7 +49,8 @@ void bindPostHoc(py::module_& m) {
                       int64_t checkpointEvery, std::string checkpointFolder, int64_t startIter,
                       double defaultOutputSigma, bool stepSizeCorrection, const std::string& layout,
                       const std::string& policy, std::string outputFolder, std::string outputPrefix,
-                      py::handle outputDtype, const py::object& group, double timeoutSeconds) {
+                      py::handle outputDtype, const py::object& group, double timeoutSeconds,
+                      const py::object& replicas) {
             PostHocCallbackOptions o;
             o.sigmaRels = sigmaRels;
             o.updateEvery = updateEvery;
@@ -64,6 +67,10 @@ void bindPostHoc(py::module_& m) {
             auto holder = std::make_unique<PythonPostHoc>();
             holder->comm = communicatorFor(group, timeoutSeconds);
             PostHocRanks ranks{holder->comm->rank(), holder->comm->worldSize(), holder->comm.get()};
+            if (!replicas.is_none()) {
+              holder->replicas = communicatorFor(replicas, timeoutSeconds);
+              ranks.replicas = holder->replicas.get();
+            }
             holder->callback = std::make_unique<PostHocCallback>(std::move(o), ranks);
             return holder;
           }),
@@ -71,7 +78,7 @@ void bindPostHoc(py::module_& m) {
           py::arg("checkpoint_folder"), py::arg("start_iter"), py::arg("default_output_sigma"),
           py::arg("step_size_correction"), py::arg("layout"), py::arg("policy"),
           py::arg("output_folder"), py::arg("output_prefix"), py::arg("output_dtype"),
-          py::arg("process_group"), py::arg("timeout_seconds"))
+          py::arg("process_group"), py::arg("timeout_seconds"), py::arg("replicas") = py::none())
       .def(
           "on_fit_start",
           [](PythonPostHoc& p, const std::vector<std::pair<std::string, at::Tensor>>& tensors,

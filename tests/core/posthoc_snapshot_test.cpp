@@ -158,6 +158,41 @@ TEST(PosthocSnapshotTest, ShardedInfoRoundTrips) {
   EXPECT_EQ(readTensorFile(path).metadata.at("shardema.layout"), info.layoutJson);
 }
 
+// Tensor parallelism's pieces: shardema.split_dims only when there are
+// any (files without them stay byte for byte what they were), read back
+// exactly, and refused garbled or where it cannot belong.
+TEST(PosthocSnapshotTest, SplitDimsRoundTripAndAreValidated) {
+  testing::TempDir dir;
+  SnapshotInfo info = shardInfo(0, 3, 0.05, 1, 2, "{\"fsdp\":2}");
+  writeSnapshot(dir.file(snapshotFileName(0, 3)), someTensors(info), info);
+  EXPECT_EQ(readTensorFile(dir.file("0.3.safetensors")).metadata.count("shardema.split_dims"), 0u);
+  EXPECT_TRUE(readSnapshotInfo(dir.file("0.3.safetensors")).splitDims.empty());
+  info.splitDims = {{"layer.weight", 1}, {"inner", 2}};
+  writeSnapshot(dir.file("0.3.safetensors"), someTensors(info), info);
+  EXPECT_EQ(readTensorFile(dir.file("0.3.safetensors")).metadata.at("shardema.split_dims"),
+            "{\"inner\":2,\"layer.weight\":1}");
+  EXPECT_EQ(readSnapshotInfo(dir.file("0.3.safetensors")).splitDims, info.splitDims);
+  info.splitDims = {{"w", 0}};
+  EXPECT_VALUE_ERROR(writeSnapshot(dir.file("0.4.safetensors"), someTensors(info), info),
+                     "splitDims of tensor 'w' must be >= 1");
+  SnapshotInfo full = fullInfo(0, 4, 0.05);
+  full.splitDims = {{"w", 1}};
+  EXPECT_VALUE_ERROR(writeSnapshot(dir.file("0.4.safetensors"), someTensors(full), full),
+                     "no splitDims");
+  const auto good = snapshotMetadata(shardInfo(0, 10, 0.05, 0, 1));
+  for (const char* bad : {"[1]", "{}", "{\"w\":0}", "{\"w\":1.5}", "{\"w\":\"1\"}", "{"}) {
+    SCOPED_TRACE(bad);
+    auto metadata = good;
+    metadata["shardema.split_dims"] = bad;
+    EXPECT_VALUE_ERROR(readSnapshotInfo(writeRawSnapshot(dir, "0.10.safetensors", metadata)),
+                       "shardema.split_dims");
+  }
+  auto metadata = snapshotMetadata(fullInfo(0, 10, 0.05));
+  metadata["shardema.split_dims"] = "{\"w\":1}";
+  EXPECT_VALUE_ERROR(readSnapshotInfo(writeRawSnapshot(dir, "0.10.safetensors", metadata)),
+                     "full-copy snapshot");
+}
+
 TEST(PosthocSnapshotTest, WriteValidatesInfo) {
   testing::TempDir dir;
   const std::string path = dir.file("0.1.safetensors");

@@ -99,6 +99,25 @@ def _modules(L):
             fully_shard(self.policy.inp, mesh=mesh)
             fully_shard(self.policy, mesh=mesh)
 
+    class TensorParallelModule(Module):
+        """`inp` column-parallel (Shard(0)), `out` row-parallel (Shard(1)
+        weight, Replicate() bias), over ModelParallelStrategy's
+        tensor-parallel mesh; the buffers plain. The row-parallel sum runs
+        in pieces, so the forward matches the full one to rounding only."""
+
+        def configure_model(self):
+            from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                           parallelize_module)
+            if hasattr(self.policy.inp.weight, "placements"):
+                return
+            parallelize_module(self.policy, self.device_mesh["tensor_parallel"],
+                               {"inp": ColwiseParallel(), "out": RowwiseParallel()})
+
+        def _check(self, stage, x, out, state):
+            if not torch.allclose(out.detach(), forward_with(state, x), rtol=1e-5, atol=1e-6):
+                self.problems.append(f"{stage} at step {self.trainer.global_step}")
+
+    Module.TensorParallel = TensorParallelModule
     return Module, ShardedModule
 
 
@@ -130,7 +149,8 @@ def fit(L, name, out, *, world, strategy, layout, sharded, resume=None, crash_co
     from shardema.callbacks import DDPPostHocEMACallback
 
     Module, ShardedModule = _modules(L)
-    module = (ShardedModule if sharded else Module)()
+    module = (Module.TensorParallel if sharded == "tp" else ShardedModule if sharded
+              else Module)()
     callback = DDPPostHocEMACallback(
         sigma_rels=SIGMA_RELS, checkpoint_every=CHECKPOINT_EVERY,
         checkpoint_folder=snapshot_folder(out, folder_of or name), layout=layout,
@@ -192,13 +212,19 @@ def run(scenario, rank, world, out):
         posthoc_runs(L, out, world=world, layout="sharded", sharded=True,
                      strategy=lambda: ModelParallelStrategy(data_parallel_size=world,
                                                             tensor_parallel_size=1))
+    elif scenario == "model_parallel_tp":
+        # Tensor parallelism: every rank sees the same batches.
+        from lightning.pytorch.strategies import ModelParallelStrategy
+        fit(L, "A", out, world=world, layout="sharded", sharded="tp",
+            strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=world))
     else:
         raise ValueError(scenario)
 
 
 SCENARIOS = {name: functools.partial(run, name)
              for name in ("ddp", "ddp_sharded", "two_callbacks_ema_first",
-                          "two_callbacks_posthoc_first", "model_parallel")}
+                          "two_callbacks_posthoc_first", "model_parallel",
+                          "model_parallel_tp")}
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 on CPU: the default strategy (in this process), DDPStrategy on 2 processes
 (layout "rank0") and ModelParallelStrategy with FSDP2 on 2 processes
 (layout "sharded": each rank keeps the profiles of its DTensors' rows),
+and with tensor parallelism (one run, each rank its Shard(0) / Shard(1)
+pieces),
 with attribute="policy", accumulate_grad_batches 2, a resume from a
 checkpoint taken between two snapshot steps, and a finished 2-epoch run
 extended to 4 epochs through ckpt_path (posthoc_lightning_worker.py); DDP
@@ -20,17 +22,16 @@ weights and optimizer state Lightning restores, and the same batches, so
 every later profile update runs the same float32 operations on the same
 inputs; the synthesis then solves the same system over byte-identical
 files."""
-import math
 import os
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import posthoc_lightning_worker as worker  # noqa: E402
+import posthoc_reference  # noqa: E402
 import rank_launch  # noqa: E402
 
 import shardema  # noqa: E402
@@ -49,57 +50,18 @@ def launch(scenario, out):
     return ranks.codes, ranks.errors
 
 
-# --- float64 references ------------------------------------------------------
-def gamma_of(sigma_rel):
-    """The power-function exponent of a relative width: the largest root of
-    (g + 2)^2 (g + 3) = sigma_rel^-2 (g + 1) (Karras et al., Eq. 123)."""
-    q = sigma_rel ** -2
-    roots = np.roots([1.0, 7.0, 16.0 - q, 12.0 - q])
-    return float(max(r.real for r in roots if abs(r.imag) < 1e-9))
-
-
-def profile_decay(gamma, n):
-    """nitrous' beta at call n, (1 - 1/(n + 1))^(gamma + 1), with its step
-    size correction for an update every call: the geometric mean of the
-    betas of n and n + 1."""
-    def beta(m):
-        return (1.0 - 1.0 / (m + 1.0)) ** (gamma + 1.0)
-    return math.sqrt(beta(n) * beta(n + 1))
-
-
+# --- float64 references (posthoc_reference.py) -------------------------------
 def reference_profiles(trace, sigma_rel):
-    """{step: {name: float64 EMA}}: the first call copies the weights, call
-    n >= 2 lerps with profile_decay(n); the trace holds the weights after
-    each optimizer step (step 0: fit start)."""
-    gamma = gamma_of(sigma_rel)
-    ema, out = None, {}
-    for step, weights in trace[1:]:
-        if ema is None:
-            ema = {k: weights[k].double().clone() for k in TRACKED}
-        else:
-            d = profile_decay(gamma, step)
-            ema = {k: ema[k] * d + weights[k].double() * (1.0 - d) for k in TRACKED}
-        out[step] = ema
-    return out
-
-
-def p_dot_p(t_a, g_a, t_b, g_b):
-    """Inner product of two power-function EMA profiles (Algorithm 3)."""
-    exponent = g_b if t_a < t_b else -g_a
-    return ((g_a + 1) * (g_b + 1) * (t_a / t_b) ** exponent) / ((g_a + g_b + 1) * max(t_a, t_b))
+    """{step: {name: float64 EMA}} of the tracked tensors (nitrous, with
+    its step size correction)."""
+    return posthoc_reference.power_profiles(trace, sigma_rel, TRACKED)
 
 
 def reference_synthesis(profiles, steps, sigma_rel, at):
     """float64 least-squares synthesis of `sigma_rel` at step `at` from the
     reference profiles' snapshots at `steps`."""
-    basis = [(t, gamma_of(s), profiles[s][t]) for t in steps for s in worker.SIGMA_RELS]
-    a = torch.tensor([[p_dot_p(ti, gi, tj, gj) for tj, gj, _ in basis] for ti, gi, _ in basis],
-                     dtype=torch.float64)
-    b = torch.tensor([p_dot_p(ti, gi, at, gamma_of(sigma_rel)) for ti, gi, _ in basis],
-                     dtype=torch.float64)
-    weights = torch.linalg.solve(a, b)
-    return {k: sum(w * values[k] for w, (_, _, values) in zip(weights.tolist(), basis))
-            for k in TRACKED}
+    return posthoc_reference.synthesis_of({s: profiles[s] for s in worker.SIGMA_RELS}, steps,
+                                          sigma_rel, at, TRACKED)
 
 
 # --- the checks ---------------------------------------------------------------
@@ -292,6 +254,47 @@ def test_model_parallel_fsdp2_two_processes_sharded_layout(tmp_path):
         # Each rank swapped its rows in and the buffers whole: the same EMA.
         for (_, seen1), (_, seen0) in zip(rank1["validation_seen"], rank0["validation_seen"]):
             assert_same(seen1, seen0, f"{name}: rank 1's validation weights")
+
+
+def test_model_parallel_tensor_parallel_two_processes_sharded_layout(tmp_path):
+    """ModelParallelStrategy's tensor-parallel mesh (ColwiseParallel `inp`,
+    RowwiseParallel `out`): each rank's snapshots hold its pieces in their
+    own layout, and the offline synthesis, what validation saw (on every
+    rank) and the deployable weights match the float64 reference in the
+    tensors' own shapes."""
+    codes, errors = launch("model_parallel_tp", tmp_path)
+    assert errors == {} and codes == [0] * WORLD, (codes, errors)
+    a, a1 = load(str(tmp_path), "A"), load(str(tmp_path), "A", 1)
+    assert a["problems"] == [] and a1["problems"] == [], (a["problems"], a1["problems"])
+    trace = a["trace"]
+    # Every rank reads all of the batches (no data parallelism): 3 steps an epoch.
+    steps = a["global_step"]
+    assert steps == 12 and [s for s, _ in trace] == list(range(steps + 1))
+    snapshot_steps = list(range(3, steps + 1, 3))
+    profiles = {s: reference_profiles(trace, s) for s in worker.SIGMA_RELS}
+    files = snapshot_files(a["folder"])
+    for rank in range(WORLD):
+        tensors, metadata = files[os.path.join(f"rank_{rank:05d}", "0.6.safetensors")]
+        assert metadata["shardema.split_dims"] == '{"out.weight":1}', metadata
+        want = profiles[0.05][6]["out.weight"].chunk(WORLD, dim=1)[rank]
+        close(tensors["out.weight"].reshape(want.shape), want, f"rank {rank} out.weight")
+    expected = reference_synthesis(profiles, snapshot_steps, 0.05, steps)
+    synthesized = shardema.synthesize_snapshot_folder(a["folder"], 0.05)
+    deployable = shardema.read_tensor_file(a["output_path"])["tensors"]
+    for k in TRACKED:
+        assert synthesized[k].shape == deployable[k].shape == expected[k].shape, k
+        close(synthesized[k], expected[k], f"synthesized '{k}'")
+        close(deployable[k], expected[k], f"deployable '{k}'")
+    for result in (a, a1):
+        assert [s for s, _ in result["validation_seen"]] == [3, 6, 9, 12]
+        for step, seen in result["validation_seen"]:
+            newest = max((t for t in snapshot_steps if t <= step), default=None)
+            if newest is None:
+                continue
+            want = reference_synthesis(profiles, [t for t in snapshot_steps if t <= newest],
+                                       0.05, newest)
+            for k in seen:
+                close(seen[k], want[k], f"validation at step {step}: '{k}'")
 
 
 def test_ddp_two_processes_sharded_layout_extended(tmp_path):

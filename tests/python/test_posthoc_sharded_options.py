@@ -1,9 +1,9 @@
 """The post-hoc EMA over a model under fully_shard, in one process (a
 1-rank Gloo group): PostHocEMA with layout="sharded" gives what it gives
-for the same model unsharded; what the sharded snapshots cannot hold (the
-rank-0 layout, HSDP's replicas) is refused naming the tensor; and
-DDPPostHocEMACallback's attribute= names a submodule. The 2-process runs
-are in test_lightning_posthoc.py."""
+for the same model unsharded, under HSDP too; what the sharded snapshots
+cannot hold (the rank-0 layout, a 3-D mesh) is refused naming the tensor;
+and DDPPostHocEMACallback's attribute= names a submodule. The multi-process
+runs are in test_lightning_posthoc.py and test_posthoc_parallel.py."""
 import os
 from types import SimpleNamespace
 
@@ -57,10 +57,26 @@ def test_fully_shard_with_the_rank0_layout_is_refused(one_rank_group, tmp_path):
         shardema.PostHocEMA(model((1,)), checkpoint_folder=str(tmp_path / "s"))
 
 
-def test_hsdp_is_refused(one_rank_group, tmp_path):
-    with pytest.raises(ValueError, match=r"'0\.weight' lives on a 2-D device mesh \(HSDP\)"):
-        shardema.PostHocEMA(model((1, 1)), layout="sharded",
-                            checkpoint_folder=str(tmp_path / "s"))
+def test_hsdp_with_one_replica_equals_the_plain_model(one_rank_group, tmp_path):
+    """A 1 x 1 (replicate, shard) mesh: the one replica is the first, keeps
+    the profiles and writes them (test_posthoc_parallel.py runs 2 x 2)."""
+    plain = run(model(), str(tmp_path / "plain"), "rank0")
+    hsdp = run(model((1, 1)), str(tmp_path / "hsdp"), "sharded")
+    want, got = plain.synthesize(0.07), hsdp.synthesize(0.07)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-7, msg=k)
+
+
+def test_a_three_dimensional_mesh_is_refused_in_one_line(one_rank_group, tmp_path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (1, 1, 1))
+    net = torch.nn.Linear(2, 2)
+    net.weight = torch.nn.Parameter(distribute_tensor(net.weight.detach(), mesh,
+                                                      [Shard(0), Shard(0), Shard(0)]))
+    with pytest.raises(ValueError, match=r"^'weight': a 3-D device mesh is not supported"):
+        shardema.PostHocEMA(net, layout="sharded", checkpoint_folder=str(tmp_path / "s"))
 
 
 def test_attribute_names_the_submodule(tmp_path):

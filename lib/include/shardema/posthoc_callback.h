@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <map>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -123,6 +124,15 @@ struct PostHocRanks {
   int64_t rank = 0;
   int64_t worldSize = 1;
   shard::Communicator* comm = nullptr;
+  /// kSharded under HSDP: the ranks that hold the same shards as this one
+  /// (the device mesh's replicate dimension; not owned, must outlive the
+  /// callback's collective calls), or nullptr (no replicas, default). Its
+  /// rank 0, the first replica, alone keeps the profiles and writes the
+  /// files (snapshots, resume states, deployable weights) into the one
+  /// snapshot folder of its shard group; the other replicas keep no EMA,
+  /// count calls as it does, and take the synthesized EMA from it for the
+  /// validation swap. `rank`, `worldSize` and `comm` are the shard group's.
+  shard::Communicator* replicas = nullptr;
 };
 
 class PostHocCallback {
@@ -150,7 +160,11 @@ class PostHocCallback {
   /// holds whole, such as a buffer beside FSDP2 parameters), that whole
   /// tensor under the shard's name; the validation swap gathers the EMA
   /// rows of those into it, so every rank swaps in the same full values
-  /// (without it, each rank would swap only its own rows).
+  /// (without it, each rank would swap only its own rows). A shard with
+  /// splitDim > 0 (tensor parallelism's piece) is averaged, snapshotted and
+  /// swapped as the piece it is; its snapshots record the split
+  /// (SnapshotInfo::splitDims), so the synthesis of the folder and the
+  /// deployable weights give the tensor in its own shape.
   void onFitStart(std::vector<LocalShard> shards,
                   std::vector<TrackedTensor> wholeReplicated = {});
 
@@ -202,7 +216,10 @@ class PostHocCallback {
   /// synthesizes its own shards, the ranks check they solved the same
   /// system, and with a module (replicated on every rank) the rows are
   /// gathered to every rank so each swaps in the whole EMA; with LocalShards
-  /// each rank swaps its shards. kRankZero: rank 0 synthesizes and
+  /// each rank swaps its shards (a tensor-parallel piece, LocalShard::
+  /// splitDim, in its own layout). With replicas (HSDP) the first replica
+  /// does so and broadcasts what each of its ranks swaps in to the same
+  /// rank of the other replicas. kRankZero: rank 0 synthesizes and
   /// broadcasts. Returns false and changes nothing while no snapshot exists
   /// yet. A failure on any rank fails every rank, with the raw weights in
   /// place.
@@ -215,16 +232,21 @@ class PostHocCallback {
   /// final snapshot unless calls() is on a boundary, synthesizes
   /// defaultOutputSigma at step calls() and writes the deployable weights.
   /// Returns their path on the rank that wrote them (rank 0), "" on the
-  /// others and when no call was counted (nothing to synthesize).
+  /// others and when no call was counted (nothing to synthesize). With
+  /// replicas (HSDP) only the first replica's ranks take part; the others
+  /// return "" at once, as the other ranks of kRankZero do. A tensor-
+  /// parallel piece (LocalShard::splitDim) is written in its own shape.
   std::string onTrainEnd();
 
   /// Counted optimizer steps so far (every rank).
   int64_t calls() const { return calls_; }
   const PostHocCallbackOptions& options() const { return options_; }
-  /// Whether this rank keeps EMA storage (rank 0, or any rank if sharded).
+  /// Whether this rank keeps EMA storage (rank 0, or any rank if sharded;
+  /// under HSDP only the first replica's ranks).
   bool holdsEma() const;
   /// This rank's EMAs (profile p = sigmaRels[p]); c10::Error before
-  /// onFitStart. Empty shard list on ranks > 0 of kRankZero.
+  /// onFitStart. Empty shard list on ranks > 0 of kRankZero and on the
+  /// replicas after the first.
   const ShardedAverager& averager() const;
   /// Where this rank's snapshots go: checkpointFolder, or its rank_NNNNN
   /// subfolder for kSharded.
@@ -243,6 +265,11 @@ class PostHocCallback {
   void writeProfiles(const std::string& folder);
   bool swapInRankZero();
   bool swapInSharded();
+  std::unordered_map<std::string, at::Tensor> synthesizedSwapValues();
+  void checkSwapValues(const std::unordered_map<std::string, at::Tensor>& values) const;
+  void shareWithReplicas(std::unordered_map<std::string, at::Tensor>& values,
+                         const std::string& ownError);
+  std::map<std::string, int64_t> splitDims() const;
   void keepRawForValidation();
   void swapInValues(const std::unordered_map<std::string, at::Tensor>& values);
   std::vector<at::Tensor> piecesInLayoutOrder(

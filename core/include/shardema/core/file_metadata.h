@@ -23,6 +23,7 @@ constexpr const char* kProfileIndexKey = "shardema.profile_index";
 constexpr const char* kRankKey = "shardema.rank";
 constexpr const char* kWorldSizeKey = "shardema.world_size";
 constexpr const char* kLayoutKey = "shardema.layout";
+constexpr const char* kSplitDimsKey = "shardema.split_dims";
 constexpr const char* kLayoutFingerprintKey = "shardema.layout_fingerprint";
 constexpr const char* kScheduleKey = "shardema.schedule";
 constexpr const char* kSourceWorldSizeKey = "shardema.source_world_size";

@@ -31,6 +31,14 @@ struct SnapshotInfo {
   /// Sharded only: JSON text describing the shard layout (non-empty);
   /// stored and compared verbatim, not interpreted here.
   std::string layoutJson;
+  /// Sharded only: the tensors whose data in this file is tensor
+  /// parallelism's piece along dim d > 0 (torch.chunk's, in its own layout:
+  /// a DTensor's to_local() under Shard(d)), by name. The layout's spec of
+  /// such a tensor describes it with dim d moved first, whose rows of this
+  /// rank hold the same elements in another order. Every other tensor's
+  /// data is its spec's rows. Metadata shardema.split_dims, a JSON object
+  /// {"name": d} written only when non-empty; each d >= 1.
+  std::map<std::string, int64_t> splitDims;
 
   bool sharded() const { return rank >= 0; }
 };
@@ -50,7 +58,8 @@ bool parseSnapshotFileName(const std::string& fileName, int64_t* profileIndex, i
 /// The metadata written into a snapshot: shardema.format, shardema.kind =
 /// posthoc_snapshot, shardema.sigma_rel and shardema.gamma (%.17g, so they
 /// read back bit-exactly), shardema.step, shardema.profile_index; sharded
-/// info adds shardema.rank, shardema.world_size, shardema.layout. Does not
+/// info adds shardema.rank, shardema.world_size, shardema.layout and, when
+/// it has any, shardema.split_dims. Does not
 /// validate `info` (writeSnapshot does).
 std::map<std::string, std::string> snapshotMetadata(const SnapshotInfo& info);
 
