@@ -4,7 +4,7 @@ a rank holds its tensors. A base class of EMA (_ema.py), so each file stays
 one concept; every method maps onto the engine (shardema._C.Ema, the C++
 PythonEma) or onto _dcp.py and _ema_values.py, which are handed the engine
 rather than reach for it."""
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 
@@ -75,12 +75,21 @@ class EmaState:
         refuse_tensor_parallel(self._tensor_parallel, "load_checkpoint")
         self._engine.load_checkpoint(str(folder))
 
-    def export_weights(self, path: str, dtype: torch.dtype = torch.float32) -> None:
+    def export_weights(self, path: str, dtype: torch.dtype = torch.float32,
+                       max_shard_size: Optional[Union[int, str]] = None) -> None:
         """Collective: rank 0 writes deployable safetensors of the full
-        tensors (floating ones as `dtype`), tied weights under every name."""
-        write_on_first_replica(self._replicas,
-                               lambda: self._engine.export_weights(str(path), dtype),
-                               self._timeout_s, "export_weights")
+        tensors (floating ones as `dtype`), tied weights under every name,
+        streamed tensor by tensor, metadata "format": "pt". With
+        `max_shard_size` (bytes, or "5GB" / "500MiB" as transformers'
+        save_pretrained takes it), `path` is a folder that from_pretrained
+        loads: model-00001-of-0000N.safetensors files of at most that size
+        and model.safetensors.index.json, written last (one
+        model.safetensors when everything fits); a tensor larger than the
+        limit gets a file of its own."""
+        write_on_first_replica(
+            self._replicas,
+            lambda: self._engine.export_weights(str(path), dtype, max_shard_size),
+            self._timeout_s, "export_weights")
 
     def full_state_dict(self, rank0_only: bool = True,
                         names: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:
