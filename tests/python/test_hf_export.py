@@ -5,15 +5,22 @@ same test: transformers' from_pretrained (no missing or unexpected key, the
 EMA's logits), huggingface_hub's split (the same files for the same
 tensors) and load_torch_model (strict), safetensors' load_model (strict,
 one file). Tiny GPT-2 (tied embedding and head) and Llama configs built
-here, no download; the EMA against a float64 EMA recomputed here."""
+here, no download; the EMA against a float64 EMA recomputed here. At W = 2
+(hf_export_worker.py, Gloo on CPU): FSDP2, DDP and FSDP1 exports split
+into several files, against a float64 EMA of full_tensor() and with the
+model's plain names."""
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
 
 import shardema
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rank_launch import assert_passed, launched_once  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 huggingface_hub = pytest.importorskip("huggingface_hub")
@@ -23,6 +30,8 @@ from safetensors import safe_open  # noqa: E402
 
 DECAY = 0.5
 STEPS = 3
+
+runs = launched_once("hf_export_worker.py", [(2, ["fsdp2", "ddp", "fsdp1"])], timeout=240)
 VOCAB = 256
 
 
@@ -238,3 +247,15 @@ def test_cli_export_of_a_checkpoint_loads_with_from_pretrained(run, tmp_path):
     loaded = loaded_from(str(folder), kind, dtype=torch.bfloat16)
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, full[name]), name
+
+
+def test_fsdp2_split_export_against_a_float64_ema_and_from_pretrained(runs):
+    # rank 0 writes, tensor by tensor from both ranks' rows, across files
+    assert_passed(runs(2), "fsdp2")
+
+
+def test_ddp_and_fsdp1_exports_hold_the_plain_models_names(runs):
+    # no "module." (DDP) or "_fsdp_wrapped_module." (FSDP1): strict loads
+    # into a plain GPT-2 and from_pretrained with nothing unexpected
+    assert_passed(runs(2), "ddp")
+    assert_passed(runs(2), "fsdp1")
