@@ -7,6 +7,7 @@
 
 #include "flag_parser.h"
 #include "flagged_command.h"
+#include "shardema/core/byte_size.h"
 #include "shardema/core/regular_file.h"
 #include "shardema/sharded_checkpoint.h"
 
@@ -31,6 +32,13 @@ ExportOptions optionsFromFlags(const ParsedFlags& flags) {
     }
     options.bufferBytes = mib << 20;
   }
+  if (flags.has("max-shard-size")) {
+    try {
+      options.maxShardBytes = parseByteSize(flags.text("max-shard-size"), "--max-shard-size");
+    } catch (const c10::ValueError& e) {
+      throw UsageError(e.what_without_backtrace());
+    }
+  }
   return options;
 }
 
@@ -50,6 +58,8 @@ std::string readLayoutFile(const std::string& path) {
 int reshardToLayout(const ParsedFlags& flags, const std::string& dir, const std::string& target,
                     const ExportOptions& options, std::ostream& out) {
   if (flags.has("world-size")) throw UsageError("--layout and --world-size exclude each other");
+  if (flags.has("max-shard-size"))
+    throw UsageError("--max-shard-size does not apply to --layout (a checkpoint has one file per rank)");
   if (flags.has("dtype"))
     throw UsageError("--dtype does not apply to --layout (states keep their dtypes)");
   const std::string& file = flags.text("layout");
@@ -77,6 +87,10 @@ int runParsed(const ParsedFlags& flags, std::ostream& out) {
   if (flags.has("world-size")) {
     if (flags.has("dtype"))
       throw UsageError("--dtype does not apply to --world-size (states keep their dtypes)");
+    if (flags.has("max-shard-size")) {
+      throw UsageError(
+          "--max-shard-size does not apply to --world-size (a checkpoint has one file per rank)");
+    }
     const int64_t worldSize = flags.integer("world-size");
     if (worldSize < 1)
       throw UsageError("--world-size must be >= 1 (got " + std::to_string(worldSize) + ")");
@@ -97,7 +111,9 @@ int runParsed(const ParsedFlags& flags, std::ostream& out) {
   const ExportSummary summary = exportCheckpoint(dir, target, options);
   out << "exported " << dir << " to " << target << ": " << summary.tensors << " tensors, step "
       << summary.step << ", " << (flags.has("dtype") ? flags.text("dtype") : "f32") << ", "
-      << summary.bytes << " bytes\n";
+      << summary.bytes << " bytes";
+  if (options.maxShardBytes) out << " in " << summary.files << " files";
+  out << "\n";
   return 0;
 }
 
@@ -105,6 +121,7 @@ int runParsed(const ParsedFlags& flags, std::ostream& out) {
 
 void printExportUsage(std::ostream& out) {
   out << "usage: shardema export --checkpoint DIR --out FILE [--dtype f32|bf16|f16]\n"
+         "       shardema export --checkpoint DIR --out FOLDER --max-shard-size SIZE [--dtype D]\n"
          "       shardema export --checkpoint DIR --world-size W --out NEW_DIR\n"
          "       shardema export --checkpoint DIR --layout FILE --out NEW_DIR\n\n"
          "Merges the per-rank EMA files of DIR (validated against its manifest) into one\n"
@@ -112,13 +129,20 @@ void printExportUsage(std::ostream& out) {
          "a checkpoint for W ranks instead (resharding; FSDP1 tensors become FSDP2 ones);\n"
          "with --layout, a checkpoint for exactly the ShardLayout JSON in FILE (what the\n"
          "new job's ShardLayout::toJson writes; use it for FSDP1 jobs). The output replaces\n"
-         "FILE (or NEW_DIR's checkpoint) only once it is complete.\n\n"
+         "FILE (or NEW_DIR's checkpoint) only once it is complete. With --max-shard-size,\n"
+         "FOLDER gets Hugging Face's layout, which from_pretrained loads: files\n"
+         "model-00001-of-0000N.safetensors of at most SIZE bytes of tensors and\n"
+         "model.safetensors.index.json, written last (or one model.safetensors when all\n"
+         "fit); a tensor larger than SIZE gets a file of its own.\n\n"
          "  --checkpoint DIR   per-rank checkpoint folder (manifest.json + rank files)\n"
-         "  --out PATH         output file, or output folder with --world-size\n"
+         "  --out PATH         output file, or output folder with --world-size, --layout\n"
+         "                     or --max-shard-size\n"
          "  --dtype D          f32 (default), bf16 or f16 for floating tensors\n"
          "  --world-size W     reshard to W ranks instead of merging\n"
          "  --layout FILE      reshard to the layout in FILE (ShardLayout JSON) instead\n"
-         "  --buffer-mib N     bytes read per piece, in MiB (default 8)\n";
+         "  --buffer-mib N     bytes read per piece, in MiB (default 8)\n"
+         "  --max-shard-size SIZE  split the output into files of at most SIZE: bytes,\n"
+         "                     or 5GB, 500MB (powers of 1000), 2GiB (powers of 1024)\n";
 }
 
 int runExportCommand(const std::vector<std::string>& args, std::ostream& out) {
@@ -128,7 +152,8 @@ int runExportCommand(const std::vector<std::string>& args, std::ostream& out) {
                             {"dtype", FlagArity::kValue},
                             {"world-size", FlagArity::kValue},
                             {"layout", FlagArity::kValue},
-                            {"buffer-mib", FlagArity::kValue}},
+                            {"buffer-mib", FlagArity::kValue},
+                            {"max-shard-size", FlagArity::kValue}},
                            args, out, printExportUsage, runParsed);
 }
 

@@ -74,6 +74,7 @@ AtomicFileWriter::AtomicFileWriter(AtomicFileWriter&& other) noexcept
       tmpPath_(std::exchange(other.tmpPath_, std::string())),
       fd_(std::exchange(other.fd_, -1)),
       written_(other.written_),
+      finished_(other.finished_),
       committed_(other.committed_) {}
 
 AtomicFileWriter& AtomicFileWriter::operator=(AtomicFileWriter&& other) noexcept {
@@ -83,13 +84,14 @@ AtomicFileWriter& AtomicFileWriter::operator=(AtomicFileWriter&& other) noexcept
     tmpPath_ = std::exchange(other.tmpPath_, std::string());
     fd_ = std::exchange(other.fd_, -1);
     written_ = other.written_;
+    finished_ = other.finished_;
     committed_ = other.committed_;
   }
   return *this;
 }
 
 void AtomicFileWriter::write(const void* data, size_t size) {
-  TORCH_CHECK(fd_ >= 0, path_, ": write after commit or move");
+  TORCH_CHECK(fd_ >= 0, path_, ": write after finish, commit or move");
   const char* bytes = static_cast<const char*>(data);
   while (size > 0) {
     const ssize_t n = ::write(fd_, bytes, std::min(size, kMaxWriteChunk));
@@ -103,7 +105,7 @@ void AtomicFileWriter::write(const void* data, size_t size) {
 }
 
 void AtomicFileWriter::overwrite(uint64_t offset, const void* data, size_t size) {
-  TORCH_CHECK(fd_ >= 0, path_, ": overwrite after commit or move");
+  TORCH_CHECK(fd_ >= 0, path_, ": overwrite after finish, commit or move");
   TORCH_CHECK(offset <= written_ && size <= written_ - offset, path_, ": overwrite of ", size,
               " bytes at ", offset, " goes past the ", written_, " bytes written");
   const char* bytes = static_cast<const char*>(data);
@@ -119,19 +121,28 @@ void AtomicFileWriter::overwrite(uint64_t offset, const void* data, size_t size)
   }
 }
 
-void AtomicFileWriter::commit() {
-  TORCH_CHECK(fd_ >= 0 && !committed_, path_, ": commit called twice or after a move");
+void AtomicFileWriter::finish() {
+  TORCH_CHECK(fd_ >= 0 && !finished_, path_, ": finish called twice, after commit or a move");
   TORCH_CHECK(::fsync(fd_) == 0, path_, ": fsync of ", tmpPath_, " failed: ", osError(errno));
-  refuseNonRegularTarget(path_, "the output");  // it may have appeared since the constructor
   const int rc = ::close(fd_);
   fd_ = -1;
+  finished_ = true;
   TORCH_CHECK(rc == 0, path_, ": close of ", tmpPath_, " failed: ", osError(errno));
+}
+
+void AtomicFileWriter::commit() {
+  TORCH_CHECK((fd_ >= 0 || finished_) && !committed_ && !tmpPath_.empty(), path_,
+              ": commit called twice or after a move");
+  if (!finished_) finish();
+  refuseNonRegularTarget(path_, "the output");  // it may have appeared since the constructor
   TORCH_CHECK(::rename(tmpPath_.c_str(), path_.c_str()) == 0, path_, ": rename of ", tmpPath_,
               " failed: ", osError(errno));
   // The temp name is gone now: the destructor must not unlink it.
   committed_ = true;
   fsyncFolder(parentFolder(path_), path_);
 }
+
+void syncFolder(const std::string& folder) { fsyncFolder(folder, folder); }
 
 void writeFileAtomically(const std::string& path, const void* data, size_t size) {
   AtomicFileWriter writer(path);

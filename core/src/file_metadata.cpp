@@ -45,7 +45,8 @@ bool parseDecimalDigits(const std::string& text, int64_t* value) {
 std::map<std::string, std::string> deployableMetadata(const DeployableInfo& info) {
   TORCH_INTERNAL_ASSERT(info.exported.has_value() != info.synthesized.has_value(),
                         "deployableMetadata: set exactly one of exported and synthesized");
-  std::map<std::string, std::string> metadata{{kKindKey, kDeployableKind},
+  std::map<std::string, std::string> metadata{{kSafetensorsFormatKey, kPyTorchFormat},
+                                              {kKindKey, kDeployableKind},
                                               {kStepKey, std::to_string(info.step)}};
   if (info.exported) {
     metadata[kScheduleKey] = info.exported->scheduleJson;

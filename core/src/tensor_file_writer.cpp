@@ -68,7 +68,8 @@ void TensorFileWriter::skipCompleteEntries() {
 }
 
 void TensorFileWriter::append(const at::Tensor& piece) {
-  TORCH_CHECK(file_ != nullptr && !committed_, path_, ": TensorFileWriter::append after commit");
+  TORCH_CHECK(file_ != nullptr && !finished_, path_,
+              ": TensorFileWriter::append after finish or commit");
   TORCH_CHECK_VALUE(piece.defined(), path_, ": TensorFileWriter::append: undefined piece");
   if (piece.numel() == 0) return;
   TORCH_CHECK_VALUE(current_ < entries_.size(), path_,
@@ -99,9 +100,9 @@ int64_t TensorFileWriter::remainingInCurrent() const {
   return current_ < entries_.size() ? numels_[current_] - writtenInCurrent_ : 0;
 }
 
-void TensorFileWriter::commit() {
-  TORCH_CHECK(file_ != nullptr && !committed_, path_,
-              ": TensorFileWriter::commit called twice or after a move");
+void TensorFileWriter::finish() {
+  TORCH_CHECK(file_ != nullptr && !finished_, path_,
+              ": TensorFileWriter::finish called twice, after commit or a move");
   TORCH_CHECK_VALUE(current_ == entries_.size(), path_, ": TensorFileWriter::commit: tensor '",
                     currentTensor(), "' has ", writtenInCurrent_, " of its ", numels_[current_],
                     " elements");
@@ -118,6 +119,14 @@ void TensorFileWriter::commit() {
   TORCH_INTERNAL_ASSERT(bytes.size() == headerSize_, path_, ": the completed header is ",
                         bytes.size(), " bytes, its placeholder ", headerSize_);
   file_->overwrite(0, bytes.data(), bytes.size());
+  file_->finish();
+  finished_ = true;
+}
+
+void TensorFileWriter::commit() {
+  TORCH_CHECK(file_ != nullptr && !committed_, path_,
+              ": TensorFileWriter::commit called twice or after a move");
+  if (!finished_) finish();
   file_->commit();
   committed_ = true;
 }

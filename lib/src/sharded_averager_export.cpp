@@ -8,10 +8,11 @@
 #include <algorithm>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <unordered_map>
 
+#include "deployable_writer.h"
 #include "sharded_internal.h"
-#include "shardema/core/tensor_file_writer.h"
 #include "shardema/shard/communicator.h"
 #include "shardema/sharded_averager.h"
 
@@ -19,6 +20,7 @@ namespace shardema {
 
 namespace {
 
+using detail::DeployableWriter;
 using detail::ExportedTensor;
 
 const ExportedTensor& exportedTensor(const std::vector<ExportedTensor>& tensors, size_t i) {
@@ -64,7 +66,7 @@ constexpr int64_t kReorderBytes = int64_t{1} << 20;
 // first (one full tensor at a time) and then appends once per name.
 class DeployableSink {
  public:
-  DeployableSink(TensorFileWriter& writer, const shard::ShardLayout& layout,
+  DeployableSink(DeployableWriter& writer, const shard::ShardLayout& layout,
                  const std::vector<ExportedTensor>& tensors, c10::ScalarType dtype)
       : writer_(writer), tensors_(tensors), dtype_(dtype) {
     for (size_t i = 0; i < layout.specs.size(); ++i) index_[layout.specs[i].name] = i;
@@ -103,34 +105,37 @@ class DeployableSink {
     }
   }
 
-  TensorFileWriter& writer_;
+  DeployableWriter& writer_;
   const std::vector<ExportedTensor>& tensors_;
   c10::ScalarType dtype_;
   std::unordered_map<std::string, size_t> index_;
   at::Tensor whole_;  // the tensor being assembled
 };
 
-// The root opens the file first (when its own pieces are there) and tells
-// the others whether it could, so a bad path fails every rank at once
-// instead of after a gather timeout. Word: 1 open, 0 open failed, 2 the
-// root's own pieces failed (the gather then reports it).
-std::unique_ptr<TensorFileWriter> openOnRoot(shard::Communicator& comm, const std::string& path,
+// The root opens the file (or the folder's plan) first (when its own
+// pieces are there) and tells the others whether it could, so a bad path
+// fails every rank at once instead of after a gather timeout. Word: 1 open,
+// 0 open failed, 2 the root's own pieces failed (the gather then reports it).
+std::unique_ptr<DeployableWriter> openOnRoot(shard::Communicator& comm, const std::string& path,
                                              const shard::ShardLayout& layout,
                                              const std::vector<at::Tensor>& pieces,
                                              c10::ScalarType dtype,
                                              const std::map<std::string, std::string>& metadata,
                                              const shard::GatherOptions& options, const char* api,
-                                             const std::vector<ExportedTensor>& tensors) {
-  std::unique_ptr<TensorFileWriter> writer;
+                                             const std::vector<ExportedTensor>& tensors,
+                                             std::optional<int64_t> maxShardBytes) {
+  std::unique_ptr<DeployableWriter> writer;
   std::exception_ptr failure;
   at::Tensor ok = at::ones({1}, at::kInt);
   if (comm.rank() == options.root && !options.localError.empty()) {
     ok.fill_(2);
   } else if (comm.rank() == options.root) {
     try {
-      detail::checkExportDestination(path, api);
-      writer = std::make_unique<TensorFileWriter>(
-          path, deployableEntries(layout, pieces, dtype, tensors), metadata);
+      // A folder is checked as the place of its files.
+      detail::checkExportDestination(
+          maxShardBytes ? detail::joinPath(path, kModelWeightsFileName) : path, api);
+      writer = std::make_unique<DeployableWriter>(
+          path, deployableEntries(layout, pieces, dtype, tensors), metadata, maxShardBytes, api);
     } catch (...) {
       failure = std::current_exception();
       ok.fill_(0);
@@ -161,10 +166,11 @@ void detail::exportPieces(shard::Communicator& comm, const std::string& path,
                           const shard::ShardLayout& layout, const std::vector<at::Tensor>& pieces,
                           c10::ScalarType dtype, const std::map<std::string, std::string>& metadata,
                           shard::GatherOptions options, const char* api,
-                          const std::vector<ExportedTensor>& tensors) {
+                          const std::vector<ExportedTensor>& tensors,
+                          std::optional<int64_t> maxShardBytes) {
   TORCH_INTERNAL_ASSERT(tensors.empty() || tensors.size() == layout.specs.size());
-  std::unique_ptr<TensorFileWriter> writer =
-      openOnRoot(comm, path, layout, pieces, dtype, metadata, options, api, tensors);
+  std::unique_ptr<DeployableWriter> writer = openOnRoot(comm, path, layout, pieces, dtype, metadata,
+                                                        options, api, tensors, maxShardBytes);
   std::exception_ptr sinkFailure;
   std::unique_ptr<DeployableSink> sink;
   if (writer) sink = std::make_unique<DeployableSink>(*writer, layout, tensors, dtype);
@@ -195,10 +201,12 @@ void detail::exportPieces(shard::Communicator& comm, const std::string& path,
 }
 
 void ShardedAverager::exportWeights(shard::Communicator& comm, const std::string& path,
-                                    c10::ScalarType outputDtype,
-                                    shard::GatherOptions options) const {
+                                    c10::ScalarType outputDtype, shard::GatherOptions options,
+                                    std::optional<int64_t> maxShardBytes) const {
   constexpr const char* kExportApi = "ShardedAverager::exportWeights";
   detail::checkExportDtype(outputDtype, kExportApi);
+  TORCH_CHECK_VALUE(!maxShardBytes || *maxShardBytes >= 1, kExportApi,
+                    ": maxShardBytes must be >= 1, got ", maxShardBytes.value_or(0));
   TORCH_CHECK_VALUE(options.root >= 0 && options.root < comm.worldSize(), kExportApi,
                     ": options.root must name one rank in [0, ", comm.worldSize(), "), got ",
                     options.root);
@@ -216,7 +224,7 @@ void ShardedAverager::exportWeights(shard::Communicator& comm, const std::string
   for (const LocalShard& shard : shards_) tensors.push_back({shard.aliases, shard.splitDim});
   detail::exportPieces(comm, path, layout_, pieces, outputDtype,
                        detail::exportedMetadata(averager_.step(), averager_.schedule(), worldSize_),
-                       options, kExportApi, tensors);
+                       options, kExportApi, tensors, maxShardBytes);
 }
 
 }  // namespace shardema

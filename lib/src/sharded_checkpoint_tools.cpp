@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <unordered_set>
 
+#include "deployable_writer.h"
 #include "sharded_internal.h"
 #include "shardema/averager.h"
 #include "shardema/core/file_system.h"
@@ -87,9 +88,10 @@ OpenCheckpoint openCheckpoint(const std::string& dir, int64_t bufferBytes) {
 
 // Appends elements [begin, begin + count) of `name` in `reader` to `writer`
 // in pieces of at most buffer.numel(), converted to `dtype`.
+// Writer: a rank file's TensorFileWriter, or an export's DeployableWriter.
+template <typename Writer>
 void copyRange(const TensorFileReader& reader, const std::string& name, int64_t begin,
-               int64_t count, const at::Tensor& buffer, c10::ScalarType dtype,
-               TensorFileWriter& writer) {
+               int64_t count, const at::Tensor& buffer, c10::ScalarType dtype, Writer& writer) {
   for (int64_t done = 0; done < count;) {
     const int64_t n = std::min(buffer.numel(), count - done);
     const at::Tensor piece = buffer.narrow(0, 0, n);
@@ -178,6 +180,9 @@ ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFil
   detail::checkExportDtype(options.outputDtype, "exportCheckpoint");
   TORCH_CHECK_VALUE(options.bufferBytes > 0, "exportCheckpoint: bufferBytes must be > 0, got ",
                     options.bufferBytes);
+  TORCH_CHECK_VALUE(!options.maxShardBytes || *options.maxShardBytes >= 1,
+                    "exportCheckpoint: maxShardBytes must be >= 1, got ",
+                    options.maxShardBytes.value_or(0));
   detail::refuseOutputOverInput("exportCheckpoint", outFile, {dir});
   const OpenCheckpoint source = openCheckpoint(dir, options.bufferBytes);
   const shard::ShardLayout& layout = source.manifest.layout;
@@ -198,9 +203,11 @@ ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFil
       specOf.push_back(i);
     }
   }
-  TensorFileWriter writer(outFile, entries,
-                          detail::exportedMetadata(source.manifest.step, source.manifest.schedule,
-                                                   source.manifest.worldSize()));
+  detail::DeployableWriter writer(
+      outFile, entries,
+      detail::exportedMetadata(source.manifest.step, source.manifest.schedule,
+                               source.manifest.worldSize()),
+      options.maxShardBytes, "exportCheckpoint");
   for (size_t e = 0; e < entries.size(); ++e) {
     const shard::ShardSpec& spec = layout.specs[specOf[e]];
     int64_t largest = 0;
@@ -212,8 +219,8 @@ ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFil
     }
   }
   writer.commit();
-  return ExportSummary{source.manifest.step, static_cast<int64_t>(entries.size()),
-                       writer.fileSize()};
+  return ExportSummary{source.manifest.step, static_cast<int64_t>(entries.size()), writer.bytes(),
+                       writer.files()};
 }
 
 ExportSummary reshardCheckpoint(const std::string& dir, const std::string& outDir,
@@ -244,7 +251,8 @@ ExportSummary reshardCheckpoint(const std::string& dir, const std::string& outDi
     throw;
   }
   removeUnreferencedRankFiles(outDir, manifest);
-  return ExportSummary{manifest.step, static_cast<int64_t>(target.specs.size()), bytes};
+  return ExportSummary{manifest.step, static_cast<int64_t>(target.specs.size()), bytes,
+                       target.worldSize()};
 }
 
 ExportSummary reshardCheckpoint(const std::string& dir, const std::string& outDir,

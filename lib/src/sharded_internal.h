@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <exception>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -84,12 +85,14 @@ struct ExportedTensor {
 /// outcome is broadcast, so every rank returns or throws together. A
 /// non-empty options.localError fails every rank before anything moves.
 /// `api` names the caller in errors. `tensors`: one per spec, or empty for
-/// none with aliases.
+/// none with aliases. `maxShardBytes`: `path` is a folder of files of at
+/// most that many bytes in Hugging Face's layout (DeployableWriter).
 void exportPieces(shard::Communicator& comm, const std::string& path,
                   const shard::ShardLayout& layout, const std::vector<at::Tensor>& pieces,
                   c10::ScalarType dtype, const std::map<std::string, std::string>& metadata,
                   shard::GatherOptions options, const char* api,
-                  const std::vector<ExportedTensor>& tensors = {});
+                  const std::vector<ExportedTensor>& tensors = {},
+                  std::optional<int64_t> maxShardBytes = std::nullopt);
 
 }  // namespace detail
 }  // namespace shardema

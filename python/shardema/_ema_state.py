@@ -4,7 +4,7 @@ a rank holds its tensors. A base class of EMA (_ema.py), so each file stays
 one concept; every method maps onto the engine (shardema._C.Ema, the C++
 PythonEma) or onto _dcp.py and _ema_values.py, which are handed the engine
 rather than reach for it."""
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 
@@ -80,24 +80,38 @@ class EmaState:
         refuse_tensor_parallel(self._tensor_parallel, "load_checkpoint")
         self._engine.load_checkpoint(str(folder))
 
-    def export_weights(self, path: str, dtype: torch.dtype = torch.float32, *,
+    def export_weights(self, path: str, dtype: torch.dtype = torch.float32,
+                       max_shard_size: Optional[Union[int, str]] = None, *,
                        include_untracked: bool = False) -> None:
         """Collective: rank 0 writes deployable safetensors of the full
-        tensors (floating ones as `dtype`), tied weights under every name.
+        tensors (floating ones as `dtype`), tied weights under every name,
+        streamed tensor by tensor, metadata "format": "pt". With
+        `max_shard_size` (bytes, or "5GB" / "500MiB" as transformers'
+        save_pretrained takes it), `path` is a folder that from_pretrained
+        loads: model-00001-of-0000N.safetensors files of at most that size
+        and model.safetensors.index.json, written last (one
+        model.safetensors when everything fits); a tensor larger than the
+        limit gets a file of its own.
         include_untracked: True also writes the model's own current values
         of what the EMA leaves out (frozen parameters under
         trainable_only=True, buffers, ignore_names), so that the file loads
         strict into the plain model; rank 0 then holds those full tensors
         while it writes (their names are listed in the file's metadata
-        under "shardema.from_model")."""
+        under "shardema.from_model"). One file only: not with
+        max_shard_size."""
         if not isinstance(include_untracked, bool):
             raise TypeError("shardema.EMA.export_weights: include_untracked must be a bool, got "
                             f"{include_untracked!r}")
         if not include_untracked:
-            write_on_first_replica(self._replicas,
-                                   lambda: self._engine.export_weights(str(path), dtype),
-                                   self._timeout_s, "export_weights")
+            write_on_first_replica(
+                self._replicas,
+                lambda: self._engine.export_weights(str(path), dtype, max_shard_size),
+                self._timeout_s, "export_weights")
             return
+        if max_shard_size is not None:
+            raise ValueError("shardema.EMA.export_weights: include_untracked=True writes one "
+                             "file; leave out max_shard_size (or export the EMA split and save "
+                             "the frozen weights beside it)")
         if self._model is None:
             raise ValueError("shardema.EMA.export_weights: include_untracked=True takes the "
                              "values from the model, and this EMA was built from named tensors "
@@ -108,7 +122,7 @@ class EmaState:
         values = untracked_values(self._model, ema_names, dtype, keep=self.rank == 0)
 
         def write() -> None:
-            self._engine.export_weights(str(path), dtype)
+            self._engine.export_weights(str(path), dtype, None)
             if self.rank == 0:
                 add_to_export(str(path), values)
         write_on_first_replica(self._replicas, write, self._timeout_s, "export_weights")

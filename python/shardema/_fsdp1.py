@@ -158,7 +158,8 @@ def fsdp1_tensors(module: torch.nn.Module, policy: str) -> Optional[List[Tracked
             owner = unit.module.get_submodule(owner_path) if owner_path else unit.module
             role = _C.role_for(policy, False, _is_floating(piece.local),
                                bool(decider.requires_grad), isinstance(owner, batch_norm))
-            out.append(Tracked(piece.spec.name, decider, role, False, piece=(piece, path, unit)))
+            out.append(Tracked(piece.spec.name, decider, role, False, piece=(piece, path, unit),
+                               aliases=_shared_names(path, flat, flat._fqns[index])))
     _refuse_outside_unit(module, skip=in_flat)
     seen = set(in_flat)
     for path, mod in module.named_modules():
@@ -175,6 +176,21 @@ def fsdp1_tensors(module: torch.nn.Module, policy: str) -> Optional[List[Tracked
                                bool(tensor.requires_grad), in_bn)
             out.append(Tracked(name, tensor, role, is_buffer, container, key))
     return out
+
+
+def _shared_names(path: str, flat: Any, fqn: str) -> List[str]:
+    """The other clean names of member `fqn` of a FlatParameter: a tied
+    weight (GPT-2's lm_head.weight is transformer.wte.weight) is one member,
+    and FSDP1 records its other names in _shared_param_infos. The EMA keeps
+    it once and gives it under every name, as for a model without FSDP1
+    (export_weights(), full_state_dict(): the keys of state_dict())."""
+    prefix = clean_name(path + "." if path else "")
+
+    def joined(module_name: str, param_name: str) -> str:
+        return f"{module_name}.{param_name}" if module_name else param_name
+    return [prefix + clean_name(joined(info.module_name, info.param_name))
+            for info in getattr(flat, "_shared_param_infos", None) or ()
+            if joined(info.prim_module_name, info.prim_param_name) == fqn]
 
 
 def _group_of(units: List[Tuple[str, Any]]) -> Any:
@@ -215,7 +231,7 @@ def plan_fsdp1(tracked: List[Tracked], layout: str, process_group: Any) -> Plan:
     for t in tracked:
         if t.piece is not None:
             piece = t.piece[0]
-            shards.append(LocalShard(piece.local, piece.spec, t.role, False))
+            shards.append(LocalShard(piece.local, piece.spec, t.role, False, aliases=t.aliases))
             owners.append((None, None, t.tensor))
             continue
         if not t.tensor.is_contiguous():

@@ -245,13 +245,15 @@ void bindEma(py::module_& m) {
       .def("load_checkpoint", &PythonEma::loadCheckpoint, py::arg("folder"), Release())
       .def(
           "export_weights",
-          [](PythonEma& e, const std::string& path, py::handle dtype) {
+          [](PythonEma& e, const std::string& path, py::handle dtype, py::handle maxShardSize) {
             const c10::ScalarType type = scalarTypeOf(dtype, "export_weights: dtype");
+            const std::optional<int64_t> maxShardBytes =
+                byteSizeOf(maxShardSize, "export_weights: max_shard_size");
             PythonWarnings warnings;
             py::gil_scoped_release release;
-            e.exportWeights(path, type);
+            e.exportWeights(path, type, maxShardBytes);
           },
-          py::arg("path"), py::arg("dtype"))
+          py::arg("path"), py::arg("dtype"), py::arg("max_shard_size") = py::none())
       .def("full_state_dict", &PythonEma::fullStateDict, py::arg("rank0_only"),
            py::arg("names") = py::none(), Release())
       .def("offload_stats", [](const PythonEma& e) {

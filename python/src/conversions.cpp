@@ -3,7 +3,10 @@
 #include <c10/util/Exception.h>
 
 #include <initializer_list>
+#include <string>
 #include <utility>
+
+#include "shardema/core/byte_size.h"
 
 namespace shardema::python {
 namespace {
@@ -53,6 +56,24 @@ BetaConvention parseConvention(const std::string& word) {
   return parseChoice<BetaConvention>(
       "DecaySchedule.power_function: convention", word,
       {{"nitrous", BetaConvention::kNitrous}, {"edm2", BetaConvention::kEdm2}});
+}
+
+std::optional<int64_t> byteSizeOf(const pybind11::handle& value, const char* parameter) {
+  if (value.is_none()) return std::nullopt;
+  if (pybind11::isinstance<pybind11::str>(value)) {
+    return parseByteSize(value.cast<std::string>(), parameter);
+  }
+  const bool integer =
+      pybind11::isinstance<pybind11::int_>(value) && !pybind11::isinstance<pybind11::bool_>(value);
+  TORCH_CHECK_TYPE(integer, parameter,
+                   " must be an int (bytes) or a string such as \"5GB\", got ",
+                   std::string(pybind11::str(pybind11::type::of(value).attr("__name__"))));
+  // Compared in Python: an int of any size, no overflow on the way.
+  const bool positive = value.cast<pybind11::int_>() >= pybind11::int_(1);
+  const bool fits = value.cast<pybind11::int_>() <= pybind11::int_(INT64_MAX);
+  TORCH_CHECK_VALUE(positive && fits, parameter, " must be a positive number of bytes below 2**63, got ",
+                    std::string(pybind11::str(value)));
+  return value.cast<int64_t>();
 }
 
 }  // namespace shardema::python

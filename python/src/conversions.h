@@ -5,6 +5,8 @@
 // parameter and the words it accepts in the same way.
 #include <torch/csrc/utils/pybind.h>
 
+#include <cstdint>
+#include <optional>
 #include <string>
 
 #include "shardema/averager.h"
@@ -20,6 +22,12 @@ offload::EngineChoice parseEngine(const std::string& word);  // auto | host | cu
 PostHocLayout parsePostHocLayout(const std::string& word);   // rank0 | sharded
 TrackingPolicy parsePolicy(const std::string& word);         // versatil | ema_pytorch
 BetaConvention parseConvention(const std::string& word);     // nitrous | edm2
+
+/// A byte size as transformers' save_pretrained(max_shard_size=) takes it:
+/// None (nullopt), an int of bytes (>= 1), or a string parseByteSize reads
+/// ("5GB", "500MiB"). c10::TypeError for another type (bool included),
+/// c10::ValueError for a bad value, each naming `parameter`.
+std::optional<int64_t> byteSizeOf(const pybind11::handle& value, const char* parameter);
 
 /// {"tensors": {name: tensor}, "metadata": {key: value}}, in file order.
 template <class NamedTensors, class Metadata>

@@ -287,8 +287,9 @@ void PythonEma::loadCheckpoint(const std::string& folder) {
   }
 }
 
-void PythonEma::exportWeights(const std::string& path, c10::ScalarType dtype) {
-  averager_->exportWeights(*comm_, path, dtype);
+void PythonEma::exportWeights(const std::string& path, c10::ScalarType dtype,
+                              std::optional<int64_t> maxShardBytes) {
+  averager_->exportWeights(*comm_, path, dtype, {}, maxShardBytes);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> PythonEma::fullStateDict(

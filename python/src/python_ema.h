@@ -134,8 +134,10 @@ class PythonEma {
   /// Collective: every rank loads its file; if one fails, all fail and
   /// none changed.
   void loadCheckpoint(const std::string& folder);
-  /// Collective: rank 0 streams deployable safetensors to `path`.
-  void exportWeights(const std::string& path, c10::ScalarType dtype);
+  /// Collective: rank 0 streams deployable safetensors to `path` (with
+  /// maxShardBytes: a folder in Hugging Face's layout).
+  void exportWeights(const std::string& path, c10::ScalarType dtype,
+                     std::optional<int64_t> maxShardBytes = std::nullopt);
   /// Collective: the full EMA tensors on rank 0 (rank0Only) or on every
   /// rank, an empty list on the others; `names`: just those (every rank
   /// the same), nullopt: all.

@@ -49,6 +49,31 @@ TEST(AtomicFileWriterTest, DestroyWithoutCommitKeepsOldFileAndRemovesTmp) {
   EXPECT_FALSE(fs::exists(path + ".tmp"));
 }
 
+TEST(AtomicFileWriterTest, FinishKeepsTheTempNameUntilCommit) {
+  testing::TempDir dir;
+  const std::string path = dir.file("a.bin");
+  testing::writeFileBytes(path, "old content");
+  {
+    AtomicFileWriter writer(path);
+    writer.write("new", 3);
+    writer.finish();
+    EXPECT_EQ(testing::readFileBytes(path + ".tmp"), "new");  // durable, not published
+    EXPECT_EQ(testing::readFileBytes(path), "old content");
+    EXPECT_THROW(writer.write("x", 1), c10::Error);
+    EXPECT_THROW(writer.finish(), c10::Error);
+    writer.commit();
+  }
+  EXPECT_EQ(testing::readFileBytes(path), "new");
+  EXPECT_FALSE(fs::exists(path + ".tmp"));
+  {
+    AtomicFileWriter writer(path);  // finished, never committed: discarded
+    writer.write("lost", 4);
+    writer.finish();
+  }
+  EXPECT_EQ(testing::readFileBytes(path), "new");
+  EXPECT_FALSE(fs::exists(path + ".tmp"));
+}
+
 TEST(AtomicFileWriterTest, DestroyWithoutCommitCreatesNothing) {
   testing::TempDir dir;
   const std::string path = dir.file("new.bin");

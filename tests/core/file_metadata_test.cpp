@@ -58,6 +58,7 @@ TEST(FileMetadataTest, ExportedDeployableMetadataMatchesDesignSection5) {
   info.step = 12;
   info.exported = DeployableInfo::Exported{"{\"kind\":\"constant\"}", 4};
   const std::map<std::string, std::string> expected = {
+      {"format", "pt"},  // transformers' from_pretrained requires it
       {"shardema.kind", "deployable_weights"},
       {"shardema.step", "12"},
       {"shardema.schedule", "{\"kind\":\"constant\"}"},
@@ -70,6 +71,7 @@ TEST(FileMetadataTest, SynthesizedDeployableMetadataMatchesDesignSection5) {
   info.step = 300;
   info.synthesized = DeployableInfo::Synthesized{0.1, 6.94, true};
   const std::map<std::string, std::string> expected = {
+      {"format", "pt"},
       {"shardema.kind", "deployable_weights"},
       {"shardema.step", "300"},
       {"shardema.sigma_rel", "0.10000000000000001"},

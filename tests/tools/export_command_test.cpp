@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,44 @@ TEST(ExportCommandTest, MergesRankFilesIntoFullTensors) {
     EXPECT_EQ(file.metadata.at("shardema.kind"), "deployable_weights");
     EXPECT_EQ(file.metadata.at("shardema.step"), "42");
   }
+}
+
+// --max-shard-size: Hugging Face's layout (tests/python/test_hf_export.py
+// loads it with transformers and huggingface_hub): w (24 bytes) fills the
+// first file, b (12) the second; everything in one model.safetensors when
+// it fits.
+TEST(ExportCommandTest, MaxShardSizeWritesAFolderWithAnIndex) {
+  testing::TempDir dir;
+  HandCheckpoint::write(dir.file("ckpt"));
+  const std::string folder = dir.file("hf");
+  auto result = runCli("export --checkpoint " + dir.file("ckpt") + " --out " + folder +
+                       " --max-shard-size 24");
+  ASSERT_EQ(result.status, 0) << result.err;
+  EXPECT_NE(result.out.find("2 tensors, step 42, f32"), std::string::npos) << result.out;
+  EXPECT_NE(result.out.find(" in 2 files"), std::string::npos) << result.out;
+  const auto index = nlohmann::json::parse(
+      testing::readFileBytes(folder + "/model.safetensors.index.json"));
+  EXPECT_EQ(index["metadata"]["total_size"], 36);
+  EXPECT_EQ(index["weight_map"], (nlohmann::json{{"w", "model-00001-of-00002.safetensors"},
+                                                 {"b", "model-00002-of-00002.safetensors"}}));
+  const TensorFile first = readTensorFile(folder + "/model-00001-of-00002.safetensors");
+  const TensorFile second = readTensorFile(folder + "/model-00002-of-00002.safetensors");
+  EXPECT_TRUE(same(first.at("w"), HandCheckpoint::fullW()));
+  EXPECT_TRUE(same(second.at("b"), HandCheckpoint::fullB()));
+  for (const TensorFile* file : {&first, &second}) {
+    EXPECT_EQ(file->metadata.at("format"), "pt");  // transformers' loader needs it
+    EXPECT_EQ(file->metadata.at("shardema.step"), "42");
+  }
+  // bf16, and one file when all fit: the index and the split files go.
+  result = runCli("export --checkpoint " + dir.file("ckpt") + " --out " + folder +
+                  " --max-shard-size 1GB --dtype bf16");
+  ASSERT_EQ(result.status, 0) << result.err;
+  EXPECT_NE(result.out.find(" in 1 files"), std::string::npos) << result.out;
+  EXPECT_FALSE(std::filesystem::exists(folder + "/model.safetensors.index.json"));
+  EXPECT_FALSE(std::filesystem::exists(folder + "/model-00001-of-00002.safetensors"));
+  const TensorFile one = readTensorFile(folder + "/model.safetensors");
+  EXPECT_TRUE(same(one.at("w"), HandCheckpoint::fullW().to(at::kBFloat16)));
+  EXPECT_EQ(one.metadata.at("format"), "pt");
 }
 
 TEST(ExportCommandTest, WorldSizeWritesAReshardedCheckpoint) {
@@ -143,6 +182,14 @@ TEST(ExportCommandTest, ErrorsAreOneLineNamingTheFileWithStatus2) {
   expectError("export --out " + out, "--checkpoint");
   expectError(base + " --dtype f64", "--dtype");
   expectError(base + " --world-size 0", "--world-size");
+  expectError(base + " --max-shard-size 0", "--max-shard-size must be a positive number");
+  expectError(base + " --max-shard-size 5XB", "got '5XB'");
+  expectError("export --checkpoint " + dir.file("ckpt") + " --out " + dir.file("hf") +
+                  " --max-shard-size 1GB --world-size 2",
+              "--max-shard-size does not apply to --world-size");
+  // A file name given as the folder of a split export.
+  expectError(base + " --max-shard-size 1GB", "names a .safetensors file; give a folder");
+  EXPECT_FALSE(std::filesystem::exists(dir.file("hf")));
   // At most the largest tensor's element count (6 here), checked before
   // anything is written: 100000 once wrote rank files at about 3 a second.
   const std::string resharded = dir.file("resharded");

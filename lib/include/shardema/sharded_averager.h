@@ -165,14 +165,24 @@ class ShardedAverager {
   /// `outputDtype` (float32,
   /// bfloat16 or float16); integer/bool copies keep their dtype. Metadata:
   /// shardema.kind=deployable_weights, shardema.step, shardema.schedule.
-  /// Crash-safe: a failure leaves any old file at `path` as it was. If the
+  /// Metadata: also format=pt (safetensors' key, which transformers'
+  /// loader requires).
+  /// With `maxShardBytes` (>= 1), `path` is a folder and the tensors go
+  /// into files of at most that many bytes of data, laid out as Hugging
+  /// Face's save_pretrained lays them out (TensorFolderWriter:
+  /// model-00001-of-0000N.safetensors and model.safetensors.index.json, or
+  /// one model.safetensors when all fit; a tensor larger than the limit gets
+  /// a file of its own), still streamed tensor by tensor on the root.
+  /// Crash-safe: a failure leaves any old file at `path` (the old folder's
+  /// set) as it was. If the
   /// root cannot create the file, or any rank's localEma() throws,
   /// every rank fails (c10::Error naming it) before anything moves; when
   /// the root's append/commit fails, every rank fails after the gather.
   /// Blocks.
   void exportWeights(shard::Communicator& comm, const std::string& path,
                      c10::ScalarType outputDtype = c10::ScalarType::Float,
-                     shard::GatherOptions options = {}) const;
+                     shard::GatherOptions options = {},
+                     std::optional<int64_t> maxShardBytes = std::nullopt) const;
 
  private:
   // localEma() with each splitDim piece in its spec's element order (what

@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -149,6 +150,12 @@ struct ExportOptions {
   /// appends (faster on storage with high per-call cost); costs about twice
   /// that in host memory. Smaller saves memory and costs calls.
   int64_t bufferBytes = int64_t{8} << 20;
+  /// exportCheckpoint only. Unset (default): one file. Set (>= 1): the
+  /// output is a folder in Hugging Face's layout, files of at most this
+  /// many bytes of tensor data (ShardedAverager::exportWeights says how).
+  /// Smaller files upload and load in parallel; a tensor larger than the
+  /// limit still gets a file of its own.
+  std::optional<int64_t> maxShardBytes;
 };
 
 /// What an offline tool wrote.
@@ -156,17 +163,22 @@ struct ExportSummary {
   int64_t step = 0;
   int64_t tensors = 0;
   uint64_t bytes = 0;
+  /// Files written: 1 for one file, the set's size with maxShardBytes (a
+  /// reshard: the rank files).
+  int64_t files = 1;
 };
 
 /// Merges an inspected checkpoint into one deployable safetensors file of
 /// full tensors (global names and shapes, layout order), streaming tensor by
 /// tensor, each tensor with aliases (RankManifest::aliases) again under
-/// each, read again from the rank files. Metadata:
+/// each, read again from the rank files. Metadata: format=pt,
 /// shardema.kind=deployable_weights, shardema.step,
 /// shardema.schedule, shardema.source_world_size. The checkpoint is
 /// checked as inspectCheckpoint does (tensor checksums included) before
 /// `outFile` is opened: a failed check writes nothing. Crash-safe: on any
-/// error an existing `outFile` is left byte-identical. Blocks.
+/// error an existing `outFile` is left byte-identical (with
+/// options.maxShardBytes `outFile` is a folder, and its old set of files
+/// is left as it was). Blocks.
 ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFile,
                                ExportOptions options = {});
 

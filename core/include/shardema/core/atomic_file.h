@@ -29,9 +29,14 @@ class AtomicFileWriter {
   void overwrite(uint64_t offset, const void* data, size_t size);
   /// Bytes written so far.
   uint64_t size() const { return written_; }
-  /// fsync, rename over the final path, fsync the folder. Once only. On
-  /// failure before the rename the old file is untouched and the temp file
-  /// is removed by the destructor.
+  /// fsync and close the temp file, leaving it under its temp name: the
+  /// data is durable and no descriptor is held, but <path> is untouched
+  /// until commit(), which then only renames. For a set of files published
+  /// together (TensorFolderWriter). Once only; no write after it.
+  void finish();
+  /// fsync (unless finish() did), rename over the final path, fsync the
+  /// folder. Once only. On failure before the rename the old file is
+  /// untouched and the temp file is removed by the destructor.
   void commit();
 
   const std::string& path() const { return path_; }
@@ -41,10 +46,15 @@ class AtomicFileWriter {
   std::string tmpPath_;
   int fd_ = -1;
   uint64_t written_ = 0;
+  bool finished_ = false;
   bool committed_ = false;
 };
 
 /// Writes `size` bytes to path atomically (AtomicFileWriter in one call).
 void writeFileAtomically(const std::string& path, const void* data, size_t size);
+
+/// fsyncs folder `folder`, so the renames and removals made in it survive a
+/// crash. c10::Error naming the folder on failure.
+void syncFolder(const std::string& folder);
 
 }  // namespace shardema

@@ -38,6 +38,13 @@ constexpr const char* kPostHocCallsKey = "shardema.posthoc.calls";
 /// checkpoint.
 constexpr const char* kEmaCallbackPrefix = "shardema.ema.";
 
+/// safetensors' own key, outside our prefix: "pt" says the file holds
+/// PyTorch tensors, and transformers' from_pretrained refuses a file
+/// without it (it reads the key to tell PyTorch files from TF/Flax ones).
+/// Deployable files carry it.
+constexpr const char* kSafetensorsFormatKey = "format";
+constexpr const char* kPyTorchFormat = "pt";
+
 // Values of kKindKey.
 constexpr const char* kPostHocSnapshotKind = "posthoc_snapshot";
 constexpr const char* kDeployableKind = "deployable_weights";
@@ -86,8 +93,9 @@ struct DeployableInfo {
   std::optional<Synthesized> synthesized;
 };
 
-/// The metadata of a deployable-weights file: shardema.kind =
-/// deployable_weights and shardema.step, plus shardema.schedule and
+/// The metadata of a deployable-weights file: format = pt (safetensors'
+/// key, which transformers requires), shardema.kind = deployable_weights
+/// and shardema.step, plus shardema.schedule and
 /// shardema.source_world_size for an exported EMA, or shardema.sigma_rel,
 /// shardema.gamma (17 significant digits) and shardema.synthesis for a
 /// synthesized one. TORCH_INTERNAL_ASSERT unless exactly one source is set.

@@ -65,8 +65,12 @@ class TensorFileWriter {
   int64_t remainingInCurrent() const;
 
   /// Checks every tensor is complete (c10::ValueError naming the first
-  /// incomplete one, with counts), then fsyncs, renames over <path> and
-  /// fsyncs the folder. Once only.
+  /// incomplete one, with counts), completes the header, fsyncs and closes
+  /// "<path>.tmp" without renaming it (AtomicFileWriter::finish): for files
+  /// published together (TensorFolderWriter). Once only, before commit().
+  void finish();
+  /// finish() (unless called), then renames over <path> and fsyncs the
+  /// folder. Once only.
   void commit();
   /// XXH64 of the whole file as written (header included); only after
   /// commit() (c10::Error otherwise). Equals fileChecksum(path): the first
@@ -91,6 +95,7 @@ class TensorFileWriter {
   uint64_t headerSize_ = 0;
   uint64_t fileSize_ = 0;
   mutable std::optional<uint64_t> checksum_;
+  bool finished_ = false;
   bool committed_ = false;
 };
 
