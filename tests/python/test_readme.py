@@ -29,8 +29,8 @@ BLOCKS = doc_blocks()
 
 def test_the_documents_have_their_blocks():
     # README: the tour, FSDP2 in a Lightning Trainer (2 ranks); docs/python.md:
-    # one process, DDP, FSDP2, FSDP1, post-hoc, Lightning
-    assert len(BLOCKS) == 8
+    # one process, several profiles, DDP, FSDP2, FSDP1, post-hoc, Lightning
+    assert len(BLOCKS) == 9
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
