@@ -2,7 +2,7 @@
 """shardema.EMA from Python beside the EMAs a PyTorch user would pick instead.
 
     python_bench.py [--elements N] [--tensors T] [--repeats R] [--json PATH]
-                    [--no-fsdp2] [--no-trainable]
+                    [--no-fsdp2] [--no-trainable] [--profiles-only]
 
 One model of T tensors (default 1000) of log-uniform sizes, N elements in
 all (default 64 Mi), with fp32 and then bf16 parameters; an update every
@@ -12,7 +12,10 @@ ModelEmaV3, ema-pytorch EMA (foreach), torch AveragedModel with
 get_ema_multi_avg_fn and Lightning's EMAWeightAveraging; then, on W = 2
 processes over Gloo with a real FSDP2 model, the shard-local
 _foreach_lerp_ over to_local() tensors (what torchtitan's EMA does) beside
-shardema on the same shards.
+shardema on the same shards; then several EMAs of one model
+(python_bench_profiles.py): one EMA of k = 1, 2, 4 profiles beside the
+traffic limit of one read of the weights plus k EMAs and beside k separate
+EMA objects (--profiles-only runs those rows alone).
 
 Every row gives the full update (for shardema update() + wait()), the time
 update() takes to return (what the training loop is blocked for; fence()
@@ -52,6 +55,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import python_bench_peers as peers  # noqa: E402
 import python_bench_trainable as trainable  # noqa: E402
+import python_bench_profiles as profiles  # noqa: E402
 
 try:
     from lightning.pytorch import LightningModule as _ModelBase  # EMAWeightAveraging needs one
@@ -302,6 +306,8 @@ def main():
     parser.add_argument("--no-fsdp2", action="store_true", help="skip the W = 2 FSDP2 rows")
     parser.add_argument("--no-trainable", action="store_true",
                         help="skip the trainable-only rows")
+    parser.add_argument("--profiles-only", action="store_true",
+                        help="only the rows of several profiles (python_bench_profiles.py)")
     if len(sys.argv) > 1 and sys.argv[1] == "--fsdp2-worker":
         rank, world, port, spec, dtype_name, repeats, out = sys.argv[2:9]
         with open(spec) as f:
@@ -310,6 +316,23 @@ def main():
         return 0
     args = parser.parse_args()
     sizes = sizes_for(args.elements, args.tensors)
+    profile_rows = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).replace("torch.", "")
+        profile_rows[name] = profiles.bench_profiles(
+            lambda: Model(sizes, dtype), args.elements, 2 if dtype == torch.bfloat16 else 4,
+            args.repeats, limit_kernels(args.elements), interleaved_medians)
+    if args.profiles_only:
+        print(f"python_bench --profiles-only: torch {torch.__version__}, {platform.machine()}, "
+              f"{os.cpu_count()} CPUs, {args.tensors} tensors, "
+              f"{args.elements / (1 << 20):.0f} Mi elements, {args.repeats} rounds")
+        for name, found in profile_rows.items():
+            profiles.print_profile_rows(name, found)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"torch": torch.__version__, "elements": args.elements,
+                           "tensors": args.tensors, "profiles": profile_rows}, f, indent=1)
+        return 0
     rows, limits, missing = [], {}, []
     for dtype in (torch.float32, torch.bfloat16):
         found, rates, absent = bench_dtype(dtype, sizes, args.repeats)
@@ -338,6 +361,8 @@ def main():
     if missing:
         print(f"  left out (package missing): {', '.join(missing)}")
     print_rows(rows)
+    for name, found in profile_rows.items():
+        profiles.print_profile_rows(name, found)
     print(f"  shardema update() returns for {args.tensors} tensors (1 Mi elements, fp32): "
           f"{returns['warm']:.3f} ms with warm caches, {returns['cold']:.3f} ms after a "
           f"256 MiB stream evicted their metadata (target: under {RETURN_TARGET_MS} ms cold, "
@@ -355,8 +380,8 @@ def main():
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "elements": args.elements,
                        "tensors": args.tensors, "limits": limits, "rows": rows,
-                       "update_returns_ms": returns, "trainable_only": trainable_rows}, f,
-                      indent=1)
+                       "update_returns_ms": returns, "trainable_only": trainable_rows,
+                       "profiles": profile_rows}, f, indent=1)
     return 0
 
 

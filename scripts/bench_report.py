@@ -437,7 +437,29 @@ def python_section(path):
                "update() walks every tracked tensor's metadata, so its cost is a few cache "
                "misses per tensor: the rounds above, where other methods' passes (and the "
                "EMA's own over 64 Mi elements) evict that metadata, show the cold figure."]
-    return "\n".join(md), {"python": data["rows"], "python_update_returns_ms": returns}
+    if data.get("profiles"):
+        md += ["", profiles_section(data)]
+    return "\n".join(md), {"python": data["rows"], "python_update_returns_ms": returns,
+                           "python_profiles": data.get("profiles")}
+
+
+def profiles_section(data):
+    """python_bench_profiles.py's rows: one EMA of k profiles beside k EMA
+    objects and the traffic limit of one read plus k EMAs."""
+    columns = [("parameters", lambda r: r["dtype"]), ("method", lambda r: r["method"]),
+               ("ms", lambda r: number(r["ms"])), ("limit ms", lambda r: number(r["limit_ms"])),
+               ("of limit", lambda r: fraction(r["fraction_of_limit"])),
+               ("x 1 profile", lambda r: number(r["x_one_profile"], 2)),
+               ("separate / one", lambda r: number(r["x_vs_separate"], 2)
+                if "x_vs_separate" in r else "")]
+    rows = [dict(r, dtype=dtype) for dtype, found in data["profiles"].items() for r in found]
+    return "\n".join([
+        "#### Several EMAs from one read (`python_bench_profiles.py`)", "",
+        "One `EMA(model, schedules=[...])` of k profiles (one read of the weights per update) "
+        "beside k separate `EMA` objects of the same model, in the same rounds as the limit "
+        "kernels. Limit: one read of the weights plus k fp32 EMAs read and written, (source + "
+        "8k) B/element, at the faster limit kernel's rate; \"separate / one\": k objects' time "
+        "over one EMA of k profiles.", "", markdown_table(columns, rows)])
 
 
 # ---------------------------------------------------------------- machine

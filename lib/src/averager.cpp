@@ -55,6 +55,11 @@ void checkTracked(const TrackedTensor& tracked, std::unordered_set<std::string>&
   TORCH_CHECK_VALUE(!tracked.name.empty(), "Averager: a tracked tensor has an empty name");
   TORCH_CHECK_VALUE(seen.insert(tracked.name).second, "Averager: tensor '", tracked.name,
                     "' is tracked twice; names must be unique");
+  // State files store profile p > 0 under this prefix (profileTensorName).
+  TORCH_CHECK_VALUE(tracked.name.rfind("shardema.profile_", 0) != 0, "Averager: tensor '",
+                    tracked.name,
+                    "' begins with 'shardema.profile_', which state files keep for "
+                    "the names of further profiles; rename it");
   TORCH_CHECK_VALUE(tracked.source.defined(), "Averager: tensor '", tracked.name,
                     "' has an undefined source");
   checkReadable(tracked);
@@ -444,11 +449,12 @@ TrackRole Averager::role(const std::string& name) const {
 
 std::vector<TrackedTensor> Averager::tracked() const { return tracked_; }
 
-void Averager::copyTo() {
+void Averager::copyTo(int profile) {
+  checkProfile(profile, "copyTo");
   settle("copyTo");
   // Writing into leaf parameters is only allowed outside autograd.
   c10::NoGradGuard noGrad;
-  store("copyTo").copyTo();
+  store("copyTo").copyTo(profile);
 }
 
 }  // namespace shardema

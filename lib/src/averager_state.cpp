@@ -1,4 +1,5 @@
-// Averager state for resume: EMA tensors plus step, flags, schedule, roles.
+// Averager state for resume: EMA tensors of every profile plus step, flags,
+// schedules, roles.
 #include <c10/util/Exception.h>
 
 #include <cstdio>
@@ -11,6 +12,7 @@
 #include "shardema/averager.h"
 #include "shardema/core/checksum.h"
 #include "shardema/core/file_metadata.h"
+#include "state_profiles.h"
 
 namespace shardema {
 namespace {
@@ -92,7 +94,7 @@ constexpr const char* kStateKeys[] = {detail::kKindKey,        detail::kStepKey,
 std::string stateKeysText() {
   std::string text;
   for (const char* key : kStateKeys) text += std::string(text.empty() ? "" : ", ") + key;
-  return text;
+  return text + " and " + detail::kProfilesKey + " when present";
 }
 
 // XXH64 of each state key and its value, NUL-separated (an absent key
@@ -104,6 +106,14 @@ uint64_t stateDigest(const Metadata& metadata) {
     hash.update(key, std::strlen(key) + 1);
     const std::string value = it == metadata.end() ? std::string("\x01" "absent") : it->second;
     hash.update(value.data(), value.size() + 1);
+  }
+  // Hashed only where present, so a state of one profile (and one saved
+  // before profiles were saved) keeps its digest. A state that lost the key
+  // fails on its profile tensors instead, which nothing then expects.
+  const auto profiles = metadata.find(detail::kProfilesKey);
+  if (profiles != metadata.end()) {
+    hash.update(detail::kProfilesKey, std::strlen(detail::kProfilesKey) + 1);
+    hash.update(profiles->second.data(), profiles->second.size() + 1);
   }
   return hash.digest();
 }
@@ -150,6 +160,7 @@ AveragerStateInfo checkAveragerStateMetadata(const Metadata& metadata, const cha
                     detail::kInitializedKey, " must be true or false, got '", initialized, "'");
   info.initialized = initialized == "true";
   info.roles = savedRoles(metadata, api);
+  info.profiles = detail::savedProfiles(metadata, {info.schedule, info.lastDecay}, api);
   checkStateDigest(metadata, api);
   return info;
 }
@@ -167,17 +178,37 @@ void Averager::checkRoles(const std::map<std::string, TrackRole>& saved) const {
   }
 }
 
+// Another number of profiles, or another schedule for one, would resume
+// EMAs that are not the ones this Averager's profiles name.
+void Averager::checkSavedProfiles(const std::vector<AveragerStateInfo::Profile>& saved) const {
+  TORCH_CHECK_VALUE(static_cast<int>(saved.size()) == numProfiles(),
+                    "Averager::loadState: the state holds ", saved.size(), " profile",
+                    saved.size() == 1 ? "" : "s", " but this Averager keeps ", numProfiles(),
+                    "; build it with the saved schedules or load non-strictly");
+  for (size_t p = 1; p < saved.size(); ++p) {
+    const DecaySchedule& here = schedule(static_cast<int>(p));
+    TORCH_CHECK_VALUE(saved[p].schedule == here, "Averager::loadState: profile ", p,
+                      " was saved with schedule ", saved[p].schedule.describe(),
+                      " but this Averager's is ", here.describe(),
+                      "; build it with the saved schedules or load non-strictly");
+  }
+}
+
 LoadReport Averager::loadEmaValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
                                    LoadStrictness strictness, int profile) {
   checkProfile(profile, "loadEmaValues");
   settle("loadEmaValues");
-  return loadValues(values, strictness, profile);
+  const LoadReport report = checkValues(values, strictness, /*averagedOnly=*/false);
+  writeValues(values, profile);
+  return report;
 }
 
-LoadReport Averager::loadValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
-                                LoadStrictness strictness, int profile) {
+LoadReport Averager::checkValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
+                                 LoadStrictness strictness, bool averagedOnly) const {
   std::vector<std::string> trackedNames;
-  for (const TrackedTensor& t : tracked_) trackedNames.push_back(t.name);
+  for (const TrackedTensor& t : tracked_) {
+    if (!averagedOnly || isAveragingRole(t.role)) trackedNames.push_back(t.name);
+  }
   const LoadReport report = detail::matchLoadTargets(
       values, trackedNames,
       [&](const std::string& name) -> const at::Tensor* {
@@ -199,22 +230,29 @@ LoadReport Averager::loadValues(const std::vector<std::pair<std::string, at::Ten
                       joinNames(report.unexpected),
                       " (given but not tracked; load non-strictly to ignore them)");
   }
-  // Everything is checked before the first write, so a failed load leaves
-  // the Averager as it was.
+  return report;
+}
+
+void Averager::writeValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
+                           int profile) {
   for (const auto& [name, tensor] : values) {
     const auto it = index_.find(name);
     if (it != index_.end()) store_->storage(it->second, profile).copy_(tensor);
   }
-  return report;
 }
 
 TensorFile Averager::state() const {
-  TORCH_CHECK(options_.moreSchedules.empty(), "Averager::state: this Averager tracks ",
-              numProfiles(), " profiles; save each one as a post-hoc snapshot (writeSnapshot ",
-              "of emaTensors(p)) and resume with loadEmaValues(values, strictness, p) + ",
-              "restoreProgress");
   TensorFile file;
   file.tensors = emaTensors();
+  // Copies are one tensor shared by every profile: saved once, above.
+  for (int p = 1; p < numProfiles(); ++p) {
+    const std::vector<std::pair<std::string, at::Tensor>> profile = emaTensors(p);
+    for (size_t i = 0; i < profile.size(); ++i) {
+      if (isAveragingRole(tracked_[i].role)) {
+        file.tensors.emplace_back(profileTensorName(profile[i].first, p), profile[i].second);
+      }
+    }
+  }
   file.metadata = stateMetadata();
   return file;
 }
@@ -229,6 +267,11 @@ std::map<std::string, std::string> Averager::stateMetadata() const {
   metadata[detail::kLastDecayKey] = detail::formatDecimal17(lastDecay_);
   metadata[detail::kScheduleKey] = options_.schedule.toJson();
   metadata[detail::kRolesKey] = roles.dump();
+  if (numProfiles() > 1) {
+    std::vector<AveragerStateInfo::Profile> profiles;
+    for (int p = 0; p < numProfiles(); ++p) profiles.push_back({schedule(p), lastDecay(p)});
+    metadata[detail::kProfilesKey] = detail::profilesJson(profiles);
+  }
   metadata[detail::kStateChecksumKey] = checksumHex(stateDigest(metadata));
   return metadata;
 }
@@ -250,10 +293,51 @@ LoadReport Averager::loadState(const TensorFile& file, LoadStrictness strictness
                     saved.schedule.describe(), " but this Averager uses ",
                     options_.schedule.describe(),
                     "; build it with the saved schedule or load non-strictly");
-  if (strictness == LoadStrictness::kStrict) checkRoles(saved.roles);
-  LoadReport report = loadValues(file.tensors, strictness, /*profile=*/0);
+  if (strictness == LoadStrictness::kStrict) {
+    checkRoles(saved.roles);
+    checkSavedProfiles(saved.profiles);
+  }
+  // Each stored tensor to its profile; one of a profile this Averager lacks
+  // (a non-strict load of more profiles) is reported, not loaded.
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> byProfile(numProfiles());
+  std::vector<std::string> otherProfiles;
+  for (const auto& [stored, tensor] : file.tensors) {
+    std::string name;
+    const int p = profileOfStoredName(stored, &name);
+    const auto it = index_.find(name);
+    const bool averaged = it != index_.end() && isAveragingRole(tracked_[it->second].role);
+    // p > 0 holds averaged tensors only (a copy is shared, saved once).
+    if (p == 0 ||
+        (p > 0 && p < numProfiles() && p < static_cast<int>(saved.profiles.size()) && averaged)) {
+      byProfile[p].emplace_back(name, tensor);
+    } else {
+      otherProfiles.push_back(stored);
+    }
+  }
+  TORCH_CHECK_VALUE(strictness == LoadStrictness::kNonStrict || otherProfiles.empty(),
+                    "Averager::loadState: unexpected tensors ", joinNames(otherProfiles),
+                    " (of a profile the state does not record)");
+  // Everything is checked before the first write, so a failed load leaves
+  // the Averager as it was.
+  LoadReport report = checkValues(byProfile[0], strictness, /*averagedOnly=*/false);
+  std::vector<LoadReport> more;
+  for (int p = 1; p < static_cast<int>(byProfile.size()); ++p) {
+    more.push_back(checkValues(byProfile[p], strictness, /*averagedOnly=*/true));
+    if (p >= static_cast<int>(saved.profiles.size())) continue;  // kept: none saved
+    for (const std::string& n : more.back().missing) {
+      report.missing.push_back(profileTensorName(n, p));
+    }
+    for (const std::string& n : more.back().unexpected) {
+      report.unexpected.push_back(profileTensorName(n, p));
+    }
+  }
+  report.unexpected.insert(report.unexpected.end(), otherProfiles.begin(), otherProfiles.end());
+  for (int p = 0; p < static_cast<int>(byProfile.size()); ++p) writeValues(byProfile[p], p);
   step_ = saved.step;
   lastDecay_ = saved.lastDecay;
+  for (size_t p = 1; p < saved.profiles.size() && p < moreLastDecays_.size() + 1; ++p) {
+    moreLastDecays_[p - 1] = saved.profiles[p].lastDecay;
+  }
   initialized_ = saved.initialized;
   // Only a state that covered every tensor replaces a partly updated EMA.
   if (report.missing.empty()) failure_.clear();

@@ -47,8 +47,8 @@ void DeviceEmaStore::update(const EmaUpdate& update) {
   }
 }
 
-void DeviceEmaStore::copyTo() {
-  for (size_t i = 0; i < bound_.size(); ++i) bound_[i].source.detach().copy_(storage(i, 0));
+void DeviceEmaStore::copyTo(int profile) {
+  for (size_t i = 0; i < bound_.size(); ++i) bound_[i].source.detach().copy_(storage(i, profile));
 }
 
 }  // namespace shardema::detail

@@ -19,7 +19,7 @@ class DeviceEmaStore final : public EmaStore {
   void fence() override {}
   void wait() override {}
   bool sourcesReleased() const override { return true; }
-  void copyTo() override;
+  void copyTo(int profile) override;
   offload::PipelineStats stats() const override { return {}; }
 };
 

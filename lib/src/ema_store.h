@@ -58,9 +58,10 @@ class EmaStore {
   virtual void wait() = 0;
   /// Whether fence() or wait() has run since the last update (or none ran).
   virtual bool sourcesReleased() const = 0;
-  /// Writes profile 0 into the bound sources (converted to their dtype and
-  /// device). Blocks. The caller has waited and disabled autograd.
-  virtual void copyTo() = 0;
+  /// Writes `profile` into the bound sources (converted to their dtype and
+  /// device). Blocks. The caller has waited, checked the profile and
+  /// disabled autograd.
+  virtual void copyTo(int profile) = 0;
   /// Reads `source` for tracked tensor `index` from now on (the Averager
   /// has checked it against the old one). The caller has waited.
   /// `newWriter`: the source's own version counter from now on (see

@@ -120,11 +120,11 @@ EmaStore::Writes PinnedHostEmaStore::writes() const {
   return out;
 }
 
-void PinnedHostEmaStore::copyTo() {
+void PinnedHostEmaStore::copyTo(int profile) {
   std::vector<offload::SwapJob> jobs;
   jobs.reserve(bound_.size());
   for (size_t i = 0; i < bound_.size(); ++i) {
-    jobs.push_back({storage(i, 0), bound_[i].source.detach(), bound_[i].name});
+    jobs.push_back({storage(i, profile), bound_[i].source.detach(), bound_[i].name});
   }
   pipeline_.copyTo(jobs);
 }

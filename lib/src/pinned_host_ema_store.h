@@ -28,7 +28,7 @@ class PinnedHostEmaStore final : public EmaStore {
   void fence() override { pipeline_.fence(); }
   void wait() override { pipeline_.wait(); }
   bool sourcesReleased() const override { return pipeline_.sourcesReleased(); }
-  void copyTo() override;
+  void copyTo(int profile) override;
   offload::PipelineStats stats() const override { return pipeline_.stats(); }
   Writes writes() const override;
 

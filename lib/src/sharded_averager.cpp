@@ -188,18 +188,18 @@ void ShardedAverager::followReplaced(const std::string& name, const at::Tensor& 
   TORCH_CHECK_INDEX(false, api, ": no tensor '", name, "'");
 }
 
-std::vector<at::Tensor> ShardedAverager::localEma() const {
+std::vector<at::Tensor> ShardedAverager::localEma(int profile) const {
   std::vector<at::Tensor> pieces;
   pieces.reserve(shards_.size());
-  for (const auto& [name, ema] : averager_.emaTensors()) {
+  for (const auto& [name, ema] : averager_.emaTensors(profile)) {
     pieces.push_back(ema.is_cpu() ? ema.contiguous().reshape({-1})
                                   : ema.reshape({-1}).to(c10::Device(c10::kCPU)));
   }
   return pieces;
 }
 
-std::vector<at::Tensor> ShardedAverager::piecesInSpecOrder() const {
-  std::vector<at::Tensor> pieces = localEma();
+std::vector<at::Tensor> ShardedAverager::piecesInSpecOrder(int profile) const {
+  std::vector<at::Tensor> pieces = localEma(profile);
   for (size_t i = 0; i < shards_.size(); ++i) {
     const LocalShard& shard = shards_[i];
     pieces[i] = detail::rangeOfHeld(shard.spec, rank_, pieces[i]);
@@ -212,10 +212,12 @@ std::vector<at::Tensor> ShardedAverager::piecesInSpecOrder() const {
 
 std::vector<std::pair<std::string, at::Tensor>> ShardedAverager::fullStateDict(
     shard::Communicator& comm, shard::GatherOptions options,
-    const std::optional<std::vector<std::string>>& only) const {
+    const std::optional<std::vector<std::string>>& only, int profile) const {
+  // Before any exchange, on every rank (each asks for the same profile).
+  averager_.schedule(profile);
   std::vector<at::Tensor> pieces;
   try {
-    pieces = piecesInSpecOrder();
+    pieces = piecesInSpecOrder(profile);
   } catch (...) {
     // A background failure rethrown here: join the gather's first exchange
     // with it, so every rank fails at once naming this one.

@@ -202,7 +202,8 @@ void detail::exportPieces(shard::Communicator& comm, const std::string& path,
 
 void ShardedAverager::exportWeights(shard::Communicator& comm, const std::string& path,
                                     c10::ScalarType outputDtype, shard::GatherOptions options,
-                                    std::optional<int64_t> maxShardBytes) const {
+                                    std::optional<int64_t> maxShardBytes,
+                                    int profile) const {
   constexpr const char* kExportApi = "ShardedAverager::exportWeights";
   detail::checkExportDtype(outputDtype, kExportApi);
   TORCH_CHECK_VALUE(!maxShardBytes || *maxShardBytes >= 1, kExportApi,
@@ -213,18 +214,21 @@ void ShardedAverager::exportWeights(shard::Communicator& comm, const std::string
   TORCH_CHECK_VALUE(comm.worldSize() == worldSize_ && comm.rank() == rank_, kExportApi,
                     ": communicator is rank ", comm.rank(), " of ", comm.worldSize(),
                     " but this averager is rank ", rank_, " of ", worldSize_);
+  // A profile that does not exist: c10::IndexError on every rank (each
+  // asks for the same one) before anything moves.
+  const std::map<std::string, std::string> metadata =
+      detail::exportedMetadata(averager_.step(), averager_.schedule(profile), worldSize_);
   std::vector<at::Tensor> pieces;
   try {
-    pieces = piecesInSpecOrder();
+    pieces = piecesInSpecOrder(profile);
   } catch (...) {
     // A background failure: join the gather's checks with it (see gather.h).
     options.localError = detail::currentErrorMessage();
   }
   std::vector<ExportedTensor> tensors;
   for (const LocalShard& shard : shards_) tensors.push_back({shard.aliases, shard.splitDim});
-  detail::exportPieces(comm, path, layout_, pieces, outputDtype,
-                       detail::exportedMetadata(averager_.step(), averager_.schedule(), worldSize_),
-                       options, kExportApi, tensors, maxShardBytes);
+  detail::exportPieces(comm, path, layout_, pieces, outputDtype, metadata, options, kExportApi,
+                       tensors, maxShardBytes);
 }
 
 }  // namespace shardema

@@ -5,8 +5,10 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <memory>
 #include <system_error>
+#include <unordered_map>
 
 #include "sharded_internal.h"
 #include "shardema/core/tensor_file_reader.h"
@@ -83,24 +85,32 @@ void checkStored(const TensorFileReader& reader, const std::string& name, int64_
 // the other ranks when the layout has one), as rank 0's copy stands for it:
 // every rank resumes with rank 0's, as DDP's next forward would make the
 // buffers themselves.
+// Profiles beyond 0 (`profiles` saved, those this Averager keeps) hold
+// the averaged tensors only; loadState then refuses another number of
+// profiles or another schedule, naming them.
 TensorFile readRankTensors(const TensorFileReader& reader, const TensorFileReader* rankZero,
-                           const ShardedAverager& averager) {
+                           const ShardedAverager& averager, int profiles) {
   const int64_t rank = averager.rank();
   TensorFile file;
-  for (const shard::ShardSpec& spec : averager.layout().specs) {
-    // The EMA's dtype and shape without waiting: a failed Averager is
-    // loaded into too (that is how it recovers).
-    const auto [emaDtype, emaShape] = averager.averager().emaDtypeAndShape(spec.name);
-    checkStored(reader, spec.name, spec.rangeOf(rank).size(), emaDtype, rank);
-    const TensorFileReader* source = &reader;
-    if (spec.kind == shard::LayoutKind::kPerRank && rank != 0) {
-      TORCH_INTERNAL_ASSERT(rankZero != nullptr);
-      source = rankZero;
-      checkStored(*source, spec.name, spec.numel(), emaDtype, 0);
+  const int read = std::min(profiles, averager.averager().numProfiles());
+  for (int p = 0; p < read; ++p) {
+    for (const shard::ShardSpec& spec : averager.layout().specs) {
+      if (p > 0 && !isAveragingRole(averager.averager().role(spec.name))) continue;
+      const std::string stored = profileTensorName(spec.name, p);
+      // The EMA's dtype and shape without waiting: a failed Averager is
+      // loaded into too (that is how it recovers).
+      const auto [emaDtype, emaShape] = averager.averager().emaDtypeAndShape(spec.name);
+      checkStored(reader, stored, spec.rangeOf(rank).size(), emaDtype, rank);
+      const TensorFileReader* source = &reader;
+      if (spec.kind == shard::LayoutKind::kPerRank && rank != 0) {
+        TORCH_INTERNAL_ASSERT(rankZero != nullptr);
+        source = rankZero;
+        checkStored(*source, stored, spec.numel(), emaDtype, 0);
+      }
+      // read() checks the tensor's own checksum (the only check of rank 0's
+      // file made here: see openRankZero).
+      file.tensors.emplace_back(stored, source->read(stored).reshape(emaShape));
     }
-    // read() checks the tensor's own checksum (the only check of rank 0's
-    // file made here: see openRankZero).
-    file.tensors.emplace_back(spec.name, source->read(spec.name).reshape(emaShape));
   }
   file.metadata = reader.header().metadata;
   return file;
@@ -128,12 +138,20 @@ std::unique_ptr<TensorFileReader> openRankZero(const std::string& dir, const Ran
   return reader;
 }
 
-void checkNoUnknownTensors(const TensorFileReader& reader, const shard::ShardLayout& layout) {
-  for (const std::string& name : reader.names()) {
-    bool known = false;
-    for (const shard::ShardSpec& spec : layout.specs) known = known || spec.name == name;
-    TORCH_CHECK_VALUE(known, reader.path(), ": tensor '", name,
-                      "' is not in the checkpoint's layout");
+// `profiles`: as the file's metadata records them (shardema.profiles).
+void checkNoUnknownTensors(const TensorFileReader& reader, const shard::ShardLayout& layout,
+                           int profiles) {
+  for (const std::string& stored : reader.names()) {
+    std::string name;
+    const int profile = profileOfStoredName(stored, &name);
+    bool known = profile >= 0 && profile < profiles;
+    if (known) {
+      known = false;
+      for (const shard::ShardSpec& spec : layout.specs) known = known || spec.name == name;
+    }
+    TORCH_CHECK_VALUE(known, reader.path(), ": tensor '", stored,
+                      "' is not in the checkpoint's layout",
+                      profile != 0 ? " (or of a profile the file does not record)" : "");
   }
 }
 
@@ -157,22 +175,26 @@ RankFileRecord writeRankFile(const std::string& dir, const ShardedAverager& aver
   detail::ensureDirectory(dir, "writeRankFile");
   const TensorFile state = averager.averager().state();
   // Each tensor's range of this rank (rangeOf): a per-rank tensor is in
-  // rank 0's file alone, as rank 0's copy stands for it.
+  // rank 0's file alone, as rank 0's copy stands for it. Every profile's
+  // tensor (profileTensorName) is cut as its tensor's spec says.
   const shard::ShardLayout& layout = averager.layout();
-  TORCH_INTERNAL_ASSERT(state.tensors.size() == layout.specs.size());
+  std::unordered_map<std::string, size_t> specIndex;
+  for (size_t i = 0; i < layout.specs.size(); ++i) specIndex.emplace(layout.specs[i].name, i);
+  std::vector<const shard::ShardSpec*> specOf;
   std::vector<TensorFileEntry> entries;
-  for (size_t i = 0; i < state.tensors.size(); ++i) {
-    const auto& [tensorName, ema] = state.tensors[i];
-    TORCH_INTERNAL_ASSERT(tensorName == layout.specs[i].name);
-    entries.push_back(
-        {tensorName, ema.scalar_type(), {layout.specs[i].rangeOf(averager.rank()).size()}});
+  for (const auto& [stored, ema] : state.tensors) {
+    std::string tensorName;
+    TORCH_INTERNAL_ASSERT(profileOfStoredName(stored, &tensorName) >= 0);
+    const shard::ShardSpec& spec = layout.specs.at(specIndex.at(tensorName));
+    specOf.push_back(&spec);
+    entries.push_back({stored, ema.scalar_type(), {spec.rangeOf(averager.rank()).size()}});
   }
   TensorFileWriter writer(detail::joinPath(dir, name), std::move(entries),
                           detail::rankMetadata(state.metadata, averager.rank(), averager.layout()));
   for (size_t i = 0; i < state.tensors.size(); ++i) {
     const at::Tensor& ema = state.tensors[i].second;
     const at::Tensor flat = (ema.is_cpu() ? ema : ema.to(c10::Device(c10::kCPU))).reshape({-1});
-    writer.append(detail::rangeOfHeld(layout.specs[i], averager.rank(), flat).contiguous());
+    writer.append(detail::rangeOfHeld(*specOf[i], averager.rank(), flat).contiguous());
   }
   writer.commit();
   return RankFileRecord{averager.rank(), name, writer.fileSize(), writer.checksum()};
@@ -224,18 +246,20 @@ void loadCheckpoint(const std::string& dir, ShardedAverager& averager) {
   // newest manifest does not name; only an outside writer could swap it.
   verifyRankFile(dir, record);
   const TensorFileReader reader(detail::joinPath(dir, record.name));
-  checkNoUnknownTensors(reader, averager.layout());
   detail::checkRankMetadata(reader.path(), reader.header().metadata, averager.rank(),
                             manifest.worldSize(), manifest.layout.fingerprint(), manifest.step);
   // Before any tensor is read, in the words inspect and export use for the
   // same file (loadState makes the same check again).
+  AveragerStateInfo saved;
   try {
-    checkAveragerStateMetadata(reader.header().metadata, "Averager state");
+    saved = checkAveragerStateMetadata(reader.header().metadata, "Averager state");
   } catch (const c10::ValueError& error) {
     TORCH_CHECK_VALUE(false, reader.path(), ": ", error.what_without_backtrace());
   }
+  const int profiles = static_cast<int>(saved.profiles.size());
+  checkNoUnknownTensors(reader, averager.layout(), profiles);
   const std::unique_ptr<TensorFileReader> rankZero = openRankZero(dir, manifest, averager);
-  const TensorFile state = readRankTensors(reader, rankZero.get(), averager);
+  const TensorFile state = readRankTensors(reader, rankZero.get(), averager, profiles);
   try {
     averager.averager().loadState(state, LoadStrictness::kStrict);
   } catch (const c10::ValueError& error) {

@@ -34,6 +34,12 @@ struct OpenCheckpoint {
 
 void checkRankFile(const TensorFileReader& reader, const RankManifest& manifest, int64_t rank) {
   const shard::ShardLayout& layout = manifest.layout;
+  // Not yet read by the offline tools: refused by name rather than taken
+  // for tensors outside the layout.
+  TORCH_CHECK_VALUE(reader.header().metadata.count(detail::kProfilesKey) == 0, reader.path(),
+                    ": the checkpoint holds several EMA profiles (", detail::kProfilesKey,
+                    "), which the offline tools do not read yet; load it with "
+                    "shardema.EMA.load_checkpoint and use export_weights(path, profile=p)");
   std::unordered_set<std::string> names;
   for (const shard::ShardSpec& spec : layout.specs) names.insert(spec.name);
   for (const std::string& name : reader.names()) {

@@ -21,12 +21,16 @@ says where its rows lie in the full tensor:
 - a plain full tensor on rank 0 only ("rank0"): layout="rank0", and the
   0-dim tensors of the other layouts, which rank 0 keeps.
 
+An EMA of several profiles (EMA(schedules=[...])) adds "profile_weights":
+{"1": {name: tensor}, ...}, each profile's averaged tensors placed as
+"weights" places them, and the progress its "profiles" (each profile's
+schedule and last decay, the engine's shardema.profiles).
+
 The progress (step, decay, schedule, roles) is plain values, equal on every
 rank. DCP loads in place into the state dict it is given: state_dict()
 returns fresh tensors of this EMA's pieces (fp32 where averaged), and
 load_state_dict() copies what was loaded into them back into the engine.
 """
-import functools
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -34,6 +38,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from . import _C
 from ._model import _fsdp2_local, dtensor_split, is_dtensor, module_tensors
 
 FORMAT = "shardema.EMA/1"
@@ -46,6 +51,8 @@ _PROGRESS = {
     "schedule": ("shardema.schedule", str),
     "roles": ("shardema.roles", str),
 }
+# ...and the one an EMA of several profiles adds.
+_PROFILES = ("profiles", "shardema.profiles")
 
 
 @dataclass
@@ -69,6 +76,8 @@ class _Layout:
     pieces: Dict[str, _Piece] = field(default_factory=dict)
     identity: Dict[str, str] = field(default_factory=dict)  # engine metadata, not progress
     own_schedule_and_roles: Dict[str, str] = field(default_factory=dict)
+    # Profile p > 0: the names it holds (the averaged ones).
+    profiles: Dict[int, List[str]] = field(default_factory=dict)
     rank: int = 0
     world: int = 1
 
@@ -154,10 +163,18 @@ def _layout(ema: Any, engine: Any, raw: Optional[Dict[str, Any]] = None) -> _Lay
                          "model")
     # The state's checksum of its keys (shardema.state_xxh64) is left out
     # with the progress it covers: a load gives other progress.
-    progress_keys = {key for key, _ in _PROGRESS.values()} | {"shardema.state_xxh64"}
+    progress_keys = {key for key, _ in _PROGRESS.values()} | {"shardema.state_xxh64",
+                                                              _PROFILES[1]}
     out.identity = {k: v for k, v in raw["metadata"].items() if k not in progress_keys}
     out.own_schedule_and_roles = {key: raw["metadata"][key]
                                   for key in ("shardema.schedule", "shardema.roles")}
+    if _PROFILES[1] in raw["metadata"]:
+        # A cold start's: every profile's schedule, none decayed yet.
+        import json
+        profiles = json.loads(raw["metadata"][_PROFILES[1]])
+        for entry in profiles:
+            entry["last_decay"] = "0"
+        out.own_schedule_and_roles[_PROFILES[1]] = json.dumps(profiles, separators=(",", ":"))
     dtensors = [t for t in sources.values() if is_dtensor(t)]
     meshes: Dict[int, Any] = {}
     # What the planner keeps per rank (_model.py): the module's plain buffers.
@@ -175,7 +192,13 @@ def _layout(ema: Any, engine: Any, raw: Optional[Dict[str, Any]] = None) -> _Lay
         return meshes[id(mesh)]
 
     from torch.distributed.tensor import Replicate, Shard
+    for stored in raw["tensors"]:
+        profile, name = _C.profile_of_stored_name(stored)
+        if profile != 0:  # the same tensor again, placed as profile 0's
+            out.profiles.setdefault(profile, []).append(name)
     for name, local in raw["tensors"].items():
+        if _C.profile_of_stored_name(name)[0] != 0:
+            continue
         source = sources.get(name)
         shape = tuple(source.shape) if source is not None else tuple(local.shape)
         piece = _Piece("whole", shape, tuple(local.shape), local.dtype)
@@ -202,16 +225,36 @@ def _layout(ema: Any, engine: Any, raw: Optional[Dict[str, Any]] = None) -> _Lay
 
 
 def state_dict(ema: Any, engine: Any) -> Dict[str, Any]:
-    """{"weights": {name: DTensor or tensor}, "progress": {...}}: fresh
-    tensors (DCP may load into them), nothing shared with the engine."""
-    from torch.distributed.tensor import DTensor
-    raw = engine.state_dict()  # clones of this rank's pieces
+    """{"weights": {name: DTensor or tensor}, "progress": {...}} (and
+    "profile_weights" with several profiles): fresh tensors (DCP may load
+    into them), nothing shared with the engine."""
+    raw = engine.state_dict()  # clones of this rank's pieces, every profile
     layout = _layout(ema, engine, raw)
+    out: Dict[str, Any] = {"weights": _placed(ema, layout, raw["tensors"], 0, list(layout.pieces))}
+    if layout.profiles:
+        out["profile_weights"] = {str(p): _placed(ema, layout, raw["tensors"], p, names)
+                                  for p, names in sorted(layout.profiles.items())}
+    metadata = raw["metadata"]
+    progress: Dict[str, Any] = {"format": FORMAT}
+    for field_name, (key, kind) in _PROGRESS.items():
+        text = metadata[key]
+        progress[field_name] = (text == "true") if kind is bool else kind(text)
+    if _PROFILES[1] in metadata:
+        progress[_PROFILES[0]] = metadata[_PROFILES[1]]
+    out["progress"] = progress
+    return out
+
+
+def _placed(ema: Any, layout: "_Layout", tensors: Dict[str, torch.Tensor], profile: int,
+            names: List[str]) -> Dict[str, Any]:
+    """Profile `profile`'s `names` from the engine's `tensors`, each as a
+    DTensor or a plain tensor as its _Piece says."""
+    from torch.distributed.tensor import DTensor
     # Rank 0's of what each rank keeps as its own (the engine's gather takes
     # rank 0's): DCP writes one copy of a plain tensor that every rank holds,
     # from any rank.
-    own = [n for n, p in layout.pieces.items() if p.owner == "whole"] if layout.world > 1 else []
-    rank0s = ema.full_state_dict(rank0_only=False, names=own) if own else {}
+    own = [n for n in names if layout.pieces[n].owner == "whole"] if layout.world > 1 else []
+    rank0s = ema.full_state_dict(rank0_only=False, names=own, profile=profile) if own else {}
     replicas = getattr(ema, "_replicas", None)
     if rank0s and replicas is not None:
         # HSDP: each replica's shard group gathered its own rank 0's; the
@@ -220,7 +263,8 @@ def state_dict(ema: Any, engine: Any) -> Dict[str, Any]:
         for value in rank0s.values():
             dist.broadcast(value, src=dist.get_global_rank(replicas, 0), group=replicas)
     weights: Dict[str, Any] = {}
-    for name, local in raw["tensors"].items():
+    for name in names:
+        local = tensors[_C.profile_tensor_name(name, profile)]
         piece = layout.pieces[name]
         if piece.owner == "placed":
             weights[name] = DTensor.from_local(local.reshape(piece.placed_shape), piece.mesh,
@@ -229,12 +273,7 @@ def state_dict(ema: Any, engine: Any) -> Dict[str, Any]:
                                                stride=_contiguous_stride(piece.global_shape))
         elif piece.owner == "whole" or layout.rank == 0:
             weights[name] = rank0s.get(name, local).reshape(piece.global_shape)
-    metadata = raw["metadata"]
-    progress: Dict[str, Any] = {"format": FORMAT}
-    for field_name, (key, kind) in _PROGRESS.items():
-        text = metadata[key]
-        progress[field_name] = (text == "true") if kind is bool else kind(text)
-    return {"weights": weights, "progress": progress}
+    return weights
 
 
 def _progress_metadata(progress: Any) -> Dict[str, str]:
@@ -253,6 +292,12 @@ def _progress_metadata(progress: Any) -> Dict[str, str]:
                              f"{value!r}, expected {kind.__name__}")
         out[key] = ("true" if value else "false") if kind is bool else \
             repr(float(value)) if kind is float else str(value)
+    if _PROFILES[0] in progress:
+        value = progress[_PROFILES[0]]
+        if not isinstance(value, str):
+            raise ValueError(f"shardema.EMA.load_state_dict: progress 'profiles' is {value!r}, "
+                             "expected str")
+        out[_PROFILES[1]] = value
     return out
 
 
@@ -297,18 +342,23 @@ def _cut(value: torch.Tensor, piece: _Piece) -> torch.Tensor:
     return value.contiguous()
 
 
-def _pieces_of(values: Dict[str, Any], layout: _Layout) -> Dict[str, torch.Tensor]:
-    """This rank's pieces of `values` in the engine's local shapes; a
-    ValueError naming the first tensor that does not fit."""
+def _pieces_of(values: Dict[str, Any], layout: _Layout,
+               names: Optional[List[str]] = None, where: str = "") -> Dict[str, torch.Tensor]:
+    """This rank's pieces of `values` (`names` of the layout, else all) in
+    the engine's local shapes; a ValueError naming the first tensor that
+    does not fit (`where`: which profile's)."""
     prefix = "shardema.EMA.load_state_dict: the state is not of this model: "
-    for name, piece in layout.pieces.items():
+    chosen = {n: layout.pieces[n] for n in (layout.pieces if names is None else names)}
+    for name, piece in chosen.items():
         if name not in values and (piece.owner != "rank0" or layout.rank == 0):
-            raise ValueError(f"{prefix}tensor '{name}' is tracked here but not in the state")
+            raise ValueError(f"{prefix}tensor '{name}'{where} is tracked here but not in the "
+                             "state")
     for name in values:
-        if name not in layout.pieces:
-            raise ValueError(f"{prefix}tensor '{name}' is in the state but not tracked here")
+        if name not in chosen:
+            raise ValueError(f"{prefix}tensor '{name}'{where} is in the state but not tracked "
+                             "here")
     out = {}
-    for name, piece in layout.pieces.items():
+    for name, piece in chosen.items():
         if name not in values:  # a rank-0 tensor on another rank: it holds none of it
             out[name] = torch.empty(piece.local_shape, dtype=piece.local_dtype)
             continue
@@ -332,18 +382,46 @@ def load_state_dict(ema: Any, engine: Any, state: Dict[str, Any]) -> None:
     if not state:
         cold_start(ema, engine)
         return
-    if set(state) != {"weights", "progress"}:
+    if set(state) - {"profile_weights"} != {"weights", "progress"}:
         raise ValueError("shardema.EMA.load_state_dict: expected what state_dict() returns, "
                          "{'weights': ..., 'progress': ...} (or an older one, {'tensors': ..., "
                          "'metadata': ...}), got the keys " + str(sorted(map(str, state))))
     metadata = _progress_metadata(state["progress"])
     weights = state["weights"]
-    if not isinstance(weights, dict):
-        raise TypeError(f"shardema.EMA.load_state_dict: 'weights' is a "
-                        f"{type(weights).__name__}, not a dict")
+    more = state.get("profile_weights", {})
+    for what, value in (("weights", weights), ("profile_weights", more)):
+        if not isinstance(value, dict):
+            raise TypeError(f"shardema.EMA.load_state_dict: '{what}' is a "
+                            f"{type(value).__name__}, not a dict")
     layout = _layout(ema, engine)
+    _check_profile_count(layout, metadata, more)
     pieces = _pieces_of(weights, layout)
+    for p, names in sorted(layout.profiles.items()):
+        values = more[str(p)]
+        if not isinstance(values, dict):
+            raise TypeError(f"shardema.EMA.load_state_dict: 'profile_weights' '{p}' is a "
+                            f"{type(values).__name__}, not a dict")
+        for name, piece in _pieces_of(values, layout, names, f" (profile {p})").items():
+            pieces[_C.profile_tensor_name(name, p)] = piece
     engine.load_state_dict({"tensors": pieces, "metadata": {**layout.identity, **metadata}})
+
+
+def _check_profile_count(layout: _Layout, metadata: Dict[str, str], more: Dict[str, Any]) -> None:
+    """The state's profiles are this EMA's in number (the engine then
+    compares their schedules): a ValueError naming both counts."""
+    import json
+    try:
+        saved = len(json.loads(metadata[_PROFILES[1]])) if _PROFILES[1] in metadata else 1
+    except ValueError:
+        raise ValueError("shardema.EMA.load_state_dict: progress 'profiles' is not the JSON "
+                         "list state_dict() writes") from None
+    here = 1 + len(layout.profiles)
+    given = sorted(more, key=str)
+    if saved != here or given != sorted(str(p) for p in layout.profiles):
+        raise ValueError(f"shardema.EMA.load_state_dict: the state holds {saved} profile"
+                         f"{'s' if saved != 1 else ''} (profile_weights {given}) but this EMA "
+                         f"keeps {here} (schedules); build it with the schedules it was saved "
+                         "with")
 
 
 def cold_start(ema: Any, engine: Any) -> None:
@@ -357,6 +435,8 @@ def cold_start(ema: Any, engine: Any) -> None:
     if sources:
         values = {name: sources[name] for name in layout.pieces}
         pieces = _pieces_of({n: v.detach() for n, v in values.items()}, layout)
+        for p, names in layout.profiles.items():  # every profile starts from the weights
+            pieces.update({_C.profile_tensor_name(n, p): pieces[n] for n in names})
         initialized = "true"
     else:
         pieces = dict(engine.state_dict()["tensors"])
@@ -367,45 +447,8 @@ def cold_start(ema: Any, engine: Any) -> None:
         **layout.identity, **layout.own_schedule_and_roles, **restart}})
 
 
-@functools.lru_cache(maxsize=None)
-def _planner_class() -> type:
-    # Made on first use: torch.distributed.checkpoint takes most of a
-    # second to import, which `import shardema` should not pay.
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-
-    class EMALoadPlanner(DefaultLoadPlanner):
-        """DCP's DefaultLoadPlanner, except that an EMA state dict
-        (EMA.state_dict(), or the EMA itself) whose entries the checkpoint
-        lacks is emptied instead of refused: its load_state_dict() then
-        cold-starts the EMA from the loaded weights, with a warning. Every
-        other key stays required (unless allow_partial_load=True)."""
-
-        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
-            if metadata is not None:
-                for path, ema_state in _ema_states(state_dict):
-                    key = ".".join(path + ("progress", "format"))
-                    if key not in metadata.state_dict_metadata:
-                        ema_state.clear()
-            super().set_up_planner(state_dict, metadata, is_coordinator)
-
-    EMALoadPlanner.__module__ = "shardema"
-    return EMALoadPlanner
-
-
 def __getattr__(name: str) -> Any:
-    if name == "EMALoadPlanner":
-        return _planner_class()
+    if name == "EMALoadPlanner":  # made on first use (_dcp_planner.py)
+        from ._dcp_planner import planner_class
+        return planner_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _ema_states(state: Any, path: Tuple[str, ...] = ()) -> List[Tuple[Tuple[str, ...], dict]]:
-    """(path, dict) of every EMA state dict nested in `state`."""
-    found: List[Tuple[Tuple[str, ...], dict]] = []
-    if not isinstance(state, dict):
-        return found
-    progress = state.get("progress")
-    if isinstance(progress, dict) and progress.get("format") == FORMAT:
-        return [(path, state)]
-    for key, value in state.items():
-        found += _ema_states(value, path + (str(key),))
-    return found

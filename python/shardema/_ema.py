@@ -38,6 +38,13 @@ class EMA(EmaState):
       then `decay` (or timm's warmup up to it);
     - schedule: a DecaySchedule (warmup, constant, power_function);
     - none of them: DecaySchedule.warmup() (power 0.75, max 0.9999).
+    Several EMAs of the same weights from one read of them, one profile
+    each, in the order given: schedules=[DecaySchedule, ...] (any mix), or
+    a list as beta= or decay= (the other arguments shared). Every read
+    takes profile= (an index, default 0): swap, copy_to, module,
+    ema_tensors, full_state_dict, export_weights, get_current_decay;
+    state_dict() and checkpoints hold every profile. docs/python.md,
+    "Several EMAs from one read".
     policy: "ema_pytorch" (default, as ema-pytorch, timm and Lightning's
     EMAWeightAveraging: every floating parameter and buffer averaged,
     BatchNorm's and frozen ones included; integer buffers copied once) or
@@ -85,7 +92,7 @@ class EMA(EmaState):
                  warmup_gamma: Optional[float] = None, warmup_power: Optional[float] = None,
                  copy_on_first_update: bool = True, fence_in_update: bool = False,
                  engine: str = "auto", timeout: Union[float, timedelta] = 300.0,
-                 more_schedules: Sequence["_C.DecaySchedule"] = (),
+                 schedules: Optional[Sequence["_C.DecaySchedule"]] = None,
                  refuse_non_finite: bool = False, ignore_names: Iterable[str] = (),
                  ignore_prefixes: Iterable[str] = (), copy_names: Iterable[str] = (),
                  trainable_only: bool = False, **other_libraries: Any) -> None:
@@ -98,14 +105,13 @@ class EMA(EmaState):
         ignore_prefixes = renamed.pop("ignore_prefixes", ignore_prefixes)
         copy_names = renamed.pop("copy_names", copy_names)
         policy = _ema_arguments.policy_of(policy)
-        schedule = _ema_arguments.schedule_of(schedule, *_ema_arguments.families(
+        profiles = _ema_arguments.schedules_of(schedule, schedules, *_ema_arguments.families(
             beta, power, inv_gamma, min_value, decay, warmup, min_decay, warmup_gamma,
             warmup_power, update_after_step, update_every))
         options = _ema_arguments.options_of(
-            schedule, storage=storage, chunk_mib=chunk_mib, num_slots=num_slots,
+            profiles, storage=storage, chunk_mib=chunk_mib, num_slots=num_slots,
             copy_on_first_update=copy_on_first_update, fence_in_update=fence_in_update,
-            engine=engine, timeout=timeout, more_schedules=more_schedules,
-            refuse_non_finite=refuse_non_finite)
+            engine=engine, timeout=timeout, refuse_non_finite=refuse_non_finite)
         if not isinstance(trainable_only, bool):
             raise TypeError(f"shardema.EMA: trainable_only must be a bool, got {trainable_only!r}")
         model = unwrap(model_or_named_tensors)
@@ -159,7 +165,7 @@ class EMA(EmaState):
                           chunk_mib: Optional[float] = None, num_slots: Optional[int] = None,
                           *, copy_on_first_update: bool = True, fence_in_update: bool = False,
                           engine: str = "auto", timeout: Union[float, timedelta] = 300.0,
-                          more_schedules: Sequence["_C.DecaySchedule"] = (),
+                          schedules: Optional[Sequence["_C.DecaySchedule"]] = None,
                           refuse_non_finite: bool = False) -> "EMA":
         """The EMA of this rank's local shards, each a shardema.LocalShard, a
         dict {local, spec[, role]} or a tuple (local, spec[, role]) with spec
@@ -177,10 +183,10 @@ class EMA(EmaState):
         local = [as_local_shard(s, i) for i, s in enumerate(shards)]
         self._local_shards = local  # what copy_from() reads
         options = _ema_arguments.options_of(
-            _ema_arguments.schedule_of(schedule, {}, {}, {}), storage=storage,
+            _ema_arguments.schedules_of(schedule, schedules, {}, {}, {}), storage=storage,
             chunk_mib=chunk_mib, num_slots=num_slots, copy_on_first_update=copy_on_first_update,
             fence_in_update=fence_in_update, engine=engine, timeout=timeout,
-            more_schedules=more_schedules, refuse_non_finite=refuse_non_finite)
+            refuse_non_finite=refuse_non_finite)
         self._build(Plan("local_shards", group, local, []), options)
         return self
 
@@ -217,8 +223,7 @@ class EMA(EmaState):
         # Shard(d > 0) DTensors by name: kept out of the engine's per-rank files.
         self._tensor_parallel = plan.tensor_parallel
         self._aliases = plan.aliases  # tied tensors' other names, for load_ema_values()
-        self._schedule = options.schedule
-        self._more_schedules = list(options.more_schedules)
+        self._schedules = list(options.schedules)  # one per profile, profile 0 first
         self._names = [shard.spec.name for shard in plan.shards]
         slots, edges, counted, deciders = watch_of(self._model, plan, self._names)
         self._engine = _C.Ema(process_group=plan.group, shards=plan.shards,
@@ -285,21 +290,30 @@ class EMA(EmaState):
 
     @property
     def last_decay(self) -> float:
-        """The decay of the last due update (0 before any)."""
-        return self._engine.last_decay
+        """The decay of the last due update (0 before any), profile 0's
+        (get_current_decay(profile=p) for another)."""
+        return self._engine.last_decay(0)
 
     @property
     def schedule(self) -> "_C.DecaySchedule":
-        """The decay schedule: update(n) averages with schedule.decay_at(n)
-        when schedule.is_due_at(n), so the next update() uses
-        schedule.decay_at(step + 1)."""
-        return self._schedule
+        """The decay schedule (of profile 0): update(n) averages with
+        schedule.decay_at(n) when schedule.is_due_at(n), so the next
+        update() uses schedule.decay_at(step + 1)."""
+        return self._schedules[0]
 
-    def get_current_decay(self) -> float:
+    @property
+    def schedules(self) -> list:
+        """One DecaySchedule per profile, profile 0 first (a list of one
+        unless built with schedules=, beta=[...] or decay=[...])."""
+        return list(self._schedules)
+
+    def get_current_decay(self, profile: int = 0) -> float:
         """What ema-pytorch's EMA.get_current_decay() returns at the same
         point of the loop: the schedule's decay at the last step folded in
-        (0.0 before any). The next update() uses schedule.decay_at(step + 1)."""
-        return self._schedule.decay_at(self.step) if self.step > 0 else 0.0
+        (0.0 before any), of `profile`. The next update() uses
+        schedules[profile].decay_at(step + 1)."""
+        schedule = self._schedules[self._profile(profile, "get_current_decay")]
+        return schedule.decay_at(self.step) if self.step > 0 else 0.0
 
     @property
     def rank(self) -> int:
@@ -317,6 +331,9 @@ class EMA(EmaState):
     def _check_model(self, model: Any, api: str) -> None:
         if model is None:
             return
+        if isinstance(model, int):
+            raise TypeError(f"shardema.EMA.{api}: the first argument is the model; choose a "
+                            f"profile by keyword: {api}(profile={model})")
         if self._model is None:
             raise ValueError(f"shardema.EMA.{api}: this EMA was built from named tensors, not a "
                              f"model; it writes into those tensors: call {api}() without a model")
@@ -324,12 +341,14 @@ class EMA(EmaState):
             raise ValueError(f"shardema.EMA.{api}: this EMA tracks another model")
 
     @contextlib.contextmanager
-    def swap(self, model: Any = None) -> Iterator[None]:
-        """The EMA weights in the model (its local shards) inside the block,
-        the raw ones back on exit, also on exceptions. Collective for a
-        replicated model on several ranks. An FSDP2 model is resharded on
-        entry and exit, so that forwards see what the shards hold."""
-        self.swap_in(model)
+    def swap(self, model: Any = None, *, profile: int = 0) -> Iterator[None]:
+        """The EMA weights (of `profile`) in the model (its local shards)
+        inside the block, the raw ones back on exit, also on exceptions.
+        Collective for a replicated model on several ranks. An FSDP2 model
+        is resharded on entry and exit, so that forwards see what the
+        shards hold."""
+        self._check_model(model, "swap")
+        self.swap_in(model, profile=profile)
         try:
             yield
         finally:
@@ -341,9 +360,10 @@ class EMA(EmaState):
         swap())."""
         return self._engine.swapped
 
-    def swap_in(self, model: Any = None) -> None:
+    def swap_in(self, model: Any = None, *, profile: int = 0) -> None:
         """swap()'s entry, for hooks that cannot hold a with-block (a
-        trainer's validation start and end): the EMA weights into the model
+        trainer's validation start and end): the EMA weights (of `profile`)
+        into the model
         (its local shards), the raw ones kept in host memory for swap_out().
         Every EMA of the process has read the weights first, and none may
         update while the swap lasts (ValueError naming the tensor). A
@@ -353,8 +373,9 @@ class EMA(EmaState):
         for a replicated model on several ranks. FSDP2 modules are resharded
         first, so that forwards see what the shards hold."""
         self._check_model(model, "swap_in")
+        profile = self._profile(profile, "swap_in")
         reshard_fsdp(self._model)
-        self._engine.swap_in(self._replan)
+        self._engine.swap_in(self._replan, profile)
 
     def swap_out(self, model: Any = None) -> None:
         """swap()'s exit: the raw weights back (nothing to do when not
@@ -363,14 +384,16 @@ class EMA(EmaState):
         self._engine.swap_out()
         reshard_fsdp(self._model)
 
-    def copy_to(self, model: Any = None) -> None:
-        """Writes the EMA weights into the model for good."""
+    def copy_to(self, model: Any = None, *, profile: int = 0) -> None:
+        """Writes the EMA weights (of `profile`) into the model for good."""
         self._check_model(model, "copy_to")
-        self._engine.copy_to(self._replan)
+        profile = self._profile(profile, "copy_to")
+        self._engine.copy_to(self._replan, profile)
         reshard_fsdp(self._model)
 
-    def module(self, device: Any = None, into: Optional[torch.nn.Module] = None) -> torch.nn.Module:
-        """A module holding what swap() would put in the model (the EMA
+    def module(self, device: Any = None, into: Optional[torch.nn.Module] = None, *,
+               profile: int = 0) -> torch.nn.Module:
+        """A module holding what swap(profile=profile) would put in the model (the EMA
         weights, the model's own values for names left out of the EMA),
         without touching the model: ema-pytorch's ema_model, built on
         demand. A snapshot: call it again after more updates.
@@ -390,7 +413,8 @@ class EMA(EmaState):
                              "local shards, not a model; read it with full_state_dict() or "
                              "local_ema()")
         self._refuse_fsdp1("module")
-        return materialize(self, self._model, device, into, self._names)
+        profile = self._profile(profile, "module")
+        return materialize(self, self._model, device, into, self._names, profile)
 
     def copy_from(self, model: Any = None) -> None:
         """The EMA of every tracked tensor becomes its current value (ema-
@@ -399,15 +423,16 @@ class EMA(EmaState):
         next update averages into these values with the schedule's decay at
         its step (to restart a warmup, build a new EMA). This rank's rows
         only, no communication. Refused inside swap() (the model holds the
-        EMA there) and with more_schedules (one profile would move)."""
+        EMA there) and with several profiles (one would move)."""
         self._check_model(model, "copy_from")
         self._refuse_fsdp1("copy_from")
         if self.swapped:
             raise RuntimeError("shardema.EMA.copy_from: the EMA is swapped into the model; "
                                "leave swap() first (the model holds the EMA weights inside it)")
-        if self._more_schedules:
-            raise ValueError("shardema.EMA.copy_from: this EMA has more_schedules; copying the "
-                             "model into one profile only would leave them inconsistent")
+        if len(self._schedules) > 1:
+            raise ValueError(f"shardema.EMA.copy_from: this EMA keeps {len(self._schedules)} "
+                             "profiles (schedules); copy_from() sets one EMA, not several: "
+                             "build a new EMA to start them all from the model")
         if self._model is not None:
             full, local = model_values(self._model)
         elif self._given is not None:

@@ -3,11 +3,12 @@ turned into the engine's options (shardema._C.EmaOptions): a DecaySchedule
 from the arguments users bring from ema-pytorch (beta, update_after_step,
 update_every, power, inv_gamma, min_value) or from timm and Lightning
 (decay, warmup, min_decay, ...), with those libraries' defaults, or the
-DecaySchedule given. One ValueError or TypeError per bad argument, naming
-it in Python's terms."""
+DecaySchedule given; several of them (schedules=[...], beta=[...],
+decay=[...]) for several profiles. One ValueError or TypeError per bad
+argument, naming it in Python's terms."""
 import numbers
 from datetime import timedelta
-from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _C
 
@@ -115,6 +116,66 @@ def schedule_of(schedule: Any, ema_pytorch: Dict[str, Any], timm: Dict[str, Any]
     return _C.DecaySchedule.warmup()
 
 
+def _is_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple))
+
+
+def schedules_of(schedule: Any, schedules: Any, ema_pytorch: Dict[str, Any],
+                 timm: Dict[str, Any], shared: Dict[str, Any]) -> List["_C.DecaySchedule"]:
+    """One DecaySchedule per profile, profile 0 first: `schedules` itself,
+    or one per value of a list given as beta= (ema-pytorch's) or decay=
+    (timm's), the other arguments shared by all, or schedule_of's one."""
+    if schedules is not None:
+        given = (["schedule"] if schedule is not None else []) + sorted(ema_pytorch) + \
+            sorted(timm) + sorted(shared)
+        if given:
+            raise ValueError(f"shardema.EMA: schedules= and {', '.join(given)} both describe the "
+                             "decay; give one or the other")
+        if isinstance(schedules, (_C.DecaySchedule, str, bytes)) or \
+                not isinstance(schedules, (list, tuple)):
+            raise TypeError("shardema.EMA: schedules must be a list of DecaySchedule (one per "
+                            f"profile), got {type(schedules).__name__}; one schedule is "
+                            "schedule=")
+        for index, one in enumerate(schedules):
+            if not isinstance(one, _C.DecaySchedule):
+                raise TypeError(f"shardema.EMA: schedules[{index}] must be a DecaySchedule, got "
+                                f"{type(one).__name__}")
+        return _checked_profiles(list(schedules), "schedules")
+    lists = sorted(k for k, v in {**ema_pytorch, **timm, **shared}.items() if _is_list(v))
+    if not lists:
+        return [schedule_of(schedule, ema_pytorch, timm, shared)]
+    if lists not in (["beta"], ["decay"]):
+        raise TypeError(f"shardema.EMA: {', '.join(lists)} given as a list; only beta= "
+                        "(ema-pytorch's) or decay= (timm's) takes one value per profile, the "
+                        "other arguments are shared by every profile")
+    key = lists[0]
+    family = ema_pytorch if key == "beta" else timm
+    values = list(family[key])
+    if not values:
+        raise ValueError(f"shardema.EMA: {key}=[] gives no profile; give one value or more")
+    out = [schedule_of(schedule, {**ema_pytorch, key: v} if key == "beta" else ema_pytorch,
+                       {**timm, key: v} if key == "decay" else timm, shared) for v in values]
+    return _checked_profiles(out, key)
+
+
+def _checked_profiles(schedules: List["_C.DecaySchedule"], name: str) -> List["_C.DecaySchedule"]:
+    """Profiles are updated together: at most _C.max_profiles of them, one
+    update_every for all."""
+    if not schedules:
+        raise ValueError(f"shardema.EMA: {name}=[] gives no profile; give one schedule or more")
+    if len(schedules) > _C.max_profiles:
+        raise ValueError(f"shardema.EMA: {name} gives {len(schedules)} profiles; one EMA keeps "
+                         f"at most {_C.max_profiles}")
+    every = schedules[0].update_every
+    for index, one in enumerate(schedules):
+        if one.update_every != every:
+            raise ValueError(f"shardema.EMA: {name}[{index}] updates every {one.update_every} "
+                             f"steps but {name}[0] every {every}; the profiles of one EMA share "
+                             "their due steps (give them one update_every, or build separate "
+                             "EMAs)")
+    return schedules
+
+
 def _ema_pytorch_schedule(a: Dict[str, Any]) -> "_C.DecaySchedule":
     beta = _number("beta", a["beta"], 0.0, 1.0)
     return _C.DecaySchedule.warmup(
@@ -153,10 +214,9 @@ def seconds(timeout: Union[float, timedelta]) -> float:
     return _number("timeout", value, 0.0, float("inf"), open_low=True)
 
 
-def options_of(schedule: "_C.DecaySchedule", *, storage: str, chunk_mib: Optional[float],
+def options_of(schedules: List["_C.DecaySchedule"], *, storage: str, chunk_mib: Optional[float],
                num_slots: Optional[int], copy_on_first_update: bool, fence_in_update: bool,
                engine: str, timeout: Union[float, timedelta],
-               more_schedules: Iterable["_C.DecaySchedule"],
                refuse_non_finite: bool) -> "_C.EmaOptions":
     """The engine's options, each checked and named."""
     for name, flag in (("copy_on_first_update", copy_on_first_update),
@@ -164,15 +224,10 @@ def options_of(schedule: "_C.DecaySchedule", *, storage: str, chunk_mib: Optiona
                        ("refuse_non_finite", refuse_non_finite)):
         if not isinstance(flag, bool):
             raise TypeError(f"shardema.EMA: {name} must be a bool, got {flag!r}")
-    more = list(more_schedules)
-    for index, extra in enumerate(more):
-        if not isinstance(extra, _C.DecaySchedule):
-            raise TypeError(f"shardema.EMA: more_schedules[{index}] must be a DecaySchedule, "
-                            f"got {type(extra).__name__}")
     chunk_bytes = _C.default_chunk_bytes if chunk_mib is None else \
         int(_number("chunk_mib", chunk_mib, 0.0, float("inf"), open_low=True) * (1 << 20))
     return _C.EmaOptions(
-        schedule=schedule, more_schedules=more, copy_on_first_update=copy_on_first_update,
+        schedules=schedules, copy_on_first_update=copy_on_first_update,
         storage=_choice("storage", storage, STORAGES), chunk_bytes=max(chunk_bytes, 64),
         num_slots=_C.default_num_slots if num_slots is None else _count("num_slots", num_slots, 1),
         fence_in_update=fence_in_update, engine=_choice("engine", engine, ENGINES),

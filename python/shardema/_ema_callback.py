@@ -1,18 +1,18 @@
 """EMACallback: VersatIL's Lightning EMACallback as a drop-in (a warmup
 EMA updated on optimizer steps only, the validation swap), over
 shardema.EMA; its checkpoints are _ema_callback_checkpoint.py's."""
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _C
+from . import _C, _ema_arguments
 from ._ema import EMA
 from ._ema_callback_checkpoint import CheckpointHooks
 from ._fsdp1 import fsdp1_names, fsdp1_non_persistent, fsdp1_root
 from ._ema_arguments import POLICIES, STORAGES
 from ._lightning import CALLBACK_BASES, optimizer_stepped, refuse_two_validation_swaps, reshard, \
     submodule
-from ._model import LAYOUTS, module_tensors, unwrap, wrapper_prefix
+from ._model import LAYOUTS, is_dtensor, module_tensors, unwrap, wrapper_prefix
 from ._selection import keep_trainable
 
 class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
@@ -39,7 +39,13 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
     layout as shardema.EMA's. trainable_only (default False): the EMA of
     the parameters that require grad at fit start only (LoRA adapters),
     as shardema.EMA's; checkpoints then hold the EMA of those and the
-    model's own frozen weights and buffers."""
+    model's own frozen weights and buffers. schedules: several EMAs of the
+    module from one read of its weights, one DecaySchedule per profile
+    (instead of schedule= or the warmup's arguments); profile (default 0):
+    the one validation runs with, copy_ema_at_fit_end writes and
+    checkpoints hold as the model's weights (the others are kept beside
+    them for a resume). Several profiles are for one process and DDP (not
+    FSDP or DTensor models)."""
 
     #: Where the raw (online) weights are kept: a key of the checkpoint; in a
     #: distributed (DCP) checkpoint, a prefix of its state_dict keys, so
@@ -52,6 +58,10 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
     #: The callback's own record: whether the average had started, and
     #: which state_dict entries of a distributed checkpoint are its own.
     STATE_KEY = "shardema_ema"
+    #: With several profiles (schedules=), the full EMA of each profile but
+    #: the one the state_dict holds (`profile`), by profile index: a key of
+    #: the checkpoint.
+    EMA_PROFILES_KEY = "ema_profiles_state_dict"
 
     _WARMUP_DEFAULTS = {"power": 0.75, "inv_gamma": 1.0, "min_value": 0.0, "max_value": 0.9999}
 
@@ -61,7 +71,9 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
                  copy_on_first_update: bool = False, storage: str = "pinned_host",
                  layout: str = "auto", process_group: Any = None,
                  validate_with_ema: bool = True, copy_ema_at_fit_end: bool = False,
-                 policy: str = "versatil", trainable_only: bool = False) -> None:
+                 policy: str = "versatil", trainable_only: bool = False,
+                 schedules: Optional[Sequence["_C.DecaySchedule"]] = None,
+                 profile: int = 0) -> None:
         super().__init__()
         if policy not in POLICIES:
             raise ValueError(f"EMACallback: policy must be one of {', '.join(map(repr, POLICIES))}"
@@ -104,7 +116,21 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
         # Whether a due update has been folded in: a resumed average has
         # started, so its first update after the resume must not copy.
         self._started = False
-        self._own_schedule = schedule is not None
+        self._own_schedule = schedule is not None or schedules is not None
+        if schedules is not None:
+            given = {k: v for k, v in (("power", power), ("inv_gamma", inv_gamma),
+                                       ("min_value", min_value), ("max_value", max_value))
+                     if v != self._WARMUP_DEFAULTS[k]}
+            if schedule is not None or given:
+                raise ValueError(f"EMACallback: schedules= and "
+                                 f"{sorted(given) + (['schedule'] if schedule else [])} both "
+                                 "describe the decay; give one or the other")
+            try:
+                self._schedules = _ema_arguments.schedules_of(None, schedules, {}, {}, {})
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"EMACallback: {str(error).replace('shardema.EMA: ', '')}") \
+                    from None
+            schedule = self._schedules[0]
         if schedule is None:
             # Validates the options now, as the seed's constructor stores them.
             try:
@@ -127,6 +153,19 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
                 raise ValueError("EMACallback: update_after_step must be >= 0, got "
                                  f"{update_after_step}")
             self._schedule = schedule
+        if schedules is None:
+            self._schedules = [self._schedule]
+        count = len(self._schedules)
+        if isinstance(profile, bool) or not isinstance(profile, int):
+            raise TypeError(f"EMACallback: profile must be an int (an index into schedules), "
+                            f"got {type(profile).__name__} {profile!r}")
+        if not 0 <= profile < count:
+            raise IndexError(f"EMACallback: profile {profile} does not exist; the callback "
+                             f"keeps {count} profile{'s' if count > 1 else ''} (0 to "
+                             f"{count - 1}; several with schedules=)")
+        self.profile = profile
+        # The other profiles of a checkpoint, for the EMA at on_fit_start.
+        self._resume_profiles: Dict[int, Dict[str, Any]] = {}
 
     def _target(self, pl_module: Any) -> torch.nn.Module:
         # The module inside a compiled attribute (self.net = torch.compile(net)):
@@ -145,7 +184,7 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
     def _build(self, pl_module: Any) -> EMA:
         if self._root is not None:
             return self._build_fsdp1()
-        return EMA(self._target(pl_module), schedule=self._schedule, policy=self.policy,
+        return EMA(self._target(pl_module), schedules=self._schedules, policy=self.policy,
                    storage=self._storage, layout=self._layout, process_group=self._process_group,
                    copy_on_first_update=self.copy_on_first_update and not self._started,
                    trainable_only=self.trainable_only)
@@ -169,7 +208,8 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
         kept, others = self._fsdp1_saved(self._root)
         transient = fsdp1_non_persistent(self._root)
         self._root_saved = [n for n in kept if n not in transient]
-        return EMA(self._root, schedule=self._schedule, policy=self.policy, storage=self._storage,
+        return EMA(self._root, schedules=self._schedules, policy=self.policy,
+                   storage=self._storage,
                    layout=self._layout, process_group=self._process_group,
                    copy_on_first_update=self.copy_on_first_update and not self._started,
                    ignore_names=others, trainable_only=self.trainable_only)
@@ -191,6 +231,18 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
             tracked = [t for t in tracked if t.name in kept]
         return {t.name: t.tensor for t in tracked}
 
+    def _refuse_sharded_profiles(self, pl_module: Any) -> None:
+        """Several profiles are kept in checkpoints as full tensors beside
+        the state_dict (EMA_PROFILES_KEY): for one process and DDP."""
+        if len(self._schedules) == 1:
+            return
+        if self._root is not None or any(is_dtensor(t) for t in
+                                         self._tracked(self._target(pl_module)).values()):
+            raise ValueError("EMACallback: schedules= with several profiles is for one process "
+                             "and DDP, and this module is sharded (FSDP or DTensor parameters); "
+                             "give each callback one schedule, or use shardema.EMA(schedules="
+                             "...) with its state_dict() in the DCP checkpoint")
+
     def _validation_target(self, pl_module: Any) -> Optional[torch.nn.Module]:
         """The module validation sees this EMA in (None: it does not swap)."""
         return self._target(pl_module) if self.validate_with_ema else None
@@ -200,6 +252,7 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
         # average, and every optimizer step lerps with the scheduled decay.
         self._root = fsdp1_root(trainer, pl_module)
         refuse_two_validation_swaps(trainer, pl_module, self)
+        self._refuse_sharded_profiles(pl_module)
         self.ema = self._build(pl_module)
         if self._resume_ema_state is not None:
             self._load_ema(self._resume_ema_state)
@@ -218,7 +271,7 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
             return
         if self.ema.update(step):
             self._started = True
-        self.decay = self.ema.last_decay
+        self.decay = self.ema._engine.last_decay(self.profile)
         if trainer.global_step % 100 == 0 and hasattr(pl_module, "log"):
             pl_module.log("ema_decay", self.decay, on_step=True, on_epoch=False)
 
@@ -229,7 +282,7 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
         # (the LightningModule, with attribute=) is resharded here.
         if self.ema is not None and self.validate_with_ema and not self.ema.swapped:
             reshard(pl_module)
-            self.ema.swap_in()
+            self.ema.swap_in(profile=self.profile)
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self.ema is not None:
@@ -240,7 +293,7 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
         # Collective where the EMA's rows are gathered (DDP): every rank runs
         # on_fit_end.
         if self.ema is not None and self.copy_ema_at_fit_end:
-            self.ema.copy_to()
+            self.ema.copy_to(profile=self.profile)
             reshard(pl_module)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:

@@ -106,12 +106,14 @@ class CheckpointHooks:
         # receives. Decided from the model, so every rank enters the gather.
         gather = [name for name, sharded in tracked.items() if not (distributed and sharded)]
         rank0_only = (not distributed and any(tracked.values())) or self._root is not None
-        full = self.ema.full_state_dict(rank0_only=rank0_only, names=gather) if gather else {}
+        profile = self.profile
+        full = self.ema.full_state_dict(rank0_only=rank0_only, names=gather, profile=profile) \
+            if gather else {}
         # A DTensor entry's EMA in its to_local() shape: this rank's rows of
         # a Shard(0) one, the whole of a Replicate() one (gathered, so every
         # rank asks for the same names).
-        held = self.ema.ema_tensors([name for name, sharded in tracked.items() if sharded]) \
-            if distributed else {}
+        held = self.ema.ema_tensors([name for name, sharded in tracked.items() if sharded],
+                                    profile=profile) if distributed else {}
         # The substitution itself is the C++ callback's (substituteEma): on
         # this rank's part of each entry (a DTensor's to_local()) and the EMA
         # by checkpoint key; it substitutes the entries that have both (a
@@ -168,7 +170,18 @@ class CheckpointHooks:
             "started": self._started,
             "raw_in_state_dict": list(raw) if distributed else [],
             "float32_in_state_dict": list(kept) if distributed else [],
+            # Which profile the state_dict holds, and every profile's
+            # schedule: a resume into other profiles is refused by name.
+            "profile": profile,
+            "schedules": [s.to_json() for s in self._schedules],
         }
+        if len(self._schedules) > 1:
+            # One process or DDP (_refuse_sharded_profiles): every rank
+            # holds the names of `gather` in full.
+            checkpoint[self.EMA_PROFILES_KEY] = {
+                str(p): {keys[n]: v for n, v in self.ema.full_state_dict(
+                    rank0_only=rank0_only, names=gather, profile=p).items()}
+                for p in range(len(self._schedules)) if p != profile}
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Dict[str, Any]) -> None:
         record = checkpoint.get(self.STATE_KEY) or {}
@@ -195,8 +208,32 @@ class CheckpointHooks:
         # Lightning loaded from the state_dict into the model before this
         # hook. Read before the raw weights go into the model.
         ema_values = ema_values_saved(names, kept, state, tracked)
+        profiles = self._saved_profiles(record, checkpoint, names)
         self._load_raw(target, tracked, {names[key]: value for key, value in raw.items()})
+        self._resume_profiles = profiles
         self._resume_with(pl_module, record, ema_values)
+
+    def _saved_profiles(self, record: Dict[str, Any], checkpoint: Dict[str, Any],
+                        names: Dict[str, str]) -> Dict[int, Dict[str, Any]]:
+        """The checkpoint's other profiles by index, by tracked name; a
+        ValueError naming both when it was saved with other schedules or
+        showed another profile (nothing loaded yet)."""
+        here = [s.to_json() for s in self._schedules]
+        saved = record.get("schedules")
+        if saved is None:  # saved before profiles: one, of this schedule or not
+            saved = here[:1] if len(here) == 1 else [None]
+        # One profile on both sides: as before profiles, the schedule may
+        # change on a resume (the callback's own arguments say it).
+        same = len(saved) == len(here) == 1 or saved == here
+        if not same or record.get("profile", 0) != self.profile:
+            raise ValueError(f"EMACallback.on_load_checkpoint: the checkpoint holds {len(saved)} "
+                             f"EMA profile{'s' if len(saved) != 1 else ''} (profile "
+                             f"{record.get('profile', 0)} in its state_dict) but this callback "
+                             f"keeps {len(here)} (profile {self.profile} shown); build it with "
+                             "the schedules and profile it was saved with; nothing was loaded")
+        stored = checkpoint.get(self.EMA_PROFILES_KEY) or {}
+        return {int(p): {names.get(k, k): v for k, v in values.items()}
+                for p, values in stored.items()}
 
     def _refuse_foreign_raw(self, differences: str) -> None:
         if differences:
@@ -291,7 +328,10 @@ class CheckpointHooks:
         try:
             # Not strict: the EMA also tracks non-persistent buffers, which
             # no checkpoint holds; they keep the EMA built from the model.
-            self.ema.load_ema_values(values, strict=False)
+            self.ema.load_ema_values(values, strict=False, profile=self.profile)
+            for p, more in self._resume_profiles.items():
+                self.ema.load_ema_values(more, strict=False, profile=p)
+            self._resume_profiles = {}
         except ValueError as error:
             raise ValueError(f"EMACallback: the checkpoint's EMA does not match the tracked "
                              f"tensors: {error}") from None

@@ -4,7 +4,8 @@ a rank holds its tensors. A base class of EMA (_ema.py), so each file stays
 one concept; every method maps onto the engine (shardema._C.Ema, the C++
 PythonEma) or onto _dcp.py and _ema_values.py, which are handed the engine
 rather than reach for it."""
-from typing import Any, Dict, Optional, Sequence, Union
+import numbers
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -24,6 +25,20 @@ class EmaState:
     _replicas: Any
     _tensor_parallel: Dict[str, Any]
     _timeout_s: float
+    _schedules: List[Any]
+
+    def _profile(self, profile: Any, api: str) -> int:
+        """`profile` checked: an index into schedules (TypeError, or an
+        IndexError naming the count)."""
+        count = len(self._schedules)
+        if isinstance(profile, bool) or not isinstance(profile, numbers.Integral):
+            raise TypeError(f"shardema.EMA.{api}: profile must be an int (an index into "
+                            f"schedules), got {type(profile).__name__} {profile!r}")
+        if not 0 <= profile < count:
+            raise IndexError(f"shardema.EMA.{api}: profile {profile} does not exist; this EMA "
+                             f"keeps {count} profile{'s' if count > 1 else ''} "
+                             f"(0 to {count - 1})")
+        return int(profile)
 
     def _refuse_fsdp1(self, api: str) -> None:
         # Under FSDP1 a rank's EMA of a parameter is a range of a flattened
@@ -39,7 +54,8 @@ class EmaState:
                              "load_checkpoint(), export_weights(), full_state_dict() or swap()")
 
     def state_dict(self) -> Dict[str, Any]:
-        """{"weights": {name: tensor}, "progress": {...}}, for DCP beside the
+        """{"weights": {name: tensor}, "progress": {...}} (and, with several
+        profiles, "profile_weights": {"1": {name: tensor}, ...}), for DCP beside the
         model and optimizer (or torch.save with one process): fresh copies,
         fp32 where averaged; DTensors (Shard(0) rows) where ranks hold rows,
         so DCP reshards them on another world size. The progress is plain
@@ -67,7 +83,8 @@ class EmaState:
         _dcp.load_state_dict(self, self._engine, state)
 
     def save_checkpoint(self, folder: str) -> None:
-        """Collective: this rank's file and (rank 0) the manifest in `folder`."""
+        """Collective: this rank's file (every profile) and (rank 0) the
+        manifest in `folder`."""
         refuse_tensor_parallel(self._tensor_parallel, "save_checkpoint")
         write_on_first_replica(self._replicas, lambda: self._engine.save_checkpoint(str(folder)),
                                self._timeout_s, "save_checkpoint")
@@ -82,16 +99,17 @@ class EmaState:
 
     def export_weights(self, path: str, dtype: torch.dtype = torch.float32,
                        max_shard_size: Optional[Union[int, str]] = None, *,
-                       include_untracked: bool = False) -> None:
+                       include_untracked: bool = False, profile: int = 0) -> None:
         """Collective: rank 0 writes deployable safetensors of the full
-        tensors (floating ones as `dtype`), tied weights under every name,
-        streamed tensor by tensor, metadata "format": "pt". With
-        `max_shard_size` (bytes, or "5GB" / "500MiB" as transformers'
-        save_pretrained takes it), `path` is a folder that from_pretrained
-        loads: model-00001-of-0000N.safetensors files of at most that size
-        and model.safetensors.index.json, written last (one
-        model.safetensors when everything fits); a tensor larger than the
-        limit gets a file of its own.
+        tensors of `profile` (floating ones as `dtype`), tied weights under
+        every name, streamed tensor by tensor, metadata "format": "pt" and
+        shardema.schedule that profile's. With `max_shard_size` (bytes, or
+        "5GB" / "500MiB" as transformers' save_pretrained takes it), `path`
+        is a folder that from_pretrained loads:
+        model-00001-of-0000N.safetensors files of at most that size and
+        model.safetensors.index.json, written last (one model.safetensors
+        when everything fits); a tensor larger than the limit gets a file
+        of its own.
         include_untracked: True also writes the model's own current values
         of what the EMA leaves out (frozen parameters under
         trainable_only=True, buffers, ignore_names), so that the file loads
@@ -99,13 +117,14 @@ class EmaState:
         while it writes (their names are listed in the file's metadata
         under "shardema.from_model"). One file only: not with
         max_shard_size."""
+        profile = self._profile(profile, "export_weights")
         if not isinstance(include_untracked, bool):
             raise TypeError("shardema.EMA.export_weights: include_untracked must be a bool, got "
                             f"{include_untracked!r}")
         if not include_untracked:
             write_on_first_replica(
                 self._replicas,
-                lambda: self._engine.export_weights(str(path), dtype, max_shard_size),
+                lambda: self._engine.export_weights(str(path), dtype, max_shard_size, profile),
                 self._timeout_s, "export_weights")
             return
         if max_shard_size is not None:
@@ -122,25 +141,28 @@ class EmaState:
         values = untracked_values(self._model, ema_names, dtype, keep=self.rank == 0)
 
         def write() -> None:
-            self._engine.export_weights(str(path), dtype, None)
+            self._engine.export_weights(str(path), dtype, None, profile)
             if self.rank == 0:
                 add_to_export(str(path), values)
         write_on_first_replica(self._replicas, write, self._timeout_s, "export_weights")
 
-    def full_state_dict(self, rank0_only: bool = True,
-                        names: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:
-        """Collective: the full EMA tensors as CPU tensors, on rank 0 (empty
-        dict on the others) or on every rank; `names` (the same on every
-        rank): just those, else all. For small models and tests;
-        export_weights() streams large ones."""
+    def full_state_dict(self, rank0_only: bool = True, names: Optional[Sequence[str]] = None, *,
+                        profile: int = 0) -> Dict[str, torch.Tensor]:
+        """Collective: the full EMA tensors of `profile` as CPU tensors, on
+        rank 0 (empty dict on the others) or on every rank; `names` (the
+        same on every rank): just those, else all. For small models and
+        tests; export_weights() streams large ones."""
+        profile = self._profile(profile, "full_state_dict")
         chosen = None if names is None else [str(n) for n in names]
-        return dict(self._engine.full_state_dict(rank0_only, chosen))
+        return dict(self._engine.full_state_dict(rank0_only, chosen, profile))
 
-    def local_ema(self) -> Dict[str, torch.Tensor]:
-        """This rank's EMA pieces (1-D clones), the elements it owns."""
-        return dict(self._engine.local_ema())
+    def local_ema(self, *, profile: int = 0) -> Dict[str, torch.Tensor]:
+        """This rank's EMA pieces of `profile` (1-D clones), the elements it
+        owns."""
+        return dict(self._engine.local_ema(self._profile(profile, "local_ema")))
 
-    def ema_tensors(self, names: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:
+    def ema_tensors(self, names: Optional[Sequence[str]] = None, *,
+                    profile: int = 0) -> Dict[str, torch.Tensor]:
         """The EMA of each tracked tensor (`names`, the same on every rank;
         else all) in the shape this rank holds the tensor in: a DTensor's
         to_local() (its rows under Shard(0), the whole under Replicate()),
@@ -149,10 +171,12 @@ class EmaState:
         CPU. Collective where this rank holds the whole of a tensor whose
         EMA the ranks split (a plain tensor under DDP or layout="rank0", a
         Replicate() DTensor): those are gathered, so every rank calls it.
-        Waits for the update in flight."""
-        return _ema_values.ema_tensors(self._engine, self._held, names)
+        Waits for the update in flight. `profile`: which EMA (default 0)."""
+        return _ema_values.ema_tensors(self._engine, self._held, names,
+                                       self._profile(profile, "ema_tensors"))
 
-    def load_ema_values(self, values: Dict[str, Any], strict: bool = True) -> None:
+    def load_ema_values(self, values: Dict[str, Any], strict: bool = True, *,
+                        profile: int = 0) -> None:
         """The EMA of each named tensor becomes the value given (converted to
         the EMA's dtype): a DTensor, or a tensor shaped as ema_tensors()
         gives it, stands for what this rank holds (each rank keeps its rows
@@ -162,9 +186,11 @@ class EmaState:
         tracked name must be given (else the others keep their EMA). One
         ValueError lists every missing, unexpected and misshapen name, and
         then nothing was loaded. No communication; waits for the update in
-        flight."""
+        flight. `profile`: which EMA takes them (a copied tensor is one
+        value shared by every profile)."""
+        profile = self._profile(profile, "load_ema_values")
         _ema_values.load_ema_values(self._engine, self._held, values, bool(strict),
-                                    self._aliases)
+                                    self._aliases, profile)
 
     def offload_stats(self) -> Dict[str, Any]:
         """What the background pipeline has done so far, all updates:

@@ -61,23 +61,24 @@ def _tensor_parallel_piece(full: torch.Tensor, parameter: Any) -> torch.Tensor:
     return placed.to_local().to(full.device)
 
 
-def ema_tensors(engine: Any, held: Dict[str, Held],
-                names: Optional[Sequence[str]]) -> Dict[str, torch.Tensor]:
-    """The EMA of `names` (else all) in the shape this rank holds each
-    tensor, from `engine` (shardema._C.Ema); gathers the split ones."""
+def ema_tensors(engine: Any, held: Dict[str, Held], names: Optional[Sequence[str]],
+                profile: int = 0) -> Dict[str, torch.Tensor]:
+    """The EMA of `profile` of `names` (else all) in the shape this rank
+    holds each tensor, from `engine` (shardema._C.Ema); gathers the split
+    ones."""
     chosen = list(held) if names is None else [str(n) for n in names]
     unknown = [n for n in chosen if n not in held]
     if unknown:
         raise ValueError(f"shardema.EMA.ema_tensors: {unknown} are not tracked by this EMA")
     gathered = [n for n in chosen if held[n].split]
     # Every rank asks for the same names: the gather's collectives match.
-    full = dict(engine.full_state_dict(False, gathered)) if gathered else {}
+    full = dict(engine.full_state_dict(False, gathered, profile)) if gathered else {}
     return {n: full[n].reshape(held[n].shape) if held[n].split else
-            engine.ema(n).reshape(held[n].shape) for n in chosen}
+            engine.ema(n, profile).reshape(held[n].shape) for n in chosen}
 
 
 def load_ema_values(engine: Any, held: Dict[str, Held], values: Mapping[str, Any],
-                    strict: bool, aliases: Mapping[str, str]) -> None:
+                    strict: bool, aliases: Mapping[str, str], profile: int = 0) -> None:
     """Sorts `values` into this rank's pieces and full tensors, checking
     every one before the engine takes any: one ValueError lists every name
     that does not fit. A tied tensor's other names (what an export and the
@@ -120,6 +121,6 @@ def load_ema_values(engine: Any, held: Dict[str, Held], values: Mapping[str, Any
                          f"missing {missing}, unexpected {unexpected}, shapes: "
                          f"{'; '.join(wrong) if wrong else 'all fit'}. Nothing was loaded")
     if local:
-        engine.load_local_values([(n, t.detach()) for n, t in local])
+        engine.load_local_values([(n, t.detach()) for n, t in local], profile)
     if full:
-        engine.load_full_values([(n, t.detach()) for n, t in full])
+        engine.load_full_values([(n, t.detach()) for n, t in full], profile)

@@ -66,9 +66,9 @@ def _blank_like(t: Any, device: Optional[torch.device]) -> torch.Tensor:
 
 
 def materialize(ema: Any, model: torch.nn.Module, device: Any, into: Any,
-                tracked: Sequence[str]) -> torch.nn.Module:
+                tracked: Sequence[str], profile: int = 0) -> torch.nn.Module:
     """EMA.module(): a deep copy of `model` on `device` (or `into`) holding
-    what swap() would put in the model."""
+    what swap(profile=profile) would put in the model."""
     reshard_fsdp(model)  # its DTensors, not full copies left by an evaluation forward
     sources = module_entries(model)
     if into is None:
@@ -99,11 +99,11 @@ def materialize(ema: Any, model: torch.nn.Module, device: Any, into: Any,
                              f"{' ...' if len(missing) > 5 else ''}; it must be a model of the "
                              "same structure as the one the EMA tracks")
         targets = [(name, theirs[name], t) for name, t in sources]
-    _write(ema, targets, set(tracked))
+    _write(ema, targets, set(tracked), profile)
     return view
 
 
-def _write(ema: Any, targets: List[Tuple[str, Any, Any]], tracked: set) -> None:
+def _write(ema: Any, targets: List[Tuple[str, Any, Any]], tracked: set, profile: int) -> None:
     """Each target takes the EMA of its name in the shape it holds the
     tensor in (EMA.ema_tensors(): a DTensor's to_local(), the whole of a
     plain tensor, gathered where the ranks split it), or the model's own
@@ -122,16 +122,16 @@ def _write(ema: Any, targets: List[Tuple[str, Any, Any]], tracked: set) -> None:
             # the batches by the full tensors (a DTensor's numel() is its
             # global one): the gathers inside ema_tensors() match.
             if batch and size + 4 * source.numel() > _GATHER_BATCH_BYTES:
-                _write_batch(ema, batch)
+                _write_batch(ema, batch, profile)
                 batch, size = [], 0
             batch.append((name, local))
             size += 4 * source.numel()
         if batch:
-            _write_batch(ema, batch)
+            _write_batch(ema, batch, profile)
 
 
-def _write_batch(ema: Any, batch: List[Tuple[str, torch.Tensor]]) -> None:
-    values = ema.ema_tensors([name for name, _ in batch])
+def _write_batch(ema: Any, batch: List[Tuple[str, torch.Tensor]], profile: int) -> None:
+    values = ema.ema_tensors([name for name, _ in batch], profile=profile)
     for name, target in batch:
         _check_size(name, target, values[name])
         target.copy_(values[name].reshape(target.shape))

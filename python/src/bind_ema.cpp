@@ -20,6 +20,7 @@
 #include "python_ema.h"
 #include "python_warnings.h"
 #include "shardema/averager_registry.h"
+#include "shardema/core/update_kernels.h"
 #include "shardema/ema_callback.h"
 #include "shardema/ema_substitution.h"
 #include "shardema/offload/engine_choice.h"
@@ -79,6 +80,18 @@ void bindEma(py::module_& m) {
   // engine's instead of numbers of its own.
   m.attr("default_chunk_bytes") = offload::kDefaultChunkBytes;
   m.attr("default_num_slots") = offload::kDefaultNumSlots;
+  // Profiles of one EMA (EMA(schedules=[...])), and the names a state
+  // stores profile p > 0 under: the lib's one rule (averager.h).
+  m.attr("max_profiles") = kMaxProfiles;
+  m.def("profile_tensor_name", &profileTensorName, py::arg("name"), py::arg("profile"));
+  m.def(
+      "profile_of_stored_name",
+      [](const std::string& stored) {
+        std::string name;
+        const int profile = profileOfStoredName(stored, &name);
+        return std::make_pair(profile, name);
+      },
+      py::arg("stored"));
   // The callbacks' optimizer-step rule, the C++ callbacks' own, so that
   // shardema.callbacks has no copy of it.
   m.def("optimizer_stepped", &optimizerStepped, py::arg("batch_idx"),
@@ -116,15 +129,18 @@ void bindEma(py::module_& m) {
         return "LoadReport(missing=" + std::string(py::str(py::cast(r.missing))) +
                ", unexpected=" + std::string(py::str(py::cast(r.unexpected))) + ")";
       });
-  py::class_<PythonEmaOptions>(m, "EmaOptions",
-                               "shardema.EMA's options, as the engine takes them (PythonEmaOptions)")
-      .def(py::init([](const DecaySchedule& schedule, std::vector<DecaySchedule> moreSchedules,
-                       bool copyOnFirstUpdate, const std::string& storage, int64_t chunkBytes,
-                       int numSlots, bool fenceInUpdate, const std::string& engine,
-                       bool refuseNonFinite, double timeoutSeconds) {
+  py::class_<PythonEmaOptions>(
+      m, "EmaOptions", "shardema.EMA's options, as the engine takes them (PythonEmaOptions)")
+      .def(py::init([](std::vector<DecaySchedule> schedules, bool copyOnFirstUpdate,
+                       const std::string& storage, int64_t chunkBytes, int numSlots,
+                       bool fenceInUpdate, const std::string& engine, bool refuseNonFinite,
+                       double timeoutSeconds) {
+             // One profile per schedule, profile 0 first (the Averager's
+             // schedule, the others its moreSchedules).
+             TORCH_CHECK_VALUE(!schedules.empty(), "shardema.EMA: schedules is empty");
              PythonEmaOptions options;
-             options.averager.schedule = schedule;
-             options.averager.moreSchedules = std::move(moreSchedules);
+             options.averager.schedule = schedules.front();
+             options.averager.moreSchedules.assign(schedules.begin() + 1, schedules.end());
              options.averager.copyOnFirstUpdate = copyOnFirstUpdate;
              options.averager.storage = parseEmaStorage(storage);
              options.averager.offload.chunkBytes = chunkBytes;
@@ -135,14 +151,18 @@ void bindEma(py::module_& m) {
              options.timeoutSeconds = timeoutSeconds;
              return options;
            }),
-           py::kw_only(), py::arg("schedule"), py::arg("more_schedules"),
-           py::arg("copy_on_first_update"), py::arg("storage"), py::arg("chunk_bytes"),
-           py::arg("num_slots"), py::arg("fence_in_update"), py::arg("engine"),
-           py::arg("refuse_non_finite"), py::arg("timeout_seconds"))
+           py::kw_only(), py::arg("schedules"), py::arg("copy_on_first_update"), py::arg("storage"),
+           py::arg("chunk_bytes"), py::arg("num_slots"), py::arg("fence_in_update"),
+           py::arg("engine"), py::arg("refuse_non_finite"), py::arg("timeout_seconds"))
       .def_property_readonly("schedule",
                              [](const PythonEmaOptions& o) { return o.averager.schedule; })
-      .def_property_readonly("more_schedules",
-                             [](const PythonEmaOptions& o) { return o.averager.moreSchedules; })
+      .def_property_readonly("schedules",
+                             [](const PythonEmaOptions& o) {
+                               std::vector<DecaySchedule> schedules{o.averager.schedule};
+                               schedules.insert(schedules.end(), o.averager.moreSchedules.begin(),
+                                                o.averager.moreSchedules.end());
+                               return schedules;
+                             })
       .def_property_readonly("timeout_seconds",
                              [](const PythonEmaOptions& o) { return o.timeoutSeconds; });
   py::class_<PythonEma>(m, "Ema", "The engine under shardema.EMA (one rank's shards)")
@@ -185,37 +205,40 @@ void bindEma(py::module_& m) {
           py::arg("step") = py::none(), py::arg("replan") = py::none())
       .def(
           "copy_to",
-          [](PythonEma& e, const py::object& replan) {
+          [](PythonEma& e, const py::object& replan, int profile) {
             warnFollowed(e.checkModel(replan));
             PythonWarnings warnings;
             py::gil_scoped_release release;
-            e.copyTo();
+            e.copyTo(profile);
           },
-          py::arg("replan") = py::none())
+          py::arg("replan") = py::none(), py::arg("profile") = 0)
       .def(
           "swap_in",
-          [](PythonEma& e, const py::object& replan) {
+          [](PythonEma& e, const py::object& replan, int profile) {
             warnFollowed(e.checkModel(replan));
             PythonWarnings warnings;
             py::gil_scoped_release release;
-            e.swapIn();
+            e.swapIn(profile);
           },
-          py::arg("replan") = py::none())
+          py::arg("replan") = py::none(), py::arg("profile") = 0)
       .def("fence", &PythonEma::fence, Release())
       .def("wait", &PythonEma::wait, Release())
       .def_property_readonly("step", &PythonEma::step)
-      .def_property_readonly("last_decay", &PythonEma::lastDecay)
+      .def("last_decay", &PythonEma::lastDecay, py::arg("profile") = 0)
+      .def_property_readonly("num_profiles", &PythonEma::numProfiles)
       .def_property_readonly("rank", &PythonEma::rank)
       .def_property_readonly("world_size", &PythonEma::worldSize)
       .def_property_readonly("layout", &PythonEma::layout)
       .def_property_readonly("swapped", &PythonEma::swapped)
       .def("names", &PythonEma::names)
-      .def("local_ema", &PythonEma::localEma, Release(),
+      .def("local_ema", &PythonEma::localEma, py::arg("profile") = 0, Release(),
            "This rank's EMA pieces (1-D clones, layout order)")
       .def("ema", &PythonEma::ema, py::arg("name"), py::arg("profile") = 0, Release(),
            "One tensor's EMA in local shape (a clone)")
-      .def("load_full_values", &PythonEma::loadFullValues, py::arg("full"), Release())
-      .def("load_local_values", &PythonEma::loadLocalValues, py::arg("local"), Release())
+      .def("load_full_values", &PythonEma::loadFullValues, py::arg("full"), py::arg("profile") = 0,
+           Release())
+      .def("load_local_values", &PythonEma::loadLocalValues, py::arg("local"),
+           py::arg("profile") = 0, Release())
       .def("swap_out", &PythonEma::swapOut, Release())
       .def("state_dict",
            [](const PythonEma& e) {
@@ -245,17 +268,19 @@ void bindEma(py::module_& m) {
       .def("load_checkpoint", &PythonEma::loadCheckpoint, py::arg("folder"), Release())
       .def(
           "export_weights",
-          [](PythonEma& e, const std::string& path, py::handle dtype, py::handle maxShardSize) {
+          [](PythonEma& e, const std::string& path, py::handle dtype, py::handle maxShardSize,
+             int profile) {
             const c10::ScalarType type = scalarTypeOf(dtype, "export_weights: dtype");
             const std::optional<int64_t> maxShardBytes =
                 byteSizeOf(maxShardSize, "export_weights: max_shard_size");
             PythonWarnings warnings;
             py::gil_scoped_release release;
-            e.exportWeights(path, type, maxShardBytes);
+            e.exportWeights(path, type, maxShardBytes, profile);
           },
-          py::arg("path"), py::arg("dtype"), py::arg("max_shard_size") = py::none())
+          py::arg("path"), py::arg("dtype"), py::arg("max_shard_size") = py::none(),
+          py::arg("profile") = 0)
       .def("full_state_dict", &PythonEma::fullStateDict, py::arg("rank0_only"),
-           py::arg("names") = py::none(), Release())
+           py::arg("names") = py::none(), py::arg("profile") = 0, Release())
       .def("offload_stats", [](const PythonEma& e) {
         const offload::PipelineStats stats = e.offloadStats();
         py::dict out;

@@ -34,7 +34,11 @@ const std::string& metadataValue(const RankState& state, const char* key) {
 // holds this rank's EMA pieces by name, so names and sizes can be compared.
 std::string PythonEma::stateDifference(const RankState& state) const {
   std::map<std::string, int64_t> saved;
-  for (const auto& [name, tensor] : state.tensors) saved[name] = tensor.numel();
+  for (const auto& [stored, tensor] : state.tensors) {
+    std::string name;
+    // Profiles beyond the first hold the same tensors again.
+    if (profileOfStoredName(stored, &name) == 0) saved[stored] = tensor.numel();
+  }
   for (const LocalShard& s : averager_->shards()) {
     auto it = saved.find(s.spec.name);
     if (it == saved.end())
@@ -82,8 +86,8 @@ bool PythonEma::update(std::optional<int64_t> step) {
   return averager_->update(step ? *step : averager_->step() + 1);
 }
 
-void PythonEma::writeEmaIntoModel() {
-  averager_->averager().copyTo();
+void PythonEma::writeEmaIntoModel(int profile) {
+  averager_->averager().copyTo(profile);
   if (wholeTensors_.empty()) return;
   // The tensors every rank holds whole (replicated, DDP): each rank averaged
   // its rows, every rank needs all. Only those are gathered: the sharded
@@ -95,7 +99,7 @@ void PythonEma::writeEmaIntoModel() {
   names.reserve(wholeTensors_.size());
   for (const TrackedTensor& whole : wholeTensors_) names.push_back(whole.name);
   std::map<std::string, at::Tensor> full;
-  for (auto& [name, tensor] : averager_->fullStateDict(*comm_, options, names)) {
+  for (auto& [name, tensor] : averager_->fullStateDict(*comm_, options, names, profile)) {
     full[name] = tensor;
   }
   at::NoGradGuard noGrad;
@@ -122,13 +126,13 @@ std::vector<std::pair<std::string, at::Tensor>> PythonEma::modelTargets() const 
   return targets;
 }
 
-void PythonEma::copyTo() {
+void PythonEma::copyTo(int profile) {
   TORCH_CHECK(!swapped(), kApi, ".copy_to: the EMA is swapped in; leave swap() first");
   checkModelWritable(modelTargets(), "shardema.EMA.copy_to");
-  writeEmaIntoModel();
+  writeEmaIntoModel(profile);
 }
 
-void PythonEma::swapIn() {
+void PythonEma::swapIn(int profile) {
   TORCH_CHECK(!swapped(), kApi, ".swap: already swapped in (swap() does not nest)");
   averager_->wait();
   // The raw values are kept before anything is written: a replicated swap
@@ -137,7 +141,7 @@ void PythonEma::swapIn() {
   // half raw.
   swap_ = std::make_unique<WeightSwap>(modelTargets(), kApi);
   try {
-    writeEmaIntoModel();
+    writeEmaIntoModel(profile);
   } catch (...) {
     swap_.reset();
     throw;
@@ -158,7 +162,7 @@ namespace {
 template <typename PieceOf>
 LoadReport loadPieces(ShardedAverager& averager,
                       const std::vector<std::pair<std::string, at::Tensor>>& values,
-                      const PieceOf& pieceOf) {
+                      const PieceOf& pieceOf, int profile) {
   std::map<std::string, const at::Tensor*> byName;
   for (const auto& entry : values) byName[entry.first] = &entry.second;
   std::vector<std::pair<std::string, at::Tensor>> pieces;
@@ -166,29 +170,36 @@ LoadReport loadPieces(ShardedAverager& averager,
     auto it = byName.find(s.spec.name);
     if (it != byName.end()) pieces.emplace_back(s.spec.name, pieceOf(s, *it->second));
   }
-  return averager.averager().loadEmaValues(pieces, LoadStrictness::kNonStrict);
+  return averager.averager().loadEmaValues(pieces, LoadStrictness::kNonStrict, profile);
 }
 
 }  // namespace
 
-LoadReport PythonEma::loadFullValues(const std::vector<std::pair<std::string, at::Tensor>>& full) {
-  return loadPieces(*averager_, full, [this](const LocalShard& s, const at::Tensor& tensor) {
-    TORCH_CHECK_VALUE(tensor.numel() == s.spec.numel(), kApi, ": '", s.spec.name, "' has ",
-                      tensor.numel(), " elements, the tracked tensor ", s.spec.numel());
-    const shard::ElementRange range = s.spec.heldRange(rank());
-    at::Tensor piece = tensor.detach().reshape({-1}).slice(0, range.begin, range.end);
-    return piece.reshape(s.local.sizes());
-  });
+LoadReport PythonEma::loadFullValues(const std::vector<std::pair<std::string, at::Tensor>>& full,
+                                     int profile) {
+  return loadPieces(
+      *averager_, full,
+      [this](const LocalShard& s, const at::Tensor& tensor) {
+        TORCH_CHECK_VALUE(tensor.numel() == s.spec.numel(), kApi, ": '", s.spec.name, "' has ",
+                          tensor.numel(), " elements, the tracked tensor ", s.spec.numel());
+        const shard::ElementRange range = s.spec.heldRange(rank());
+        at::Tensor piece = tensor.detach().reshape({-1}).slice(0, range.begin, range.end);
+        return piece.reshape(s.local.sizes());
+      },
+      profile);
 }
 
-LoadReport PythonEma::loadLocalValues(
-    const std::vector<std::pair<std::string, at::Tensor>>& local) {
-  return loadPieces(*averager_, local, [](const LocalShard& s, const at::Tensor& tensor) {
-    TORCH_CHECK_VALUE(tensor.numel() == s.local.numel(), kApi, ": the local piece of '",
-                      s.spec.name, "' has ", tensor.numel(), " elements, this rank's shard ",
-                      s.local.numel());
-    return tensor.detach().reshape(s.local.sizes());
-  });
+LoadReport PythonEma::loadLocalValues(const std::vector<std::pair<std::string, at::Tensor>>& local,
+                                      int profile) {
+  return loadPieces(
+      *averager_, local,
+      [](const LocalShard& s, const at::Tensor& tensor) {
+        TORCH_CHECK_VALUE(tensor.numel() == s.local.numel(), kApi, ": the local piece of '",
+                          s.spec.name, "' has ", tensor.numel(), " elements, this rank's shard ",
+                          s.local.numel());
+        return tensor.detach().reshape(s.local.sizes());
+      },
+      profile);
 }
 
 RankState PythonEma::stateDict() const {
@@ -209,6 +220,15 @@ RankState PythonEma::stateTemplate() const {
     const auto [dtype, shape] = averager.emaDtypeAndShape(name);
     // One element seen at every index (an expanded scalar): the shape, no memory.
     state.tensors.emplace_back(name, at::empty({}, at::TensorOptions().dtype(dtype)).expand(shape));
+  }
+  // Averager::state()'s further profiles: the averaged tensors again.
+  for (int p = 1; p < averager.numProfiles(); ++p) {
+    for (const std::string& name : averager.names()) {
+      if (!isAveragingRole(averager.role(name))) continue;
+      const auto [dtype, shape] = averager.emaDtypeAndShape(name);
+      state.tensors.emplace_back(profileTensorName(name, p),
+                                 at::empty({}, at::TensorOptions().dtype(dtype)).expand(shape));
+    }
   }
   state.metadata = averager.stateMetadata();
   state.metadata[detail::kRankKey] = toString(rank());
@@ -240,9 +260,9 @@ at::Tensor PythonEma::ema(const std::string& name, int profile) const {
   return averager_->averager().ema(name, profile).clone();
 }
 
-std::vector<std::pair<std::string, at::Tensor>> PythonEma::localEma() const {
+std::vector<std::pair<std::string, at::Tensor>> PythonEma::localEma(int profile) const {
   std::vector<std::pair<std::string, at::Tensor>> out;
-  const std::vector<at::Tensor> pieces = averager_->localEma();
+  const std::vector<at::Tensor> pieces = averager_->localEma(profile);
   const auto& specs = averager_->layout().specs;
   for (size_t i = 0; i < pieces.size(); ++i) out.emplace_back(specs[i].name, pieces[i].clone());
   return out;
@@ -288,15 +308,15 @@ void PythonEma::loadCheckpoint(const std::string& folder) {
 }
 
 void PythonEma::exportWeights(const std::string& path, c10::ScalarType dtype,
-                              std::optional<int64_t> maxShardBytes) {
-  averager_->exportWeights(*comm_, path, dtype, {}, maxShardBytes);
+                              std::optional<int64_t> maxShardBytes, int profile) {
+  averager_->exportWeights(*comm_, path, dtype, shard::GatherOptions{}, maxShardBytes, profile);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> PythonEma::fullStateDict(
-    bool rank0Only, const std::optional<std::vector<std::string>>& names) {
+    bool rank0Only, const std::optional<std::vector<std::string>>& names, int profile) {
   shard::GatherOptions options;
   options.root = rank0Only ? 0 : -1;
-  return averager_->fullStateDict(*comm_, options, names);
+  return averager_->fullStateDict(*comm_, options, names, profile);
 }
 
 }  // namespace shardema::python

@@ -85,7 +85,9 @@ class PythonEma {
   void fence() { averager_->fence(); }
   void wait() { averager_->wait(); }
   int64_t step() const { return averager_->step(); }
-  double lastDecay() const { return averager_->averager().lastDecay(); }
+  double lastDecay(int profile) const { return averager_->averager().lastDecay(profile); }
+  /// The profiles kept: 1 + the options' moreSchedules.
+  int numProfiles() const { return averager_->averager().numProfiles(); }
   int64_t rank() const { return averager_->rank(); }
   int64_t worldSize() const { return averager_->worldSize(); }
   /// "single", "replicated", "rank0", "fsdp2", "fsdp1" or "local_shards".
@@ -94,9 +96,9 @@ class PythonEma {
   std::vector<std::string> names() const { return averager_->averager().names(); }
   /// One tensor's EMA of `profile`, in its local shape (a clone). Waits.
   at::Tensor ema(const std::string& name, int profile) const;
-  /// This rank's EMA pieces by name (1-D clones, layout order), no
-  /// communication. Waits.
-  std::vector<std::pair<std::string, at::Tensor>> localEma() const;
+  /// This rank's EMA pieces of `profile` by name (1-D clones, layout
+  /// order), no communication. Waits.
+  std::vector<std::pair<std::string, at::Tensor>> localEma(int profile) const;
   /// What the background pipeline did so far (zeros for storage kDevice).
   offload::PipelineStats offloadStats() const { return averager_->averager().offloadStats(); }
 
@@ -105,20 +107,24 @@ class PythonEma {
   /// with swapOut, and puts them back itself before rethrowing when the
   /// writing fails (a replicated swap's gather). swapIn while swapped is an
   /// error.
-  void copyTo();
-  void swapIn();
+  /// `profile`: which EMA is written (the package checked it).
+  void copyTo(int profile);
+  void swapIn(int profile);
   void swapOut();
   bool swapped() const { return swap_ != nullptr; }
 
   /// Loads full tensors (global names and shapes, e.g. a checkpoint's
   /// state dict) into this rank's EMA: each shard takes its range. Names
   /// not tracked are ignored, tracked ones missing keep their EMA.
-  LoadReport loadFullValues(const std::vector<std::pair<std::string, at::Tensor>>& full);
+  /// `profile`: which EMA takes them (the package checked it).
+  LoadReport loadFullValues(const std::vector<std::pair<std::string, at::Tensor>>& full,
+                            int profile);
   /// Loads this rank's own pieces (global names, local shapes: what a
   /// Shard(0) DTensor's to_local() holds) into its EMA, no communication.
   /// Names not tracked are ignored, tracked ones missing keep their EMA;
   /// a piece of another size is a ValueError naming it.
-  LoadReport loadLocalValues(const std::vector<std::pair<std::string, at::Tensor>>& local);
+  LoadReport loadLocalValues(const std::vector<std::pair<std::string, at::Tensor>>& local,
+                             int profile);
 
   RankState stateDict() const;
   /// stateDict()'s structure without the EMA values, so a failed EMA can
@@ -134,15 +140,15 @@ class PythonEma {
   /// Collective: every rank loads its file; if one fails, all fail and
   /// none changed.
   void loadCheckpoint(const std::string& folder);
-  /// Collective: rank 0 streams deployable safetensors to `path` (with
-  /// maxShardBytes: a folder in Hugging Face's layout).
+  /// Collective: rank 0 streams deployable safetensors of `profile` to
+  /// `path` (with maxShardBytes: a folder in Hugging Face's layout).
   void exportWeights(const std::string& path, c10::ScalarType dtype,
-                     std::optional<int64_t> maxShardBytes = std::nullopt);
+                     std::optional<int64_t> maxShardBytes, int profile);
   /// Collective: the full EMA tensors on rank 0 (rank0Only) or on every
   /// rank, an empty list on the others; `names`: just those (every rank
   /// the same), nullopt: all.
   std::vector<std::pair<std::string, at::Tensor>> fullStateDict(
-      bool rank0Only, const std::optional<std::vector<std::string>>& names = std::nullopt);
+      bool rank0Only, const std::optional<std::vector<std::string>>& names, int profile);
 
  private:
   void mirrorTrainable(const std::vector<bool>& trainable);
@@ -151,7 +157,7 @@ class PythonEma {
   void follow(const std::string& name, const at::Tensor& full);
   bool isSource(const std::string& name, const at::Tensor& full) const;
   std::string stateDifference(const RankState& state) const;
-  void writeEmaIntoModel();
+  void writeEmaIntoModel(int profile);
   std::vector<std::pair<std::string, at::Tensor>> modelTargets() const;
   std::unique_ptr<shard::Communicator> comm_;
   std::unique_ptr<ShardedAverager> averager_;

@@ -58,7 +58,6 @@ const std::vector<std::pair<std::string, std::string>>& pythonTermsTable() {
       {"DecaySchedule::warmup", "shardema.DecaySchedule.warmup"},
       {"PostHocCallback::onTrainBatchEnd", "shardema.PostHocEMA.update"},
       {"PostHocCallback", "the post-hoc EMA"},
-      {"options.moreSchedules", "more_schedules"},
       {"this Averager", "this EMA"},
       {"(refuseNonFinite)", "(refuse_non_finite=True)"},
       {"ShardedAverager: ", "shardema.EMA: "},

@@ -152,7 +152,7 @@ def test_copy_from_is_ema_pytorchs_copy_params_from_model_to_ema():
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
 
 
-def test_copy_from_is_refused_inside_swap_and_with_more_schedules():
+def test_copy_from_is_refused_inside_swap_and_with_several_profiles():
     model = make_model()
     ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(0.5))
     ema.update()
@@ -161,9 +161,9 @@ def test_copy_from_is_refused_inside_swap_and_with_more_schedules():
             ema.copy_from()
     with pytest.raises(ValueError, match="another model"):
         ema.copy_from(make_model())
-    profiles = shardema.EMA(make_model(), schedule=shardema.DecaySchedule.constant(0.5),
-                            more_schedules=[shardema.DecaySchedule.constant(0.9)])
-    with pytest.raises(ValueError, match="more_schedules"):
+    profiles = shardema.EMA(make_model(), schedules=[shardema.DecaySchedule.constant(0.5),
+                                                     shardema.DecaySchedule.constant(0.9)])
+    with pytest.raises(ValueError, match="keeps 2 profiles"):
         profiles.copy_from()
 
 

@@ -200,7 +200,25 @@ struct AveragerStateInfo {
   bool initialized = false;
   /// The role each tensor was saved with; empty when shardema.roles is absent.
   std::map<std::string, TrackRole> roles;
+  /// One profile's schedule and last decay.
+  struct Profile {
+    DecaySchedule schedule = DecaySchedule::warmup();
+    double lastDecay = 0.0;
+  };
+  /// Every profile saved, profile 0 (`schedule`, `lastDecay`) first: from
+  /// shardema.profiles when the state has several, else profile 0 alone.
+  std::vector<Profile> profiles;
 };
+
+/// The name a state file stores tensor `name` of `profile` under: `name`
+/// for profile 0 (a one-profile state is unchanged), else
+/// "shardema.profile_<p>/<name>" (docs/files.md). Only averaged tensors
+/// have profiles beyond 0: copies are shared by every profile and saved once.
+std::string profileTensorName(const std::string& name, int profile);
+/// profileTensorName's inverse: the profile a stored name belongs to, with
+/// the tracked name put in `*name` (profile 0 and the name itself for a
+/// name without the prefix; -1 for a prefix that does not parse).
+int profileOfStoredName(const std::string& stored, std::string* name);
 
 /// The checks Averager::loadState makes of a state's metadata before it
 /// looks at the tensors; `shardema inspect` and inspectCheckpoint make them
@@ -209,8 +227,11 @@ struct AveragerStateInfo {
 /// shardema.step plain decimal digits within int64; shardema.last_decay a
 /// finite number in [0, 1]; shardema.initialized true or false;
 /// shardema.roles, when present, a JSON object of tensor names to role
-/// names; then shardema.state_xxh64, when present (state() writes it), the
-/// XXH64 of those six keys and their values: a role or schedule edited to
+/// names; shardema.profiles, when present (a state of 2 or more profiles),
+/// a JSON array of {"schedule", "last_decay"} per profile whose first entry
+/// repeats shardema.schedule and shardema.last_decay; then
+/// shardema.state_xxh64, when present (state() writes it), the XXH64 of
+/// those keys and their values: a role or schedule edited to
 /// another valid value, which only the Averager loaded into could refuse
 /// (checkRoles, the schedule), fails here for every reader. c10::ValueError
 /// "<api>: <key> ..." naming the key and its text.
@@ -332,10 +353,11 @@ class Averager {
   /// happened. The step must be >= 0. Waits for the update in flight.
   void restoreProgress(int64_t step, bool initialized);
 
-  /// Writes the EMA (profile 0) into the sources (dtype and device
+  /// Writes the EMA of `profile` into the sources (dtype and device
   /// converted), e.g. to evaluate with EMA weights; kPinnedHost goes
-  /// through the copy engine. Blocks.
-  void copyTo();
+  /// through the copy engine. c10::IndexError for a profile that does not
+  /// exist. Blocks.
+  void copyTo(int profile = 0);
   /// Overwrites the EMA values of `profile` from named tensors (converted
   /// to our dtype; copy roles: the shared copy), e.g. from a post-hoc
   /// snapshot on resume; shapes must match (c10::ValueError naming the
@@ -346,16 +368,19 @@ class Averager {
                            LoadStrictness strictness, int profile = 0);
 
   /// State for resume: every EMA tensor under its name, metadata with the
-  /// step, initialised flag, last decay, schedule (JSON) and roles. Single
-  /// profile only: an Averager with moreSchedules is saved as post-hoc
-  /// snapshots, one file per profile (posthoc_snapshot.h), and c10::Error
-  /// says so.
+  /// step, initialised flag, last decay, schedule (JSON) and roles. With
+  /// moreSchedules, every profile: each averaged tensor of profile p > 0
+  /// under profileTensorName(name, p), and shardema.profiles with each
+  /// profile's schedule and last decay.
   TensorFile state() const;
   /// state()'s metadata alone, read now: does not wait, so a failed
   /// Averager answers too (a load checks what it is given against it).
   std::map<std::string, std::string> stateMetadata() const;
   /// Restores state(): tensors as loadEmaValues, plus step and flags. In
-  /// strict mode a schedule different from ours is an error naming both.
+  /// strict mode a schedule different from ours, or another number of
+  /// profiles or another schedule of one, is an error naming both (a
+  /// non-strict load takes the profiles both have). Checks everything
+  /// before the first write.
   LoadReport loadState(const TensorFile& file, LoadStrictness strictness = LoadStrictness::kStrict);
   /// state() to a crash-safe safetensors file / loadState from one (whose
   /// errors then start with the file's path).
@@ -366,12 +391,17 @@ class Averager {
   void checkProfile(int profile, const char* api) const;
   size_t indexOf(const std::string& name, const char* api) const;
   void checkRoles(const std::map<std::string, TrackRole>& saved) const;
+  void checkSavedProfiles(const std::vector<AveragerStateInfo::Profile>& saved) const;
   // Throws when failed; otherwise waits for the update in flight and turns
   // its error into the failed mark.
   void settle(const char* api) const;
   void checkNotFailed(const char* api) const;
-  LoadReport loadValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
-                        LoadStrictness strictness, int profile);
+  // A load's two halves: every check (names, shapes, dtypes; averagedOnly:
+  // the copies, shared by every profile, are not expected), then the
+  // writes, so that a load refused leaves the EMA as it was.
+  LoadReport checkValues(const std::vector<std::pair<std::string, at::Tensor>>& values,
+                         LoadStrictness strictness, bool averagedOnly) const;
+  void writeValues(const std::vector<std::pair<std::string, at::Tensor>>& values, int profile);
   void rejectUnfenced(int64_t step);
   // The sources written since the last due update, judged once, at the
   // first call that fences or waits after it (options_.sourceWrites).

@@ -131,9 +131,10 @@ class ShardedAverager {
   /// This rank's EMA pieces as 1-D contiguous CPU tensors in layout order
   /// (numel = the rank's heldRange size: the whole of a kPerRank tensor,
   /// this rank's own EMA of it; float32 for averaging roles, the source
-  /// dtype for copies). Waits for an update in flight. Views of our storage
-  /// for the kPinnedHost storage; host copies for kDevice.
-  std::vector<at::Tensor> localEma() const;
+  /// dtype for copies) of `profile` (Averager's; c10::IndexError for one
+  /// that does not exist). Waits for an update in flight. Views of our
+  /// storage for the kPinnedHost storage; host copies for kDevice.
+  std::vector<at::Tensor> localEma(int profile = 0) const;
 
   /// Collective (every rank calls it): the full EMA tensors, global shapes
   /// (a splitDim shard's: its own, dim 0 moved back; a kPerRank one's:
@@ -146,10 +147,10 @@ class ShardedAverager {
   /// under the names asked for; every rank the same names; another name is
   /// a c10::IndexError naming it, on every rank before any exchange), e.g.
   /// the replicated buffers of an FSDP2 model whose parameters a caller
-  /// reads as local shards.
+  /// reads as local shards. `profile`: which EMA (every rank the same).
   std::vector<std::pair<std::string, at::Tensor>> fullStateDict(
       shard::Communicator& comm, shard::GatherOptions options = {},
-      const std::optional<std::vector<std::string>>& only = std::nullopt) const;
+      const std::optional<std::vector<std::string>>& only = std::nullopt, int profile = 0) const;
 
   /// Collective: streams the full EMA (kPerRank tensors: rank 0's) to
   /// options.root (>= 0), which writes
@@ -164,7 +165,8 @@ class ShardedAverager {
   /// piece. Floating tensors are written as
   /// `outputDtype` (float32,
   /// bfloat16 or float16); integer/bool copies keep their dtype. Metadata:
-  /// shardema.kind=deployable_weights, shardema.step, shardema.schedule.
+  /// shardema.kind=deployable_weights, shardema.step, shardema.schedule
+  /// (the schedule of `profile`, the EMA written; every rank the same).
   /// Metadata: also format=pt (safetensors' key, which transformers'
   /// loader requires).
   /// With `maxShardBytes` (>= 1), `path` is a folder and the tensors go
@@ -182,12 +184,13 @@ class ShardedAverager {
   void exportWeights(shard::Communicator& comm, const std::string& path,
                      c10::ScalarType outputDtype = c10::ScalarType::Float,
                      shard::GatherOptions options = {},
-                     std::optional<int64_t> maxShardBytes = std::nullopt) const;
+                     std::optional<int64_t> maxShardBytes = std::nullopt,
+                     int profile = 0) const;
 
  private:
   // localEma() with each splitDim piece in its spec's element order (what
   // the gathers assemble).
-  std::vector<at::Tensor> piecesInSpecOrder() const;
+  std::vector<at::Tensor> piecesInSpecOrder(int profile) const;
 
   int64_t rank_ = 0;
   int64_t worldSize_ = 0;

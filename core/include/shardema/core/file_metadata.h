@@ -31,6 +31,8 @@ constexpr const char* kSynthesisKey = "shardema.synthesis";
 constexpr const char* kInitializedKey = "shardema.initialized";
 constexpr const char* kLastDecayKey = "shardema.last_decay";
 constexpr const char* kRolesKey = "shardema.roles";
+/// The profiles of an Averager state of several (averager.h, AveragerStateInfo::profiles).
+constexpr const char* kProfilesKey = "shardema.profiles";
 /// XXH64 of an Averager state's own keys (averager.h, checkAveragerStateMetadata).
 constexpr const char* kStateChecksumKey = "shardema.state_xxh64";
 constexpr const char* kPostHocCallsKey = "shardema.posthoc.calls";
