@@ -198,6 +198,11 @@ class EMA(EmaState):
         independent EMA of the copied model, as deepcopy of a model that
         holds one (or Lightning's ddp_spawn) expects. An EMA over a process
         group or of local shards belongs to its ranks: a TypeError."""
+        if self.swapped:
+            # The model copied with it holds the EMA where its raw weights
+            # belong, and the copy could never swap them back.
+            raise TypeError("shardema.EMA: copied or pickled inside swap(); the model holds the "
+                            "EMA weights there, not its own: copy it after the swap ends")
         if self._rebuild is None:
             raise TypeError("shardema.EMA: an EMA built with from_local_shards() cannot be "
                             "copied or pickled (its shards belong to this process's ranks); "

@@ -53,6 +53,24 @@ class EmaState:
                              "EMA is a range of a flattened parameter); use save_checkpoint() / "
                              "load_checkpoint(), export_weights(), full_state_dict() or swap()")
 
+    def _refuse_unshared_write(self, api: str) -> None:
+        # Built before init_process_group, the EMA is each process's own
+        # (layout "single"): every rank writing it writes the same files
+        # over each other's (a rename racing another, a manifest naming
+        # another rank's file). Rank 0 writes it; the others are refused.
+        if self._group is not None or self._engine.layout != "single":
+            return
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2 \
+                or dist.get_rank() == 0:
+            return
+        raise ValueError(f"shardema.EMA.{api}: this EMA was built before "
+                         "torch.distributed.init_process_group, so each process keeps its own "
+                         f"whole copy, and this is rank {dist.get_rank()} of "
+                         f"{dist.get_world_size()}: every rank would write the same files. Call "
+                         f"{api}() on rank 0 only, or build the EMA after init_process_group "
+                         "(then the ranks share the work and write together)")
+
     def state_dict(self) -> Dict[str, Any]:
         """{"weights": {name: tensor}, "progress": {...}} (and, with several
         profiles, "profile_weights": {"1": {name: tensor}, ...}), for DCP beside the
@@ -86,6 +104,7 @@ class EmaState:
         """Collective: this rank's file (every profile) and (rank 0) the
         manifest in `folder`."""
         refuse_tensor_parallel(self._tensor_parallel, "save_checkpoint")
+        self._refuse_unshared_write("save_checkpoint")
         write_on_first_replica(self._replicas, lambda: self._engine.save_checkpoint(str(folder)),
                                self._timeout_s, "save_checkpoint")
 
@@ -118,6 +137,7 @@ class EmaState:
         under "shardema.from_model"). One file only: not with
         max_shard_size."""
         profile = self._profile(profile, "export_weights")
+        self._refuse_unshared_write("export_weights")
         if not isinstance(include_untracked, bool):
             raise TypeError("shardema.EMA.export_weights: include_untracked must be a bool, got "
                             f"{include_untracked!r}")

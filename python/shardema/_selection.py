@@ -82,9 +82,12 @@ def keep_trainable(tracked: List[Tracked], kept_before: Iterable[str] = ()) -> \
     kept, frozen = [], []
     for t in tracked:
         if t.piece is not None:
-            raise ValueError("trainable_only=True is not supported for an FSDP1 model "
-                             "(FullyShardedDataParallel); leave the frozen parameters out by "
-                             "name with ignore_names= / ignore_prefixes=")
+            from ._zero3 import Partition
+            model = "a DeepSpeed ZeRO-3 model" if isinstance(t.piece, Partition) else \
+                "an FSDP1 model (FullyShardedDataParallel)"
+            raise ValueError(f"shardema.EMA: trainable_only=True is not supported for {model} "
+                             f"('{t.name}' is a range of a flattened parameter); leave the frozen "
+                             "parameters out by name with ignore_names= / ignore_prefixes=")
         if t.is_buffer:
             continue
         if bool(t.tensor.requires_grad) or t.name in before:

@@ -36,6 +36,8 @@ const std::vector<std::pair<std::string, std::string>>& pythonTermsTable() {
        "restore it with load_state_dict() or load_checkpoint() to continue"},
       {"build it with the saved schedule or load non-strictly",
        "build the EMA with the saved schedule"},
+      {"build it with the saved schedules or load non-strictly",
+       "build the EMA with the saved schedules="},
       {"use the same TrackingPolicy or load non-strictly", "build the EMA with the same policy="},
       {"Averager::loadState", "shardema.EMA.load_state_dict"},
       {"Averager::state", "shardema.EMA.state_dict"},

@@ -117,6 +117,32 @@ def test_a_removed_module_is_refused_naming_its_tensors():
         ema.update()
 
 
+def test_a_module_whose_children_dict_was_rebuilt_is_still_watched():
+    # Sequential.__delitem__ builds a new _modules dict; the old one, back to
+    # its size after an append and a delete, looked unchanged for good, and a
+    # later replacement by another shape was averaged as the old layer.
+    model = mlp()
+    ema = shardema.EMA(model, HALF)
+    ema.update()
+    model.append(torch.nn.Linear(3, 3))
+    with pytest.raises(ValueError, match="'3.weight', '3.bias' added"):
+        ema.update()
+    del model[-1]
+    ema.update()  # the same tensors again, under a new dict: followed
+    want = half_lerp(values(model), values(model))
+    model[2] = torch.nn.Linear(6, 5)
+    with pytest.raises(ValueError, match="'2.weight'"):
+        ema.update()
+    model[2] = torch.nn.Linear(6, 3)
+    torch.nn.init.constant_(model[2].weight, 2.0)
+    with pytest.warns(UserWarning, match="were replaced"):
+        ema.update()
+    with ema.swap(model):
+        assert torch.equal(model[0].weight, ema.full_state_dict()["0.weight"])
+    got = ema.full_state_dict()["2.weight"].double()
+    torch.testing.assert_close(got, 0.5 * want["2.weight"] + 0.5 * 2.0)
+
+
 class Tied(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -251,6 +251,20 @@ def test_pickle_of_model_and_ema_restores_them_paired():
     _assert_tracks(ema2, model2, ema)
 
 
+def test_copying_inside_a_swap_is_refused_and_the_raw_weights_come_back():
+    # Inside swap() the model holds the EMA; a copy of (model, ema) taken
+    # there would keep the EMA as its raw weights with no way back.
+    model, ema = _trained_ema()
+    raw = {k: v.clone() for k, v in model.state_dict().items()}
+    with ema.swap(model):
+        for copier in (copy.deepcopy, lambda x: pickle.dumps(x)):
+            with pytest.raises(TypeError, match="inside swap"):
+                copier((model, ema))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, raw[k]), k
+    _assert_same_ema(copy.deepcopy(ema), ema)  # after the swap, copies work
+
+
 def test_pickling_an_ema_under_a_process_group_is_refused_by_name(one_rank_group):
     model = torch.nn.Linear(4, 4)
     ema = shardema.EMA(model, layout="replicated")
