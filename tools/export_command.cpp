@@ -7,8 +7,10 @@
 
 #include "flag_parser.h"
 #include "flagged_command.h"
+#include "folder_kind.h"
 #include "shardema/core/regular_file.h"
 #include "shardema/sharded_checkpoint.h"
+#include "snapshot_folder_listing.h"
 
 namespace shardema::cli {
 
@@ -66,12 +68,29 @@ int reshardToLayout(const ParsedFlags& flags, const std::string& dir, const std:
   return 0;
 }
 
+// The sources export reads itself are per-rank checkpoints; the others are
+// named for what they are, with what writes their deployable weights.
+void checkExportSource(const std::string& dir) {
+  switch (folderKind(dir)) {
+    case FolderKind::kDcpCheckpoint:
+      throw UsageError("--checkpoint " + dcpFolderRefusal(dir));
+    case FolderKind::kPostHocSnapshots:
+      throw UsageError("--checkpoint " + describeSnapshotFolder(dir) +
+                       ": its EMA of any sigma_rel is `shardema synthesize --snapshots " + dir +
+                       " --sigma-rel S --out FILE`");
+    case FolderKind::kRankCheckpoint:
+    case FolderKind::kUnknown:
+      return;
+  }
+}
+
 int runParsed(const ParsedFlags& flags, std::ostream& out) {
   if (!flags.has("checkpoint")) throw UsageError("--checkpoint DIR is required");
   if (!flags.has("out"))
     throw UsageError("--out is required (a file, or a folder with --world-size / --layout)");
   const std::string& dir = flags.text("checkpoint");
   const std::string& target = flags.text("out");
+  checkExportSource(dir);
   const ExportOptions options = optionsFromFlags(flags);
   if (flags.has("layout")) return reshardToLayout(flags, dir, target, options, out);
   if (flags.has("world-size")) {
@@ -113,7 +132,8 @@ void printExportUsage(std::ostream& out) {
          "with --layout, a checkpoint for exactly the ShardLayout JSON in FILE (what the\n"
          "new job's ShardLayout::toJson writes; use it for FSDP1 jobs). The output replaces\n"
          "FILE (or NEW_DIR's checkpoint) only once it is complete.\n\n"
-         "  --checkpoint DIR   per-rank checkpoint folder (manifest.json + rank files)\n"
+         "  --checkpoint DIR   per-rank checkpoint folder (manifest.json + rank files), or,\n"
+         "                     from the Python package's shardema, a DCP checkpoint folder\n"
          "  --out PATH         output file, or output folder with --world-size\n"
          "  --dtype D          f32 (default), bf16 or f16 for floating tensors\n"
          "  --world-size W     reshard to W ranks instead of merging\n"

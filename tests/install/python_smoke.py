@@ -2,7 +2,13 @@
 tree (scripts/package_test.sh), it checks that shardema comes from
 site-packages, then runs two processes of DDP over Gloo with an EMA,
 exports it, saves and loads it, and compares the exported values with a
-float64 EMA of the weights each step. Exit status 0 when all holds."""
+float64 EMA of the weights each step. Exit status 0 when all holds.
+
+`python_smoke.py OUT` keeps what it wrote in OUT (ema.safetensors, the
+per-rank checkpoint/ and a DCP checkpoint dcp/ of model and EMA), for the
+installed `shardema` command to read; `python_smoke.py --compare OUT` then
+checks that command's exports (from_checkpoint.safetensors,
+from_dcp.safetensors) against ema.safetensors, tensor by tensor."""
 import json
 import os
 import pathlib
@@ -57,6 +63,9 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
             {n: DECAY * reference[n] + (1 - DECAY) * now[n] for n in now}
     ema.export_weights(os.path.join(out, "ema.safetensors"))
     ema.save_checkpoint(os.path.join(out, "checkpoint"))
+    import torch.distributed.checkpoint as dcp
+    dcp.save({"model": model.state_dict(), "ema": ema.state_dict()},
+             checkpoint_id=os.path.join(out, "dcp"))
     before = ema.full_state_dict()
     ema.load_checkpoint(os.path.join(out, "checkpoint"))
     after = ema.full_state_dict()
@@ -68,14 +77,28 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def main() -> int:
+def compare(out: str) -> int:
+    """The installed command's exports against the EMA's own."""
+    want = read_float32_safetensors(os.path.join(out, "ema.safetensors"))
+    for made in ("from_checkpoint.safetensors", "from_dcp.safetensors"):
+        got = read_float32_safetensors(os.path.join(out, made))
+        assert list(got) == list(want), (made, list(got), list(want))
+        for name, tensor in want.items():
+            assert torch.equal(got[name], tensor), (made, name)
+    print(f"python smoke: the shardema command's exports of {out}'s checkpoint/ and dcp/ equal "
+          "export_weights' file")
+    return 0
+
+
+def main(keep: str = "") -> int:
     import shardema
     here = pathlib.Path(shardema.__file__).resolve()
     assert "site-packages" in here.parts, f"shardema imported from {here}, not an install"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as temporary:
+        out = keep or temporary
         mp.spawn(rank_main, args=(2, port, out), nprocs=2, join=True)
     print(f"python smoke: shardema {here.parent} with torch {torch.__version__}: "
           "import, 2-process DDP update, export, save and load passed")
@@ -83,4 +106,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == ["--compare"]:
+        sys.exit(compare(sys.argv[2]))
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else ""))
