@@ -97,6 +97,8 @@ def main(keep: str = "") -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    if keep:
+        os.makedirs(keep, exist_ok=True)
     with tempfile.TemporaryDirectory() as temporary:
         out = keep or temporary
         mp.spawn(rank_main, args=(2, port, out), nprocs=2, join=True)
