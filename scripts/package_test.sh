@@ -5,7 +5,11 @@
 #      the first time), where pip builds a wheel from that sdist with build
 #      isolation, as `pip install .` does, and installs it;
 #   3. tests/install/python_smoke.py, run from outside the source tree:
-#      import, a 2-process DDP update, export, save and load.
+#      import, a 2-process DDP update, export, save and load, a DCP save;
+#   4. the `shardema` command pip installed, without LD_LIBRARY_PATH:
+#      --version against shardema.__version__, inspect and export of the
+#      smoke test's per-rank checkpoint and DCP checkpoint, whose exports
+#      must equal the EMA's own export_weights file.
 # Leaves nothing behind but pip's cache.
 source "$(dirname "$0")/common.sh"
 bash "$repo_root/scripts/install_deps.sh"
@@ -30,5 +34,20 @@ CMAKE_BUILD_PARALLEL_LEVEL=$jobs "$work/venv/bin/python" -m pip wheel --disable-
 
 echo "package_test: smoke test from $work"
 cp "$repo_root/tests/install/python_smoke.py" "$work/"
-# -W: torch warns that numpy is missing, which this venv lacks on purpose.
-cd "$work" && "$work/venv/bin/python" -W "ignore:Failed to initialize NumPy" python_smoke.py
+# torch warns that numpy is missing, which this venv lacks on purpose.
+export PYTHONWARNINGS="ignore:Failed to initialize NumPy"
+cd "$work" && "$work/venv/bin/python" python_smoke.py "$work/smoke"
+
+echo "package_test: the installed shardema command"
+command="$work/venv/bin/shardema"
+[[ -x "$command" ]] || { echo "package_test: pip installed no $command"; exit 1; }
+run() { env -u LD_LIBRARY_PATH "$command" "$@"; }
+version=$(run --version)
+expected="shardema $("$work/venv/bin/python" -c 'import shardema; print(shardema.__version__)')"
+[[ "$version" == "$expected" ]] || { echo "package_test: '$version', expected '$expected'"; exit 1; }
+echo "$version"
+run inspect "$work/smoke/checkpoint"
+run export --checkpoint "$work/smoke/checkpoint" --out "$work/smoke/from_checkpoint.safetensors"
+run inspect "$work/smoke/dcp"
+run export --checkpoint "$work/smoke/dcp" --out "$work/smoke/from_dcp.safetensors"
+"$work/venv/bin/python" python_smoke.py --compare "$work/smoke"

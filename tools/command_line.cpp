@@ -12,6 +12,10 @@
 #include "schedule_command.h"
 #include "synthesize_command.h"
 
+#ifndef SHARDEMA_VERSION
+#error "tools/CMakeLists.txt defines SHARDEMA_VERSION, the project's version"
+#endif
+
 namespace shardema::cli {
 namespace {
 
@@ -38,7 +42,8 @@ const Command kCommands[] = {
 };
 
 void printUsage(std::ostream& out) {
-  out << "usage: shardema <command> [flags]    (shardema <command> --help for its flags)\n\n"
+  out << "usage: shardema <command> [flags]    (shardema <command> --help for its flags)\n"
+         "       shardema --version\n\n"
          "commands:\n";
   for (const Command& command : kCommands) {
     out << "  " << std::left << std::setw(12) << command.name << command.summary << '\n';
@@ -76,6 +81,8 @@ int runCommand(const Command& command, const std::vector<std::string>& args, std
 
 }  // namespace
 
+const char* versionText() { return SHARDEMA_VERSION; }
+
 int runCommandLine(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
   if (args.empty()) {
     printUsage(err);
@@ -83,6 +90,10 @@ int runCommandLine(const std::vector<std::string>& args, std::ostream& out, std:
   }
   if (args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
     printUsage(out);
+    return 0;
+  }
+  if (args[0] == "--version") {
+    out << "shardema " << versionText() << '\n';
     return 0;
   }
   for (const Command& command : kCommands) {

@@ -7,9 +7,11 @@
 
 #include "flag_parser.h"
 #include "flagged_command.h"
+#include "folder_kind.h"
 #include "shardema/core/byte_size.h"
 #include "shardema/core/regular_file.h"
 #include "shardema/sharded_checkpoint.h"
+#include "snapshot_folder_listing.h"
 
 namespace shardema::cli {
 
@@ -76,12 +78,29 @@ int reshardToLayout(const ParsedFlags& flags, const std::string& dir, const std:
   return 0;
 }
 
+// The sources export reads itself are per-rank checkpoints; the others are
+// named for what they are, with what writes their deployable weights.
+void checkExportSource(const std::string& dir) {
+  switch (folderKind(dir)) {
+    case FolderKind::kDcpCheckpoint:
+      throw UsageError("--checkpoint " + dcpFolderRefusal(dir));
+    case FolderKind::kPostHocSnapshots:
+      throw UsageError("--checkpoint " + describeSnapshotFolder(dir) +
+                       ": its EMA of any sigma_rel is `shardema synthesize --snapshots " + dir +
+                       " --sigma-rel S --out FILE`");
+    case FolderKind::kRankCheckpoint:
+    case FolderKind::kUnknown:
+      return;
+  }
+}
+
 int runParsed(const ParsedFlags& flags, std::ostream& out) {
   if (!flags.has("checkpoint")) throw UsageError("--checkpoint DIR is required");
   if (!flags.has("out"))
     throw UsageError("--out is required (a file, or a folder with --world-size / --layout)");
   const std::string& dir = flags.text("checkpoint");
   const std::string& target = flags.text("out");
+  checkExportSource(dir);
   const ExportOptions options = optionsFromFlags(flags);
   if (flags.has("layout")) return reshardToLayout(flags, dir, target, options, out);
   if (flags.has("world-size")) {
@@ -134,7 +153,8 @@ void printExportUsage(std::ostream& out) {
          "model-00001-of-0000N.safetensors of at most SIZE bytes of tensors and\n"
          "model.safetensors.index.json, written last (or one model.safetensors when all\n"
          "fit); a tensor larger than SIZE gets a file of its own.\n\n"
-         "  --checkpoint DIR   per-rank checkpoint folder (manifest.json + rank files)\n"
+         "  --checkpoint DIR   per-rank checkpoint folder (manifest.json + rank files), or,\n"
+         "                     from the Python package's shardema, a DCP checkpoint folder\n"
          "  --out PATH         output file, or output folder with --world-size, --layout\n"
          "                     or --max-shard-size\n"
          "  --dtype D          f32 (default), bf16 or f16 for floating tensors\n"

@@ -8,11 +8,13 @@
 #include <map>
 
 #include "flag_parser.h"
+#include "folder_kind.h"
 #include "shardema/averager.h"
 #include "shardema/core/checksum.h"
 #include "shardema/core/file_metadata.h"
 #include "shardema/core/tensor_file_reader.h"
 #include "shardema/sharded_checkpoint.h"
+#include "snapshot_folder_listing.h"
 
 namespace shardema::cli {
 namespace {
@@ -124,7 +126,17 @@ int inspect(const std::string& path, std::ostream& out) {
                           : std::string("cannot stat (") + std::strerror(error) + ")"));
   }
   if (S_ISDIR(info.st_mode)) {
-    printCheckpoint(path, out);
+    switch (folderKind(path)) {
+      case FolderKind::kDcpCheckpoint:
+        throw UsageError(dcpFolderRefusal(path));
+      case FolderKind::kPostHocSnapshots:
+        printSnapshotFolder(path, out);
+        break;
+      case FolderKind::kRankCheckpoint:
+      case FolderKind::kUnknown:
+        printCheckpoint(path, out);
+        break;
+    }
   } else {
     printFile(path, out);
   }
@@ -139,7 +151,9 @@ void printInspectUsage(std::ostream& out) {
          "Averager state the metadata Averager::load checks) and lists its metadata and\n"
          "tensors with its XXH64; or validates a per-rank checkpoint folder: the manifest,\n"
          "every rank file's size, XXH64, metadata and tensors against it, every tensor's\n"
-         "checksum, and lists the layout.\n";
+         "checksum, and lists the layout; or a post-hoc snapshot folder as synthesize reads\n"
+         "it, listing its profiles, steps, files and tensors; or, from the Python package's\n"
+         "shardema, the EMA of a torch.distributed.checkpoint (DCP) folder.\n";
 }
 
 int runInspectCommand(const std::vector<std::string>& args, std::ostream& out) {

@@ -1,6 +1,6 @@
 #pragma once
-// `shardema inspect FILE|DIR`: validates a safetensors file or a per-rank
-// checkpoint folder and lists what it holds.
+// `shardema inspect FILE|DIR`: validates a safetensors file, a per-rank
+// checkpoint folder or a post-hoc snapshot folder and lists what it holds.
 #include <ostream>
 #include <string>
 #include <vector>
@@ -16,7 +16,9 @@ void printInspectUsage(std::ostream& out);
 /// inspectCheckpoint (the manifest; every rank file's size, XXH64,
 /// metadata, tensors and tensor checksums), then the manifest (step, world
 /// size, schedule, layout) and the tensors with their global shapes and
-/// ranges. Any problem is a UsageError naming the file (exit status 2).
+/// ranges. A post-hoc snapshot folder: printSnapshotFolder. A DCP folder
+/// (which the Python package's `shardema` reads): refused, naming it. Any
+/// problem is a UsageError naming the file (exit status 2).
 int runInspectCommand(const std::vector<std::string>& args, std::ostream& out);
 
 }  // namespace shardema::cli

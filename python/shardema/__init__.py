@@ -48,6 +48,8 @@ from ._shards import FlatParamLayout, LocalShard, ShardSpec, layout_spec  # noqa
 from ._ema import EMA  # noqa: E402
 from ._posthoc import PostHocEMA, read_tensor_file, synthesize_snapshot_folder  # noqa: E402
 
+# CMakeLists.txt's project() version: the wheel's, `shardema --version`'s.
+__version__ = _C.version
 DecaySchedule = _C.DecaySchedule
 LoadReport = _C.LoadReport
 # The per-node cost model of `shardema plan` (shardema/core/node_plan.h).

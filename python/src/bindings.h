@@ -10,6 +10,7 @@ void bindShards(pybind11::module_& m);     // roles, local shards, FSDP1 layouts
 void bindEma(pybind11::module_& m);        // PythonEma
 void bindPostHoc(pybind11::module_& m);    // post-hoc callback, synthesis, files
 void bindNodePlan(pybind11::module_& m);   // plan_node and NodePlan: costs per node on paper
+void bindCommandLine(pybind11::module_& m);  // run_command_line, version: the CLI (tools/)
 void bindTestHooks(pybind11::module_& m);  // _ChunkGate, for tests/python only
 void bindBoundaryProbes(pybind11::module_& m);  // _throw, _Failpoint, _runtime_bindings: tests
 

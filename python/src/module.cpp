@@ -20,6 +20,7 @@ PYBIND11_MODULE(_C, m) {
   shardema::python::bindEma(m);
   shardema::python::bindPostHoc(m);
   shardema::python::bindNodePlan(m);
+  shardema::python::bindCommandLine(m);
   shardema::python::bindTestHooks(m);
   shardema::python::bindBoundaryProbes(m);
 }

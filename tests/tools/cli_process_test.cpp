@@ -34,8 +34,18 @@ TEST(CliProcessTest, TheBinaryGivesWhatTheInProcessRunGives) {
   expectSameBothWays("schedule --kind constant --decay 0.5 --steps 1-3", 0);
   expectSameBothWays("schedule --kind warmup --steps x", 2);  // a UsageError
   expectSameBothWays("scheduel", 2);                          // no such command
+  expectSameBothWays("--version", 0);
   testing::TempDir dir;
   expectSameBothWays("inspect " + dir.file("missing.safetensors"), 2);  // a c10::ValueError
+}
+
+// The project's version (CMakeLists.txt's project()), which the wheel and
+// shardema.__version__ carry too (tests/python/test_cli_package.py).
+TEST(CliProcessTest, VersionPrintsTheProjectVersion) {
+  const CliResult result = runCli("--version");
+  EXPECT_EQ(result.status, 0);
+  EXPECT_EQ(result.out, std::string("shardema ") + SHARDEMA_PROJECT_VERSION + "\n");
+  EXPECT_TRUE(result.err.empty()) << result.err;
 }
 
 TEST(CliProcessTest, NoArgumentsPrintUsageOnStderrWithStatus2) {

@@ -3,9 +3,12 @@
 // documented snapshot format (DESIGN.md section 5), once as a rank-0 full-copy
 // folder and once split over two ranks; the CLI's output must match the
 // references' synthesized weights and be the same for both post-hoc layouts.
+// The same folders through `inspect` and `export`, which name them for what
+// they are.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -14,8 +17,10 @@
 #include <string>
 #include <vector>
 
+#include "shardema/core/checksum.h"
 #include "shardema/core/power_function.h"
 #include "shardema/core/tensor_file.h"
+#include "support/file_bytes.h"
 #include "support/temp_dir.h"
 #include "tools/checkpoint_cli_fixture.h"
 
@@ -239,6 +244,95 @@ TEST_F(SynthesizeCommandTest, MismatchedFoldersAreRefused) {
   EXPECT_EQ(result.status, 2);
   EXPECT_NE(result.err.find("layout"), std::string::npos) << result.err;
   EXPECT_FALSE(std::filesystem::exists(path("y.safetensors")));
+}
+
+// inspect names a post-hoc folder for what it is (not "manifest.json
+// missing"): its layout, profiles and steps as the files say, every file.
+TEST_F(SynthesizeCommandTest, InspectListsAPostHocFolder) {
+  writeFullFolder(path("full"));
+  const testing::CliResult result = runCli("inspect " + path("full"));
+  ASSERT_EQ(result.status, 0) << result.err;
+  std::map<int, std::vector<int64_t>> steps;
+  for (const Snapshot& s : goldenSnapshots()) steps[s.index].push_back(s.step);
+  for (auto& [index, list] : steps) std::sort(list.begin(), list.end());
+  const size_t count = goldenSnapshots().size();
+  EXPECT_EQ(result.out.rfind("post-hoc snapshot folder " + path("full") + " (rank-0 full copy, " +
+                                 std::to_string(count) + " snapshots of sigma_rel " +
+                                 decimal17(gammaToSigmaRel(sigmaRelToGamma(kSigmaRels[0]))),
+                             0),
+            0u)
+      << result.out;
+  for (const auto& [index, list] : steps) {
+    std::string line = "\n  profile " + std::to_string(index) + " sigma_rel ";
+    EXPECT_NE(result.out.find(line), std::string::npos) << result.out;
+    std::string tail = " steps";
+    for (const int64_t step : list) tail += " " + std::to_string(step);
+    EXPECT_NE(result.out.find(tail + "\n"), std::string::npos) << tail << "\n" << result.out;
+  }
+  for (const Snapshot& s : goldenSnapshots()) {
+    const std::string file = path("full/" + fileName(s));
+    EXPECT_NE(result.out.find("  snapshot " + file + " 2 tensors, "), std::string::npos) << file;
+    EXPECT_NE(result.out.find("xxh64 " + checksumHex(fileChecksum(file)) + " ok"),
+              std::string::npos);
+  }
+  EXPECT_NE(result.out.find("\n  tensor theta F32 [4]\n  tensor count I64 [2]\n"),
+            std::string::npos)
+      << result.out;
+}
+
+TEST_F(SynthesizeCommandTest, InspectListsAShardedPostHocFolderWithGlobalShapes) {
+  writeShardedFolder(path("sharded"));
+  const testing::CliResult result = runCli("inspect " + path("sharded"));
+  ASSERT_EQ(result.status, 0) << result.err;
+  EXPECT_EQ(result.out.rfind("post-hoc snapshot folder " + path("sharded") + " (sharded over 2 ranks, ", 0), 0u)
+      << result.out;
+  EXPECT_NE(result.out.find("  snapshot " + path("sharded/rank_00001/0.100.safetensors")),
+            std::string::npos);
+  EXPECT_NE(result.out.find("\n  tensor theta Float [4]\n  tensor count Long [2]\n"),
+            std::string::npos)
+      << result.out;
+}
+
+// What synthesis would refuse, inspect refuses first, naming the file; and
+// export says what the folder is and what writes its weights.
+TEST_F(SynthesizeCommandTest, InspectAndExportOfAPostHocFolderRefuseInOneLine) {
+  writeFullFolder(path("full"));
+  const std::vector<Snapshot> snapshots = goldenSnapshots();
+  const std::string newest = path("full/" + fileName(snapshots.back()));
+  TensorFile file = readTensorFile(newest);
+  file.tensors[0].second = at::zeros({5});
+  writeTensorFile(newest, file);
+  testing::CliResult result = runCli("inspect " + path("full"));
+  EXPECT_EQ(result.status, 2) << result.out;
+  EXPECT_EQ(testing::countLines(result.err), 1u) << result.err;
+  EXPECT_NE(result.err.find(newest + ": tensor 'theta' F32 [5] differs from "), std::string::npos)
+      << result.err;
+  result = runCli("export --checkpoint " + path("full") + " --out " + path("x.safetensors"));
+  EXPECT_EQ(result.status, 2);
+  EXPECT_EQ(testing::countLines(result.err), 1u) << result.err;
+  EXPECT_NE(result.err.find("--checkpoint post-hoc snapshot folder " + path("full") + " ("),
+            std::string::npos)
+      << result.err;
+  EXPECT_NE(result.err.find("shardema synthesize --snapshots " + path("full")), std::string::npos);
+  EXPECT_FALSE(std::filesystem::exists(path("x.safetensors")));
+}
+
+// A DCP folder's format is torch's (a pickle): the C++ binary names it and
+// what reads it, instead of "manifest.json missing".
+TEST_F(SynthesizeCommandTest, ADcpFolderIsNamedForWhatItIs) {
+  std::filesystem::create_directories(path("dcp"));
+  testing::writeFileBytes(path("dcp/.metadata"), "pickle");
+  testing::writeFileBytes(path("dcp/__0_0.distcp"), "data");
+  for (const std::string& args :
+       {"inspect " + path("dcp"), "export --checkpoint " + path("dcp") + " --out " + path("x")}) {
+    const testing::CliResult result = runCli(args);
+    EXPECT_EQ(result.status, 2) << args;
+    EXPECT_EQ(testing::countLines(result.err), 1u) << result.err;
+    EXPECT_NE(result.err.find(path("dcp") + ": a torch.distributed.checkpoint (DCP) folder"),
+              std::string::npos)
+        << result.err;
+    EXPECT_NE(result.err.find("pip install ."), std::string::npos) << result.err;
+  }
 }
 
 }  // namespace
