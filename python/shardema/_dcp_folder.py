@@ -118,6 +118,12 @@ class DcpEma:
     def _read_progress(self, prefix: str, entries: Dict[str, Any],
                        metadata_path: str) -> Dict[str, Any]:
         keys = {field: f"{prefix}progress.{field}" for field in _FIELDS}
+        if f"{prefix}progress.profiles" in entries:
+            # EMA(schedules=[...]): as the offline tools refuse a
+            # checkpoint of several profiles rather than export profile 0.
+            raise FolderError(f"{metadata_path}: holds an EMA of several profiles "
+                              "(EMA(schedules=[...])); the CLI reads one-profile EMAs: load it "
+                              "with EMA.load_state_dict and export_weights(path, profile=p)")
         missing = [key for key in keys.values() if key not in entries]
         if missing:
             raise FolderError(f"{metadata_path}: the EMA's '{missing[0]}' is missing")
