@@ -5,7 +5,7 @@
 
 #include "shardema/core/file_system.h"
 #include "shardema/core/posthoc_snapshot.h"
-#include "shardema/detail/rank_manifest.h"
+#include "shardema/sharded_checkpoint.h"
 
 namespace shardema::cli {
 namespace {

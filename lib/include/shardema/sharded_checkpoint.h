@@ -34,6 +34,10 @@
 
 namespace shardema {
 
+/// File name of the manifest inside a checkpoint folder (what tells a
+/// per-rank checkpoint folder apart from other folders).
+constexpr const char* kManifestFileName = "manifest.json";
+
 namespace shard {
 class Communicator;
 }  // namespace shard

@@ -14,8 +14,6 @@
 
 namespace shardema {
 
-/// File name of the manifest inside a checkpoint folder.
-constexpr const char* kManifestFileName = "manifest.json";
 /// shardema.kind of the manifest and of every rank file.
 constexpr const char* kShardedStateKind = "sharded_averager_state";
 
