@@ -29,13 +29,13 @@ def watch_of(model: Any, plan: Plan, names: Sequence[str]) -> Watch:
     if isinstance(model, torch.nn.Module):
         for _, module in model.named_modules(remove_duplicate=False):
             edges += [(module._modules, key, child) for key, child in module._modules.items()]
-            # The dicts themselves: a module may swap one for a new dict
-            # (Sequential.__delitem__ rebuilds _modules), after which the
-            # old one, still watched, would look unchanged forever.
+            # The children dict itself: Sequential.__delitem__ rebuilds
+            # _modules, after which the old one, still watched, would look
+            # unchanged forever. (One lookup per module per update; torch
+            # rebuilds no module's _parameters or _buffers dict.)
             own = vars(module)
-            edges += [(own, attribute, own[attribute])
-                      for attribute in ("_parameters", "_buffers", "_modules")
-                      if isinstance(own.get(attribute), dict)]
+            if isinstance(own.get("_modules"), dict):
+                edges.append((own, "_modules", own["_modules"]))
             counted += [module._parameters, module._buffers, module._modules]
     return slots, edges, counted, deciders
 
