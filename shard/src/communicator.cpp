@@ -117,15 +117,6 @@ Communicator::Communicator(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
   impl_ = std::move(impl);
 }
 
-int Communicator::freeLoopbackPort() {
-  c10d::TCPStoreOptions options;
-  options.port = 0;
-  options.isServer = true;
-  options.waitWorkers = false;
-  c10d::TCPStore store("127.0.0.1", options);
-  return store.getPort();
-}
-
 Communicator Communicator::fromEnvironment(const CommunicatorOptions& options) {
   const auto deadline = std::chrono::steady_clock::now() + resolved(options);
   const std::string host = envText("MASTER_ADDR");

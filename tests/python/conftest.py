@@ -24,12 +24,10 @@ def one_rank_group():
     """torch.distributed's default group with this process as its one rank
     (Gloo on loopback), for the tests of one module; destroyed after them,
     so the other modules see no group."""
-    import socket
-
     import torch.distributed as dist
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+
+    from rank_launch import free_port
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     yield dist.group.WORLD
     dist.destroy_process_group()

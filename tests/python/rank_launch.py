@@ -8,6 +8,7 @@ fixture and the check of tests whose ranks check themselves."""
 import glob
 import os
 import pathlib
+import random
 import signal
 import socket
 import subprocess
@@ -35,9 +36,37 @@ class Ranks(NamedTuple):
 
 
 def free_port() -> int:
+    """A loopback port free now, drawn at random below the kernel's
+    ephemeral range: a port the kernel picks (a bind to port 0) comes from
+    that range, where any outgoing connection (the Gloo pairs of tests
+    running beside this one) may take it as its local end before the ranks
+    bind it, failing their rendezvous with EADDRINUSE. Below it, only an
+    explicit bind takes a port. As Communicator::freeLoopbackPort picks."""
+    high = _ephemeral_low() - 1
+    low = max(1025, high - 12000)
+    draw = random.SystemRandom()  # not the seeded module state: parallel tests differ
+    for _ in range(64):
+        port = draw.randint(low, high)
+        with socket.socket() as s:  # no SO_REUSEADDR: TIME_WAIT counts as taken
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        if 1024 < low <= high:
+            return low
+    except (OSError, ValueError):
+        pass
+    return 32768
 
 
 def torchrun_environment(rank: int, world: int, port: int) -> Dict[str, str]:

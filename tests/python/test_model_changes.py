@@ -12,13 +12,13 @@ update.
 - fully_shard(model) after EMA(model): ValueError naming the parameter
   (was a segfault);
 - a float64 model, a step that is not an int: one line in Python's terms."""
-import socket
 import warnings
 
 import pytest
 import torch
 
 import shardema
+from rank_launch import free_port
 
 HALF = shardema.DecaySchedule.constant(0.5)
 
@@ -167,9 +167,7 @@ def test_an_untied_weight_is_refused_naming_it():
 @pytest.fixture
 def one_rank_group():
     import torch.distributed as dist
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()

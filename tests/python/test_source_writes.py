@@ -14,7 +14,6 @@ model, or a float64 EMA computed here.
   read): warned as "may mix", the EMA goes on;
 - FSDP2: writes go through the DTensor parameters, whose local tensors'
   version counters never move; they are seen all the same."""
-import socket
 import threading
 import warnings
 
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 import shardema
+from rank_launch import free_port
 from shardema import _C
 
 DECAY = 0.9
@@ -161,9 +161,7 @@ def test_a_write_during_the_background_read_warns_and_nothing_fails():
 @pytest.fixture
 def one_rank_fsdp2():
     import torch.distributed as dist
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()

@@ -9,6 +9,8 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <fstream>
+#include <set>
 #include <string>
 
 #include "support/thread_ranks.h"
@@ -183,6 +185,29 @@ TEST(CommunicatorTest, EnvironmentErrorsNameTheVariable) {
   zero.timeout = std::chrono::milliseconds(0);
   withEnv("127.0.0.1", "1234", "0", "1");
   EXPECT_VALUE_ERROR(Communicator::fromEnvironment(zero), "timeout must be positive");
+}
+
+// A port outgoing connections can take (the ephemeral range) would let any
+// test beside this one take a picked port before its job binds it.
+TEST(CommunicatorTest, FreeLoopbackPortsLieBelowTheEphemeralRangeAndServeAStore) {
+  std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range");
+  int low = 32768, high = 60999;
+  range >> low >> high;
+  std::set<int> seen;
+  for (int i = 0; i < 8; ++i) {
+    const int port = Communicator::freeLoopbackPort();
+    EXPECT_GT(port, 1024);
+    EXPECT_LT(port, low);
+    seen.insert(port);
+  }
+  EXPECT_GT(seen.size(), 1u);  // drawn at random, not one fixed port
+  const int port = Communicator::freeLoopbackPort();
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  setenv("RANK", "0", 1);
+  setenv("WORLD_SIZE", "1", 1);
+  Communicator comm = Communicator::fromEnvironment();
+  EXPECT_EQ(comm.worldSize(), 1);
 }
 
 }  // namespace

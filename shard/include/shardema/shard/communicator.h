@@ -65,10 +65,10 @@ class Communicator {
   /// rendezvous share that one deadline.
   static Communicator fromEnvironment(const CommunicatorOptions& options = {});
   /// A loopback TCP port that is free now, for MASTER_PORT of a job on one
-  /// host (tests, the demo): a TCPStore on port 0 lets the kernel pick one
-  /// and closes again (a listening socket leaves no TIME_WAIT behind). Another
-  /// process may take it before the job binds it; that fails the rendezvous
-  /// with an error, never a wrong group.
+  /// host (tests, the demo): drawn at random below the kernel's ephemeral
+  /// range, where outgoing connections never take it (free_loopback_port.cpp
+  /// says why). Another process may still bind it before the job does; that
+  /// fails the rendezvous with an error, never a wrong group.
   static int freeLoopbackPort();
 
   /// Rendezvous over a store the caller made (HashStore for thread ranks,
