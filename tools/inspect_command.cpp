@@ -109,6 +109,7 @@ void printCheckpoint(const std::string& dir, std::ostream& out) {
       out << " also";
       for (const std::string& alias : aliases->second) out << ' ' << alias;
     }
+    if (manifest.nonPersistent.count(spec.name)) out << " non-persistent (not exported)";
     out << '\n';
   }
 }

@@ -11,6 +11,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <set>
 #include <sstream>
 #include <unordered_set>
 
@@ -79,6 +80,22 @@ constexpr uint64_t kMaxManifestBytes = uint64_t{64} << 20;
 
 std::string readWholeFile(const std::string& path) {
   return detail::readSmallRegularFile(path, "manifest", kMaxManifestBytes);
+}
+
+// "non_persistent": [names of layout tensors], absent when there are none.
+std::set<std::string> nonPersistentFromJson(const json& root, const shard::ShardLayout& layout,
+                                            const std::string& source) {
+  std::set<std::string> out;
+  if (!root.contains("non_persistent")) return out;
+  const json& names = field(root, "non_persistent", json::value_t::array, source);
+  std::unordered_set<std::string> tensors;
+  for (const shard::ShardSpec& spec : layout.specs) tensors.insert(spec.name);
+  for (const json& name : names) {
+    TORCH_CHECK_VALUE(name.is_string() && tensors.count(name.get<std::string>()), source,
+                      ": non_persistent holds ", name.dump(), ", which is no tensor of the layout");
+    out.insert(name.get<std::string>());
+  }
+  return out;
 }
 
 // "aliases": {name: [other names]}, absent in manifests without tied tensors.
@@ -184,6 +201,7 @@ std::string RankManifest::toJson() const {
                {"layout_fingerprint", layout.fingerprint()},
                {"files", files}};
   if (!aliases.empty()) root["aliases"] = aliases;
+  if (!nonPersistent.empty()) root["non_persistent"] = nonPersistent;
   return root.dump(2) + "\n";
 }
 
@@ -220,6 +238,7 @@ RankManifest RankManifest::fromJson(const std::string& text, const std::string& 
   }
   manifest.aliases = aliasesFromJson(root, source);
   checkTensorAliases(manifest.layout, manifest.aliases, source);
+  manifest.nonPersistent = nonPersistentFromJson(root, manifest.layout, source);
   return manifest;
 }
 

@@ -143,6 +143,14 @@ std::map<std::string, std::vector<std::string>> ShardedAverager::aliases() const
   return aliasesOf(shards_);
 }
 
+std::set<std::string> ShardedAverager::nonPersistent() const {
+  std::set<std::string> names;
+  for (const LocalShard& shard : shards_) {
+    if (!shard.persistent) names.insert(shard.spec.name);
+  }
+  return names;
+}
+
 void ShardedAverager::rebindLocal(const std::string& name, const at::Tensor& local,
                                   bool newWriter) {
   for (LocalShard& shard : shards_) {
@@ -244,6 +252,7 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedAverager::fullStateDict(
     }
   } else {
     for (size_t i = 0; i < shards_.size(); ++i) {
+      if (!shards_[i].persistent) continue;  // no state_dict key
       namesOf[i].push_back(shards_[i].spec.name);
       namesOf[i].insert(namesOf[i].end(), shards_[i].aliases.begin(), shards_[i].aliases.end());
     }

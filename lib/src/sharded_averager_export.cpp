@@ -225,10 +225,19 @@ void ShardedAverager::exportWeights(shard::Communicator& comm, const std::string
     // A background failure: join the gather's checks with it (see gather.h).
     options.localError = detail::currentErrorMessage();
   }
+  // The persistent tensors only: a deployable file holds the keys of the
+  // model's state_dict(), which a strict load takes without leftovers.
+  shard::ShardLayout exported;
+  std::vector<at::Tensor> exportedPieces;
   std::vector<ExportedTensor> tensors;
-  for (const LocalShard& shard : shards_) tensors.push_back({shard.aliases, shard.splitDim});
-  detail::exportPieces(comm, path, layout_, pieces, outputDtype, metadata, options, kExportApi,
-                       tensors, maxShardBytes);
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    if (!shards_[i].persistent) continue;
+    exported.specs.push_back(layout_.specs[i]);
+    if (!pieces.empty()) exportedPieces.push_back(pieces[i]);
+    tensors.push_back({shards_[i].aliases, shards_[i].splitDim});
+  }
+  detail::exportPieces(comm, path, exported, exportedPieces, outputDtype, metadata, options,
+                       kExportApi, tensors, maxShardBytes);
 }
 
 }  // namespace shardema

@@ -206,6 +206,7 @@ RankManifest manifestFor(const ShardedAverager& averager) {
   manifest.schedule = averager.averager().schedule();
   manifest.layout = averager.layout();
   manifest.aliases = averager.aliases();
+  manifest.nonPersistent = averager.nonPersistent();
   return manifest;
 }
 

@@ -193,11 +193,13 @@ ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFil
   const OpenCheckpoint source = openCheckpoint(dir, options.bufferBytes);
   const shard::ShardLayout& layout = source.manifest.layout;
   // Each tensor under its name and then its aliases (a tied weight's other
-  // state_dict keys), each copy read again from the rank files.
+  // state_dict keys), each copy read again from the rank files; not the
+  // non-persistent ones, which no state_dict key holds.
   std::vector<TensorFileEntry> entries;
   std::vector<size_t> specOf;
   for (size_t i = 0; i < layout.specs.size(); ++i) {
     const shard::ShardSpec& spec = layout.specs[i];
+    if (source.manifest.nonPersistent.count(spec.name)) continue;
     const auto aliases = source.manifest.aliases.find(spec.name);
     std::vector<std::string> names = {spec.name};
     if (aliases != source.manifest.aliases.end()) {

@@ -222,9 +222,7 @@ class EMACallback(CheckpointHooks, *CALLBACK_BASES):  # type: ignore[misc]
         every collective of a save. trainable_only: what the EMA keeps (the
         parameters that required grad when it was built; before it is, those
         that require grad now, as it will be built)."""
-        transient = {f"{prefix}.{b}" if prefix else b for prefix, m in target.named_modules()
-                     for b in getattr(m, "_non_persistent_buffers_set", ())}
-        tracked = [t for t in module_tensors(target, "versatil") if t.name not in transient]
+        tracked = [t for t in module_tensors(target, "versatil") if t.persistent]
         if self.trainable_only:
             kept = set(self.ema._names) if self.ema is not None else \
                 {t.name for t in keep_trainable(tracked)[0]}

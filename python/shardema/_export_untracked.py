@@ -16,23 +16,16 @@ from ._plan import is_dtensor
 FROM_MODEL_KEY = "shardema.from_model"
 
 
-def _transient(model: torch.nn.Module) -> Set[str]:
-    return {f"{prefix}.{b}" if prefix else b for prefix, m in model.named_modules()
-            for b in getattr(m, "_non_persistent_buffers_set", ())}
-
-
 def untracked_values(model: torch.nn.Module, ema_names: Set[str], dtype: torch.dtype,
                      keep: bool) -> Dict[str, torch.Tensor]:
     """Every state_dict key of `model` that `ema_names` (the EMA's names and
     aliases) lacks, with its current value as a CPU tensor of its own
     (floating ones as `dtype`), on the ranks where `keep`. Collective for a
     DTensor (full_tensor(), in module order, the same on every rank)."""
-    transient = _transient(model)
     out: Dict[str, torch.Tensor] = {}
     for t in module_tensors(model, "ema_pytorch"):
-        names = [n for n in [t.name] + list(t.aliases)
-                 if n not in ema_names and n not in transient]
-        if not names:
+        names = [n for n in [t.name] + list(t.aliases) if n not in ema_names]
+        if not t.persistent or not names:
             continue
         with torch.no_grad():
             value = t.tensor.full_tensor() if is_dtensor(t.tensor) else t.tensor

@@ -20,7 +20,7 @@ import torch
 
 from . import _C
 from ._plan import Plan, Tracked, _is_floating, check_dense, checked_group, is_dtensor, \
-    watched_of
+    own_tensors, watched_of
 from ._shards import FlatParamLayout, LocalShard, ShardSpec
 
 # FSDP1 inserts these module names; the full state dict's keys have none.
@@ -164,17 +164,16 @@ def fsdp1_tensors(module: torch.nn.Module, policy: str) -> Optional[List[Tracked
     seen = set(in_flat)
     for path, mod in module.named_modules():
         in_bn = isinstance(mod, batch_norm)
-        own = [(n, t, False, mod._parameters) for n, t in mod._parameters.items()] + \
-              [(n, t, True, mod._buffers) for n, t in mod._buffers.items()]
-        for key, tensor, is_buffer, container in own:
-            if tensor is None or id(tensor) in seen:
+        for key, tensor, is_buffer, container, persistent in own_tensors(mod):
+            if id(tensor) in seen:
                 continue
             seen.add(id(tensor))
             name = clean_name(f"{path}.{key}" if path else key)
             check_dense(name, tensor)
             role = _C.role_for(policy, is_buffer, _is_floating(tensor),
                                bool(tensor.requires_grad), in_bn)
-            out.append(Tracked(name, tensor, role, is_buffer, container, key))
+            out.append(Tracked(name, tensor, role, is_buffer, container, key,
+                               persistent=persistent))
     return out
 
 

@@ -7,7 +7,7 @@ import torch
 
 from . import _C
 from ._plan import Plan, Tracked, _is_floating, alias_slots_of, check_dense, checked_group, \
-    is_dtensor, watched_of
+    is_dtensor, own_tensors, watched_of
 from ._shards import LocalShard, layout_spec
 
 LAYOUTS = ("auto", "replicated", "rank0", "fsdp2")
@@ -68,13 +68,9 @@ def module_tensors(module: torch.nn.Module, policy: str) -> List[Tracked]:
     # both paths, so its tensors are aliases under the second.
     for prefix, mod in module.named_modules(remove_duplicate=False):
         in_bn = isinstance(mod, batch_norm)
-        own = [(n, t, False, mod._parameters) for n, t in mod._parameters.items()] + \
-              [(n, t, True, mod._buffers) for n, t in mod._buffers.items()]
-        for name, tensor, is_buffer, container in own:
-            if tensor is None:
-                continue
+        for name, tensor, is_buffer, container, persistent in own_tensors(mod):
             if id(tensor) in seen:
-                if not (is_buffer and name in mod._non_persistent_buffers_set):
+                if persistent:
                     seen[id(tensor)].aliases.append(f"{prefix}.{name}" if prefix else name)
                     seen[id(tensor)].alias_slots.append((container, name))
                 continue
@@ -82,7 +78,7 @@ def module_tensors(module: torch.nn.Module, policy: str) -> List[Tracked]:
                                bool(tensor.requires_grad), in_bn)
             check_dense(f"{prefix}.{name}" if prefix else name, tensor)
             out.append(Tracked(f"{prefix}.{name}" if prefix else name, tensor, role, is_buffer,
-                               container, name))
+                               container, name, persistent=persistent))
             seen[id(tensor)] = out[-1]
     return out
 
@@ -215,16 +211,25 @@ def plan_layout(tracked: List[Tracked], layout: str, process_group: Any, *,
     checked_group(process_group)
     from ._zero3 import Partition, plan_zero3
     if any(isinstance(t.piece, Partition) for t in tracked):
-        return plan_zero3(tracked, layout, process_group)
+        return _marked_persistence(plan_zero3(tracked, layout, process_group), tracked)
     if any(t.piece is not None for t in tracked):
         from ._fsdp1 import plan_fsdp1
-        return plan_fsdp1(tracked, layout, process_group)
+        return _marked_persistence(plan_fsdp1(tracked, layout, process_group), tracked)
     dtensors = [t for t in tracked if is_dtensor(t.tensor)]
     if dtensors or layout == "fsdp2":
         plan = _plan_fsdp2(tracked, dtensors, layout, process_group, buffers)
     else:
         plan = _plan_plain(tracked, layout, process_group, buffers)
     plan.alias_slots = alias_slots_of(tracked)
+    return _marked_persistence(plan, tracked)
+
+
+def _marked_persistence(plan: Plan, tracked: List[Tracked]) -> Plan:
+    """The plan's shards of non-persistent buffers marked so (LocalShard.persistent)."""
+    non_persistent = {t.name for t in tracked if not t.persistent}
+    for shard in plan.shards:
+        if shard.spec.name in non_persistent:
+            shard.persistent = False
     return plan
 
 

@@ -5,7 +5,7 @@ _zero3.py for DeepSpeed ZeRO-3) makes
 of a tensor. Below both planners, so neither imports the other's module
 for these."""
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -33,6 +33,29 @@ class Tracked:
     # (container, key) of each alias, in the same order: an untied weight
     # (a new head.weight) is a changed model (_model_watch.py).
     alias_slots: List[Tuple[dict, str]] = field(default_factory=list)
+    # False for a buffer registered with persistent=False (a rotary
+    # inv_freq): tracked and swapped, but no state_dict() key holds it, so
+    # full_state_dict() and exports leave it out (LocalShard.persistent).
+    persistent: bool = True
+
+
+class Own(NamedTuple):
+    """One of a module's own tensors, as state_dict() walks them."""
+    key: str
+    tensor: Any
+    is_buffer: bool
+    container: dict  # the module's _parameters or _buffers
+    persistent: bool
+
+
+def own_tensors(mod: torch.nn.Module) -> List[Own]:
+    """A module's own parameters, then its buffers (state_dict order), the
+    None entries left out. Every planner walks a module with this."""
+    non_persistent = getattr(mod, "_non_persistent_buffers_set", ())
+    return [Own(k, t, False, mod._parameters, True) for k, t in mod._parameters.items()
+            if t is not None] + \
+           [Own(k, t, True, mod._buffers, k not in non_persistent)
+            for k, t in mod._buffers.items() if t is not None]
 
 
 

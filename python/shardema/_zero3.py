@@ -25,7 +25,8 @@ from typing import Any, List, NamedTuple, Optional
 import torch
 
 from . import _C
-from ._plan import Plan, Tracked, _is_floating, check_dense, checked_group, watched_of
+from ._plan import Plan, Tracked, _is_floating, check_dense, checked_group, own_tensors, \
+    watched_of
 from ._shards import LocalShard, ShardSpec
 
 
@@ -79,14 +80,10 @@ def zero3_tensors(module: torch.nn.Module, policy: str) -> Optional[List[Tracked
     out: List[Tracked] = []
     for prefix, mod in module.named_modules(remove_duplicate=False):
         in_bn = isinstance(mod, batch_norm)
-        own = [(n, t, False, mod._parameters) for n, t in mod._parameters.items()] + \
-              [(n, t, True, mod._buffers) for n, t in mod._buffers.items()]
-        for key, tensor, is_buffer, container in own:
-            if tensor is None:
-                continue
+        for key, tensor, is_buffer, container, persistent in own_tensors(mod):
             name = f"{prefix}.{key}" if prefix else key
             if id(tensor) in seen:
-                if not (is_buffer and key in mod._non_persistent_buffers_set):
+                if persistent:
                     seen[id(tensor)].aliases.append(name)
                 continue
             if not is_buffer and is_zero3_parameter(tensor):
@@ -98,7 +95,8 @@ def zero3_tensors(module: torch.nn.Module, policy: str) -> Optional[List[Tracked
                 check_dense(name, tensor)
                 role = _C.role_for(policy, is_buffer, _is_floating(tensor),
                                    bool(tensor.requires_grad), in_bn)
-                tracked = Tracked(name, tensor, role, is_buffer, container, key)
+                tracked = Tracked(name, tensor, role, is_buffer, container, key,
+                                  persistent=persistent)
             out.append(tracked)
             seen[id(tensor)] = tracked
     return out

@@ -89,22 +89,28 @@ void bindShards(py::module_& m) {
 
   py::class_<LocalShard>(m, "LocalShard", "This rank's elements of one tensor and its spec")
       .def(py::init([](at::Tensor local, shard::ShardSpec spec, const std::string& role,
-                       bool changesInForward, std::vector<std::string> aliases, int64_t splitDim) {
+                       bool changesInForward, std::vector<std::string> aliases, int64_t splitDim,
+                       bool persistent) {
              LocalShard shard{std::move(local), std::move(spec), parseTrackRole(role),
                               changesInForward};
              shard.aliases = std::move(aliases);
              shard.splitDim = splitDim;
+             shard.persistent = persistent;
              return shard;
            }),
            py::arg("local"), py::arg("spec"), py::arg("role") = "average",
            py::arg("changes_in_forward") = false, py::kw_only(),
-           py::arg("aliases") = std::vector<std::string>(), py::arg("split_dim") = 0)
+           py::arg("aliases") = std::vector<std::string>(), py::arg("split_dim") = 0,
+           py::arg("persistent") = true)
       .def_readonly("local", &LocalShard::local)
       .def_readonly("spec", &LocalShard::spec)
       .def_property_readonly("role", [](const LocalShard& s) { return trackRoleName(s.role); })
       .def_readonly("changes_in_forward", &LocalShard::changesInForward)
       .def_readwrite("aliases", &LocalShard::aliases,
                      "The tensor's other names (a tied weight's further state_dict keys)")
+      .def_readwrite("persistent", &LocalShard::persistent,
+                     "False for a non-persistent buffer: kept and swapped, but in no "
+                     "full_state_dict() or export")
       .def_readonly("split_dim", &LocalShard::splitDim,
                     "0, or d > 0 for a Shard(d) piece in its own shape (tensor parallelism)");
 

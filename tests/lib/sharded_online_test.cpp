@@ -8,6 +8,7 @@
 #include <chrono>
 #include <filesystem>
 #include <mutex>
+#include <set>
 
 #include "lib/sharded_fixture.h"
 #include "shardema/core/tensor_file.h"
@@ -30,13 +31,15 @@ using Aliases = std::map<std::string, std::vector<std::string>>;
 // tied tensors' other names.
 std::unique_ptr<ShardedAverager> trainedRank(const std::vector<testing::ModelTensor>& model,
                                              int64_t rank, std::vector<at::Tensor>& tensors,
-                                             const Aliases& aliases = {}) {
+                                             const Aliases& aliases = {},
+                                             const std::set<std::string>& nonPersistent = {}) {
   tensors = testing::makeModel(model, 0);
   std::vector<LocalShard> shards = shardsFromFullTensors(testing::trackedModel(model, tensors),
                                                          shard::LayoutKind::kFsdp2, rank, kWorld);
   for (LocalShard& shard : shards) {
     const auto found = aliases.find(shard.spec.name);
     if (found != aliases.end()) shard.aliases = found->second;
+    shard.persistent = nonPersistent.count(shard.spec.name) == 0;
   }
   auto averager = std::make_unique<ShardedAverager>(rank, kWorld, std::move(shards),
                                                     testing::smallChunkOptions());
@@ -143,6 +146,63 @@ TEST(ShardedOnlineTest, TiedTensorsAreWrittenUnderEveryName) {
   exportCheckpoint(dir.file("ckpt"), dir.file("offline.safetensors"));
   EXPECT_EQ(testing::readFileBytes(dir.file("online.safetensors")),
             testing::readFileBytes(dir.file("offline.safetensors")));
+}
+
+// A non-persistent tensor (a buffer no state_dict key holds) is in the
+// EMA but not in what stands for the model's state: fullStateDict without
+// names and both exports leave it out (a strict load of them finds no
+// unexpected key); asked for by name it is there, and the checkpoint's
+// manifest records it, so the offline export agrees byte for byte.
+TEST(ShardedOnlineTest, NonPersistentTensorsAreKeptButNotExported) {
+  testing::TempDir dir;
+  const auto model = testing::unevenModel(at::kBFloat16, true);
+  const std::set<std::string> transient = {"big", "one"};
+  testing::PerTensorJob job(model, shard::LayoutKind::kFsdp2, 1);
+  job.run(1, kSteps);
+  std::mutex mutex;
+  std::vector<std::pair<std::string, at::Tensor>> gathered, named;
+  testing::runThreadRanks(kWorld, [&](shard::Communicator& comm) {
+    std::vector<at::Tensor> tensors;
+    const auto averager = trainedRank(model, comm.rank(), tensors, {}, transient);
+    EXPECT_EQ(averager->nonPersistent(), transient);
+    saveCheckpoint(comm, dir.file("ckpt"), *averager);
+    shard::GatherOptions small;
+    small.bufferBytes = 40;
+    averager->exportWeights(comm, dir.file("online.safetensors"), at::kFloat, small);
+    auto full = averager->fullStateDict(comm, small);
+    auto only = averager->fullStateDict(comm, small, std::vector<std::string>{"big"});
+    std::lock_guard<std::mutex> lock(mutex);
+    if (comm.rank() == 0) gathered = std::move(full), named = std::move(only);
+  });
+  std::vector<std::string> kept;
+  for (const testing::ModelTensor& tensor : model) {
+    if (!transient.count(tensor.name)) kept.push_back(tensor.name);
+  }
+  ASSERT_LT(kept.size(), model.size());
+  const TensorFile online = readTensorFile(dir.file("online.safetensors"));
+  ASSERT_EQ(online.tensors.size(), kept.size());
+  ASSERT_EQ(gathered.size(), kept.size());
+  for (size_t i = 0; i < kept.size(); ++i) {
+    EXPECT_EQ(online.tensors[i].first, kept[i]);
+    EXPECT_EQ(gathered[i].first, kept[i]);
+    EXPECT_TRUE(testing::sameTensor(gathered[i].second, job.reference.ema(kept[i]))) << kept[i];
+  }
+  ASSERT_EQ(named.size(), 1u);
+  EXPECT_TRUE(testing::sameTensor(named[0].second, job.reference.ema("big")));
+  EXPECT_EQ(inspectCheckpoint(dir.file("ckpt")).nonPersistent, transient);
+  exportCheckpoint(dir.file("ckpt"), dir.file("offline.safetensors"));
+  EXPECT_EQ(testing::readFileBytes(dir.file("online.safetensors")),
+            testing::readFileBytes(dir.file("offline.safetensors")));
+  // Loaded back, the non-persistent EMA is there (a resume restores it).
+  testing::runThreadRanks(kWorld, [&](shard::Communicator& comm) {
+    std::vector<at::Tensor> tensors;
+    const auto fresh = trainedRank(model, comm.rank(), tensors, {}, transient);
+    loadCheckpoint(dir.file("ckpt"), *fresh);
+    auto only = fresh->fullStateDict(comm, {}, std::vector<std::string>{"big"});
+    if (comm.rank() == 0) {
+      EXPECT_TRUE(testing::sameTensor(only.at(0).second, job.reference.ema("big")));
+    }
+  });
 }
 
 // Tensor parallelism's Shard(2) pieces (torch.chunk along dim 2, 7 over 3

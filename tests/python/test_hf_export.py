@@ -54,13 +54,10 @@ def trained(kind):
     the first update a copy) and the float64 EMA of its state_dict()."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config(kind))
-    # The EMA tracks named_buffers(), non-persistent ones too (Llama's
-    # rotary inv_freq), which state_dict() and so from_pretrained do not
-    # know: left out here, so the export holds state_dict()'s keys.
-    saved = set(model.state_dict())
-    transient = [name for name, _ in model.named_buffers() if name not in saved]
-    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(DECAY),
-                       ignore_names=transient)
+    # Nothing left out by hand: the EMA also tracks the non-persistent
+    # buffers (Llama's rotary inv_freq), and its exports hold state_dict()'s
+    # keys only, which from_pretrained loads without leftovers.
+    ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(DECAY))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     reference = {}
     for step in range(1, STEPS + 1):
@@ -128,6 +125,23 @@ def test_from_pretrained_loads_a_split_export_with_the_emas_outputs(run, tmp_pat
     batch = ids(100)
     with torch.no_grad():
         assert torch.equal(loaded(batch).logits, ema_logits(model, ema, batch))
+
+
+def test_non_persistent_buffers_are_tracked_but_in_no_export(run, tmp_path):
+    kind, model, ema, _ = run
+    saved = set(model.state_dict())
+    transient = {name for name, _ in model.named_buffers() if name not in saved}
+    assert (kind == "llama") == bool(transient)  # Llama's rotary_emb.inv_freq
+    tracked = set(ema.ema_tensors())
+    assert transient <= tracked
+    for name in transient:  # swapped like any tensor; readable when named
+        full = ema.full_state_dict(names=[name])[name]
+        assert torch.equal(full, dict(model.named_buffers())[name].float()), name
+    path = str(tmp_path / "ema.safetensors")
+    ema.export_weights(path)
+    with safe_open(path, "pt") as f:
+        assert set(f.keys()) == saved
+    assert set(ema.full_state_dict()) == saved
 
 
 def test_bfloat16_split_export(run, tmp_path):
@@ -247,6 +261,12 @@ def test_cli_export_of_a_checkpoint_loads_with_from_pretrained(run, tmp_path):
     assert index["weight_map"] == \
         split_torch_state_dict_into_shards(full, max_shard_size="40KB").tensor_to_filename
     assert f"in {len(set(index['weight_map'].values()))} files" in result.stdout
+    assert set(index["weight_map"]) == set(full)  # no non-persistent buffer
+    inspected = subprocess.run([cli, "inspect", str(tmp_path / "ckpt")], capture_output=True,
+                               text=True)
+    marked = {line.split()[1] for line in inspected.stdout.splitlines()
+              if line.strip().startswith("tensor ") and "non-persistent" in line}
+    assert marked == set(ema.ema_tensors()) - set(full), inspected.stdout
     loaded = loaded_from(str(folder), kind, dtype=torch.bfloat16)
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, full[name]), name

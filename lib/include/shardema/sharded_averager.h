@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -58,6 +59,15 @@ struct LocalShard {
   /// finds every key; checkpoints record them (RankManifest::aliases).
   /// Unique across the job's names and aliases. Default none.
   std::vector<std::string> aliases = {};
+  /// false: no state_dict key holds it (PyTorch's register_buffer(...,
+  /// persistent=False), e.g. a rotary embedding's inv_freq). The EMA keeps
+  /// it like any tensor (swaps and resumes restore it), but the full
+  /// state dict and the deployable export are the model's state_dict()
+  /// keys, so fullStateDict (without `only`) and exportWeights leave it
+  /// out and a strict load of them finds no unexpected key. Checkpoints
+  /// record it (RankManifest::nonPersistent), so exportCheckpoint leaves it
+  /// out too. Default true.
+  bool persistent = true;
   /// 0 (default): `local` holds this rank's range of the spec's elements in
   /// their order (FSDP2's rows, a replicated tensor's rows, an FSDP1 range).
   /// d > 0: tensor parallelism's Shard(d): `local` is torch.chunk's piece
@@ -99,6 +109,8 @@ class ShardedAverager {
   const std::vector<LocalShard>& shards() const { return shards_; }
   /// LocalShard::aliases of the tensors that have any, by name.
   std::map<std::string, std::vector<std::string>> aliases() const;
+  /// The names of the shards that are not persistent (LocalShard::persistent).
+  std::set<std::string> nonPersistent() const;
   /// The shard `name` is now `local` (its tensor was replaced by one of the
   /// same shape, dtype and device): Averager::rebindSource, whose
   /// c10::ValueError names what differs.
@@ -143,7 +155,9 @@ class ShardedAverager {
   /// each of its aliases. When this
   /// rank's localEma() throws (e.g. a failed background update), it
   /// joins with GatherOptions::localError, so every rank fails at once.
-  /// `only`: just these names, tracked names or aliases (layout order,
+  /// Without `only`: the persistent tensors (LocalShard::persistent), the
+  /// model's state_dict() keys. `only`: just these names, tracked names or
+  /// aliases, non-persistent ones too (layout order,
   /// under the names asked for; every rank the same names; another name is
   /// a c10::IndexError naming it, on every rank before any exchange), e.g.
   /// the replicated buffers of an FSDP2 model whose parameters a caller
@@ -152,7 +166,8 @@ class ShardedAverager {
       shard::Communicator& comm, shard::GatherOptions options = {},
       const std::optional<std::vector<std::string>>& only = std::nullopt, int profile = 0) const;
 
-  /// Collective: streams the full EMA (kPerRank tensors: rank 0's) to
+  /// Collective: streams the full EMA (kPerRank tensors: rank 0's; the
+  /// persistent tensors, LocalShard::persistent) to
   /// options.root (>= 0), which writes
   /// one deployable safetensors file at `path` tensor by tensor
   /// (TensorFileWriter), never holding more than options.bufferBytes of

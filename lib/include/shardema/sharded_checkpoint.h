@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -73,6 +74,11 @@ struct RankManifest {
   /// In the JSON as "aliases": {"emb.weight": ["head.weight"]}, written only
   /// when there are some (a manifest without the key has none).
   std::map<std::string, std::vector<std::string>> aliases;
+  /// The layout tensors no state_dict key holds (LocalShard::persistent
+  /// false, e.g. a rotary inv_freq): loads restore them, exportCheckpoint
+  /// leaves them out. In the JSON as "non_persistent": ["rope.inv_freq"],
+  /// written only when there are some.
+  std::set<std::string> nonPersistent;
 
   int64_t worldSize() const { return static_cast<int64_t>(files.size()); }
 
@@ -82,7 +88,8 @@ struct RankManifest {
   /// whose fingerprint matches the recorded one, integers in range (step and
   /// sizes of at most INT64_MAX), one file per rank with a rank file name of
   /// that rank, aliases of layout tensors that name nothing else
-  /// (checkTensorAliases). c10::ValueError "<source>: <what is wrong>".
+  /// (checkTensorAliases), non-persistent names of layout tensors.
+  /// c10::ValueError "<source>: <what is wrong>".
   static RankManifest fromJson(const std::string& text, const std::string& source = "manifest");
 };
 
