@@ -208,9 +208,13 @@ class EMA(EmaState):
                             "copied or pickled (its shards belong to this process's ranks); "
                             "save_checkpoint() and build a new one")
         if self._group is not None:
+            # FSDP1's and ZeRO-3's ranges have no state_dict() (_refuse_fsdp1):
+            # advise only what works for this layout.
+            keep = "save_checkpoint() (or export_weights() for the weights alone)" \
+                if self.layout in ("fsdp1", "zero3") else "state_dict() or save_checkpoint()"
             raise TypeError("shardema.EMA: an EMA over a process group cannot be copied or "
-                            "pickled (its ranks hold it together); use state_dict() or "
-                            "save_checkpoint() and build a new EMA in the new process")
+                            f"pickled (its ranks hold it together); use {keep} and build a new "
+                            "EMA in the new process")
         model, arguments = self._rebuild
         return {"model": model, "arguments": arguments, "state": self.state_dict()}
 
