@@ -208,9 +208,13 @@ class EMA(EmaState):
                             "copied or pickled (its shards belong to this process's ranks); "
                             "save_checkpoint() and build a new one")
         if self._group is not None:
+            # FSDP1's and ZeRO-3's ranges have no state_dict() (_refuse_fsdp1):
+            # advise only what works for this layout.
+            keep = "save_checkpoint() (or export_weights() for the weights alone)" \
+                if self.layout in ("fsdp1", "zero3") else "state_dict() or save_checkpoint()"
             raise TypeError("shardema.EMA: an EMA over a process group cannot be copied or "
-                            "pickled (its ranks hold it together); use state_dict() or "
-                            "save_checkpoint() and build a new EMA in the new process")
+                            f"pickled (its ranks hold it together); use {keep} and build a new "
+                            "EMA in the new process")
         model, arguments = self._rebuild
         return {"model": model, "arguments": arguments, "state": self.state_dict()}
 
@@ -231,6 +235,7 @@ class EMA(EmaState):
         self._schedules = list(options.schedules)  # one per profile, profile 0 first
         self._names = [shard.spec.name for shard in plan.shards]
         slots, edges, counted, deciders = watch_of(self._model, plan, self._names)
+        self._slots = slots  # what the reads check (refuse_sharded_since)
         self._engine = _C.Ema(process_group=plan.group, shards=plan.shards,
                               whole_tensors=plan.whole, options=options, layout=plan.layout,
                               slots=slots, edges=edges, counted=counted, deciders=deciders,
@@ -246,18 +251,40 @@ class EMA(EmaState):
         if self._plan_again is None:
             raise ValueError("shardema.EMA: the tensors changed after the EMA was built; build "
                              "a new EMA")
-        return replan(self._model, self._plan_again, self._names, self.layout)
+        planned = replan(self._model, self._plan_again, self._names, self.layout)
+        self._slots = planned[0]  # the engine watches these from now on
+        return planned
 
     # --- stepping -------------------------------------------------------
-    def update(self, step: Optional[int] = None) -> bool:
+    def update(self, model_or_step: Any = None, step: Optional[int] = None) -> bool:
         """Folds the current weights in as optimizer step `step` (1-based,
-        increasing; None: one more than the last). Returns at once; whether
-        the schedule said the step was due. One call into the engine, which
-        first checks the model: a tensor replaced since (a new nn.Parameter,
-        `p.data = t`, a submodule of the same shapes) is followed with a
-        warning, anything else (another shape or dtype, a DTensor, a tensor
-        added or removed) is a ValueError naming it."""
-        return self._engine.update(step, self._replan)
+        increasing; None: one more than the last): update(), update(n) or
+        update(step=n). Returns at once; whether the schedule said the step
+        was due. One call into the engine, which first checks the model: a
+        tensor replaced since (a new nn.Parameter, `p.data = t`, a submodule
+        of the same shapes) is followed with a warning, anything else
+        (another shape or dtype, a DTensor, a tensor added or removed) is a
+        ValueError naming it.
+        timm's update(model) and update(model, step=n) are taken too, where
+        `model` is the module the EMA was built on (or a DDP, DeepSpeed or
+        torch.compile wrapper of it): the EMA always reads that model, so
+        another one is a ValueError."""
+        if step is not None or (model_or_step is not None and type(model_or_step) is not int):
+            model_or_step = self._step_beside(model_or_step, step)
+        return self._engine.update(model_or_step, self._replan)
+
+    def _step_beside(self, first: Any, step: Any) -> Any:
+        """update()'s step when the first argument is not a plain step: the
+        model (timm's habit, checked), the step again, or parameters."""
+        if first is None:
+            return step
+        if isinstance(first, torch.nn.Module) or _are_parameters(first):
+            self._check_model(first, "update")
+            return step
+        if step is not None:
+            raise TypeError(f"shardema.EMA.update: the step given twice ({first!r} and "
+                            f"step={step!r}); call update(step) or update(model, step=step)")
+        return first  # the engine names what is wrong with the step
 
     def fence(self) -> None:
         """Returns once the last update has read the weights. Every optimizer
@@ -339,11 +366,16 @@ class EMA(EmaState):
         if isinstance(model, int):
             raise TypeError(f"shardema.EMA.{api}: the first argument is the model; choose a "
                             f"profile by keyword: {api}(profile={model})")
+        if _are_parameters(model):  # diffusers' EMAModel.step(parameters), copy_to(parameters)
+            raise TypeError(f"shardema.EMA.{api}: takes the model the EMA was built on (or "
+                            f"nothing), not parameters: call {api}()")
         if self._model is None:
             raise ValueError(f"shardema.EMA.{api}: this EMA was built from named tensors, not a "
-                             f"model; it writes into those tensors: call {api}() without a model")
+                             f"model, and works on those tensors: call {api}() without a model")
         if unwrap(model) is not self._model:
-            raise ValueError(f"shardema.EMA.{api}: this EMA tracks another model")
+            raise ValueError(f"shardema.EMA.{api}: this EMA tracks another model: it follows the "
+                             f"model it was built on ({type(self._model).__name__}); pass that "
+                             f"model (or a DDP or torch.compile wrapper of it), or nothing")
 
     @contextlib.contextmanager
     def swap(self, model: Any = None, *, profile: int = 0) -> Iterator[None]:
@@ -352,8 +384,7 @@ class EMA(EmaState):
         Collective for a replicated model on several ranks. An FSDP2 model
         is resharded on entry and exit, so that forwards see what the
         shards hold."""
-        self._check_model(model, "swap")
-        self.swap_in(model, profile=profile)
+        self._swap_in(model, profile, "swap")
         try:
             yield
         finally:
@@ -377,8 +408,12 @@ class EMA(EmaState):
         another EMA's swap holds the model (swaps do not nest). Collective
         for a replicated model on several ranks. FSDP2 modules are resharded
         first, so that forwards see what the shards hold."""
-        self._check_model(model, "swap_in")
-        profile = self._profile(profile, "swap_in")
+        self._swap_in(model, profile, "swap_in")
+
+    def _swap_in(self, model: Any, profile: Any, api: str) -> None:
+        # `api`: the call the user made (swap or swap_in), for the errors.
+        self._check_model(model, api)
+        profile = self._profile(profile, api)
         reshard_fsdp(self._model)
         self._engine.swap_in(self._replan, profile)
 
@@ -418,6 +453,7 @@ class EMA(EmaState):
                              "local shards, not a model; read it with full_state_dict() or "
                              "local_ema()")
         self._refuse_fsdp1("module")
+        self._refuse_sharded_since("module")
         profile = self._profile(profile, "module")
         return materialize(self, self._model, device, into, self._names, profile)
 
@@ -431,6 +467,7 @@ class EMA(EmaState):
         EMA there) and with several profiles (one would move)."""
         self._check_model(model, "copy_from")
         self._refuse_fsdp1("copy_from")
+        self._refuse_sharded_since("copy_from")
         if self.swapped:
             raise RuntimeError("shardema.EMA.copy_from: the EMA is swapped into the model; "
                                "leave swap() first (the model holds the EMA weights inside it)")
@@ -453,3 +490,10 @@ class EMA(EmaState):
                                  f"{owner} swapped in; copy_from() after that swap ends (it "
                                  "would copy those EMA weights, not the model's)")
         copy_model_into_ema(self, full, local, self._names)
+
+
+def _are_parameters(given: Any) -> bool:
+    """Whether `given` is a collection (model.parameters(), a list), not a
+    model or a step: what diffusers' EMAModel calls take."""
+    return not isinstance(given, (torch.nn.Module, str, bytes, torch.Tensor)) and \
+        isinstance(given, Iterable)

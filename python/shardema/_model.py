@@ -92,8 +92,15 @@ def named_tensors(items: Iterable[Tuple[str, Any]], policy: str) -> List[Tracked
     """(name, tensor) pairs: nn.Parameters are parameters, anything else a buffer."""
     out = []
     for index, item in enumerate(items):
+        if isinstance(item, torch.Tensor):
+            # diffusers' EMAModel(model.parameters()): the EMA needs names
+            # (and the module tree, to follow and swap) that bare tensors lack.
+            raise TypeError("shardema.EMA: got a tensor without a name (model.parameters()?); "
+                            "pass the nn.Module itself, EMA(model), or (name, tensor) pairs "
+                            "such as model.named_parameters()")
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-            raise TypeError(f"model_or_named_tensors[{index}]: expected a (name, tensor) pair")
+            raise TypeError(f"shardema.EMA: model_or_named_tensors[{index}]: expected a (name, "
+                            f"tensor) pair, got {type(item).__name__}")
         name, tensor = item
         check_dense(name, tensor)
         is_buffer = not isinstance(tensor, torch.nn.Parameter) and not is_dtensor(tensor)

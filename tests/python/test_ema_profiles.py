@@ -147,11 +147,17 @@ def test_a_bad_profile_names_profile_and_the_count(bad, kind):
     model = small_model()
     ema = shardema.EMA(model, beta=[0.9, 0.99])
     ema.update()
-    for call in (lambda: ema.full_state_dict(profile=bad), lambda: ema.swap_in(profile=bad),
-                 lambda: ema.copy_to(profile=bad), lambda: ema.module(profile=bad),
-                 lambda: ema.ema_tensors(profile=bad), lambda: ema.get_current_decay(bad),
-                 lambda: ema.export_weights("/nonexistent/x", profile=bad)):
-        with pytest.raises(kind, match="profile") as caught:
+    # Each message names the call the user made (swap(), not the swap_in() inside it).
+    for api, call in (("full_state_dict", lambda: ema.full_state_dict(profile=bad)),
+                      ("swap", lambda: ema.swap(profile=bad).__enter__()),
+                      ("swap_in", lambda: ema.swap_in(profile=bad)),
+                      ("copy_to", lambda: ema.copy_to(profile=bad)),
+                      ("module", lambda: ema.module(profile=bad)),
+                      ("ema_tensors", lambda: ema.ema_tensors(profile=bad)),
+                      ("get_current_decay", lambda: ema.get_current_decay(bad)),
+                      ("export_weights", lambda: ema.export_weights("/nonexistent/x",
+                                                                    profile=bad))):
+        with pytest.raises(kind, match=f"^shardema.EMA.{api}: profile") as caught:
             call()
         if kind is IndexError:
             assert "keeps 2 profiles" in str(caught.value)

@@ -187,6 +187,59 @@ def test_fully_shard_after_the_ema_is_a_value_error_not_a_crash(one_rank_group):
     assert not ema.swapped
 
 
+def reads_of(ema, folder):
+    """Every read of the EMA that answers from the plan it was built with,
+    by the name each error must give."""
+    return {
+        "export_weights": lambda: ema.export_weights(folder / "ema.safetensors"),
+        "export_weights ": lambda: ema.export_weights(folder / "all.safetensors",
+                                                      include_untracked=True),
+        "full_state_dict": ema.full_state_dict, "state_dict": ema.state_dict,
+        "save_checkpoint": lambda: ema.save_checkpoint(folder / "checkpoint"),
+        "module": ema.module, "ema_tensors": ema.ema_tensors, "local_ema": ema.local_ema,
+        "copy_from": ema.copy_from, "load_state_dict": lambda: ema.load_state_dict({}),
+    }
+
+
+def test_fully_shard_after_the_ema_is_refused_by_every_read(one_rank_group, tmp_path):
+    # export_weights() wrote the pre-shard EMA in silence; module() advised
+    # into=, which would have read it the same way.
+    from torch.distributed.fsdp import fully_shard
+    model = mlp()
+    ema = shardema.EMA(model, HALF)
+    ema.update()
+    fully_shard(model)
+    for api, call in reads_of(ema, tmp_path).items():
+        with pytest.raises(ValueError) as excinfo:
+            call()
+        message = str(excinfo.value)
+        assert message.startswith(f"shardema.EMA.{api.strip()}: '0.weight' became a DTensor "
+                                  "after the EMA was built"), message
+        assert "build the EMA after sharding the model" in message and "\n" not in message
+    assert list(tmp_path.iterdir()) == []  # nothing written
+    assert ema.step == 1 and not ema.swapped
+
+
+def test_a_followed_submodule_sharded_later_is_refused_by_the_reads(one_rank_group, tmp_path):
+    # The reads look at the tensors the EMA follows now, not those of the
+    # module it was built on.
+    from torch.distributed.fsdp import fully_shard
+    model = mlp()
+    ema = shardema.EMA(model, HALF)
+    ema.update()
+    torch.manual_seed(5)
+    model[2] = torch.nn.Linear(6, 3)
+    with pytest.warns(UserWarning, match="'2.weight', '2.bias' were replaced"):
+        ema.update()
+    fully_shard(model[2])
+    for api, call in reads_of(ema, tmp_path).items():
+        with pytest.raises(ValueError, match=f"^shardema.EMA.{api.strip()}: '2.weight' became "
+                                             "a DTensor"):
+            call()
+    with pytest.raises(ValueError, match="'2.weight' became a DTensor"):
+        ema.update()
+
+
 def test_a_float64_model_is_refused_in_python_terms():
     model = torch.nn.Linear(3, 3).double()
     with pytest.raises(TypeError) as excinfo:

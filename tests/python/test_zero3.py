@@ -33,5 +33,6 @@ def test_swap_puts_the_ema_in_what_zero3_gathers_and_the_raw_weights_back(runs):
 
 
 def test_what_a_partition_cannot_describe_is_refused(runs):
-    # module(), copy_from(), the DCP state_dict(), PostHocEMA, another layout
+    # module(), copy_from(), the DCP state_dict(), PostHocEMA, another layout;
+    # copies and pickles, advising what works here
     assert_passed(runs(2), "refusals")

@@ -11,7 +11,9 @@ trip, export_weights loaded strict into the plain model), swap (forwards
 inside and after swap() see the EMA and the raw weights, persistent
 parameters included), refusals. Started by rank_launch.launch;
 rank_worker.py says how and what it reports."""
+import copy
 import os
+import pickle
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -204,6 +206,16 @@ def refusals(rank, world, out):
                 str(error)
         else:
             raise AssertionError(f"EMA.{api} was not refused")
+    # A copy is refused; its advice must work here, where state_dict() does not.
+    for what, call in (("deepcopy", lambda: copy.deepcopy(ema)),
+                       ("pickle", lambda: pickle.dumps(ema))):
+        try:
+            call()
+        except TypeError as error:
+            assert "use save_checkpoint() (or export_weights() for the weights alone)" in \
+                str(error) and "state_dict" not in str(error), str(error)
+        else:
+            raise AssertionError(f"{what} of a ZeRO-3 EMA was not refused")
     try:
         shardema.PostHocEMA(engine.module, checkpoint_folder=os.path.join(out, "posthoc"))
     except ValueError as error:
