@@ -11,7 +11,6 @@ import torch
 
 from . import _ema_values
 from ._model import refuse_tensor_parallel
-from ._model_watch import refuse_sharded_since
 from ._replicas import write_on_first_replica
 
 
@@ -27,7 +26,6 @@ class EmaState:
     _tensor_parallel: Dict[str, Any]
     _timeout_s: float
     _schedules: List[Any]
-    _slots: Sequence[tuple]
 
     def _profile(self, profile: Any, api: str) -> int:
         """`profile` checked: an index into schedules (TypeError, or an
@@ -42,11 +40,12 @@ class EmaState:
                              f"(0 to {count - 1})")
         return int(profile)
 
-    def _refuse_sharded_since(self, api: str) -> None:
+    def _check_model_for_read(self, api: str) -> None:
         # fully_shard after the EMA: what the EMA holds follows the plan of
         # the plain model, and update() refuses from then on; a read would
-        # answer for a model that is no longer there.
-        refuse_sharded_since(self._slots, api)
+        # answer for a model that is no longer there. The engine's check,
+        # in update()'s words.
+        self._engine.check_model_for_read(f"shardema.EMA.{api}")
 
     def _refuse_fsdp1(self, api: str) -> None:
         # Under FSDP1 a rank's EMA of a parameter is a range of a flattened
@@ -88,7 +87,7 @@ class EmaState:
         values, equal on every rank. See docs/python.md, "Checkpoints with
         torch.distributed.checkpoint"."""
         self._refuse_fsdp1("state_dict")
-        self._refuse_sharded_since("state_dict")
+        self._check_model_for_read("state_dict")
         from . import _dcp
         return _dcp.state_dict(self, self._engine)
 
@@ -107,7 +106,7 @@ class EmaState:
             return
         self._refuse_fsdp1("load_state_dict")
         if not state:  # a cold start reads the model's weights
-            self._refuse_sharded_since("load_state_dict")
+            self._check_model_for_read("load_state_dict")
         from . import _dcp
         _dcp.load_state_dict(self, self._engine, state)
 
@@ -115,7 +114,7 @@ class EmaState:
         """Collective: this rank's file (every profile) and (rank 0) the
         manifest in `folder`."""
         refuse_tensor_parallel(self._tensor_parallel, "save_checkpoint")
-        self._refuse_sharded_since("save_checkpoint")
+        self._check_model_for_read("save_checkpoint")
         self._refuse_unshared_write("save_checkpoint")
         write_on_first_replica(self._replicas, lambda: self._engine.save_checkpoint(str(folder)),
                                self._timeout_s, "save_checkpoint")
@@ -150,7 +149,7 @@ class EmaState:
         max_shard_size."""
         profile = self._profile(profile, "export_weights")
         self._refuse_unshared_write("export_weights")
-        self._refuse_sharded_since("export_weights")
+        self._check_model_for_read("export_weights")
         if not isinstance(include_untracked, bool):
             raise TypeError("shardema.EMA.export_weights: include_untracked must be a bool, got "
                             f"{include_untracked!r}")
@@ -186,7 +185,7 @@ class EmaState:
         same on every rank): just those, else all. For small models and
         tests; export_weights() streams large ones."""
         profile = self._profile(profile, "full_state_dict")
-        self._refuse_sharded_since("full_state_dict")
+        self._check_model_for_read("full_state_dict")
         chosen = None if names is None else [str(n) for n in names]
         return dict(self._engine.full_state_dict(rank0_only, chosen, profile))
 
@@ -194,7 +193,7 @@ class EmaState:
         """This rank's EMA pieces of `profile` (1-D clones), the elements it
         owns."""
         profile = self._profile(profile, "local_ema")
-        self._refuse_sharded_since("local_ema")
+        self._check_model_for_read("local_ema")
         return dict(self._engine.local_ema(profile))
 
     def ema_tensors(self, names: Optional[Sequence[str]] = None, *,
@@ -209,7 +208,7 @@ class EmaState:
         Replicate() DTensor): those are gathered, so every rank calls it.
         Waits for the update in flight. `profile`: which EMA (default 0)."""
         profile = self._profile(profile, "ema_tensors")
-        self._refuse_sharded_since("ema_tensors")
+        self._check_model_for_read("ema_tensors")
         return _ema_values.ema_tensors(self._engine, self._held, names, profile)
 
     def load_ema_values(self, values: Dict[str, Any], strict: bool = True, *,

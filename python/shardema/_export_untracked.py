@@ -5,7 +5,7 @@ file loads strict into the plain model. The EMA's writer stays as it is:
 rank 0 adds these to the file it wrote (temp file, fsync, rename)."""
 import json
 import os
-from typing import Any, Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set
 
 import torch
 

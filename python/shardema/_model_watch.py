@@ -4,10 +4,9 @@ the engine's C loop checks before every update, swap and copy
 module tree on the way to them, the sizes of every module's dicts, and the
 parameters whose requires_grad decides averaging. And the planner's answer
 when that structure changed (replan): the same tensors under new modules
-are followed; anything added, removed or untied is refused by name. And
-the reads' side of the watch (refuse_sharded_since): reads of the EMA do
-not cross into the engine's check, so they look at the same slots for the
-one change that makes every answer wrong, a model sharded afterwards."""
+are followed; anything added, removed or untied is refused by name. The
+reads that answer for the model (exports, checkpoints, state_dict) run the
+same check first (the engine's check_model)."""
 from typing import Any, Callable, List, Sequence, Tuple
 
 import torch
@@ -41,25 +40,6 @@ def watch_of(model: Any, plan: Plan, names: Sequence[str]) -> Watch:
                 edges.append((own, "_modules", own["_modules"]))
             counted += [module._parameters, module._buffers, module._modules]
     return slots, edges, counted, deciders
-
-
-def refuse_sharded_since(slots: Sequence[tuple], api: str) -> None:
-    """A ValueError naming the first tracked tensor (in the engine's order,
-    so the same name update() gives) whose module now holds a DTensor where
-    the EMA was built on a plain tensor: fully_shard or parallelize_module
-    applied after the EMA, which holds each tensor as the plan of the plain
-    model did. update(), swap() and copy_to() refuse this in the engine's
-    check (python/src/python_ema_model.cpp, checkModel) in the same words;
-    the reads (exports, checkpoints, state_dict, module) call this, as
-    their answer would be the plan's, not the model's. `slots`: watch_of()'s
-    (container, key, tensor, name, alias) tuples."""
-    for container, key, tracked, name, _alias in slots:
-        now = container.get(key)
-        if now is not tracked and now is not None and is_dtensor(now) \
-                and not is_dtensor(tracked):
-            raise ValueError(f"shardema.EMA.{api}: '{name}' became a DTensor after the EMA was "
-                             "built (fully_shard or parallelize_module applied to the model "
-                             "afterwards); build the EMA after sharding the model")
 
 
 def replan(model: torch.nn.Module, plan_again: Callable[[], Plan], names: Sequence[str],

@@ -197,7 +197,7 @@ void bindEma(py::module_& m) {
           "update",
           [](PythonEma& e, const py::handle& step, const py::object& replan) {
             const std::optional<int64_t> native = stepArgument(step, "shardema.EMA.update");
-            warnFollowed(e.checkModel(replan));
+            warnFollowed(e.checkModel(replan, "shardema.EMA.update"));
             PythonWarnings warnings;
             py::gil_scoped_release release;
             return e.update(native);
@@ -206,21 +206,26 @@ void bindEma(py::module_& m) {
       .def(
           "copy_to",
           [](PythonEma& e, const py::object& replan, int profile) {
-            warnFollowed(e.checkModel(replan));
+            warnFollowed(e.checkModel(replan, "shardema.EMA.copy_to"));
             PythonWarnings warnings;
             py::gil_scoped_release release;
             e.copyTo(profile);
           },
           py::arg("replan") = py::none(), py::arg("profile") = 0)
+      // Before the calls that answer for the model from what the EMA holds
+      // (exports, checkpoints, state_dict, module): a model sharded since
+      // would get the plain model's answer.
+      .def("check_model_for_read", &PythonEma::checkModelForRead, py::arg("api"))
       .def(
           "swap_in",
-          [](PythonEma& e, const py::object& replan, int profile) {
-            warnFollowed(e.checkModel(replan));
+          [](PythonEma& e, const py::object& replan, int profile, const std::string& api) {
+            warnFollowed(e.checkModel(replan, api));
             PythonWarnings warnings;
             py::gil_scoped_release release;
             e.swapIn(profile);
           },
-          py::arg("replan") = py::none(), py::arg("profile") = 0)
+          py::arg("replan") = py::none(), py::arg("profile") = 0,
+          py::arg("api") = "shardema.EMA.swap_in")
       .def("fence", &PythonEma::fence, Release())
       .def("wait", &PythonEma::wait, Release())
       .def_property_readonly("step", &PythonEma::step)
@@ -270,9 +275,9 @@ void bindEma(py::module_& m) {
           "export_weights",
           [](PythonEma& e, const std::string& path, py::handle dtype, py::handle maxShardSize,
              int profile) {
-            const c10::ScalarType type = scalarTypeOf(dtype, "export_weights: dtype");
+            const c10::ScalarType type = scalarTypeOf(dtype, "shardema.EMA.export_weights: dtype");
             const std::optional<int64_t> maxShardBytes =
-                byteSizeOf(maxShardSize, "export_weights: max_shard_size");
+                byteSizeOf(maxShardSize, "shardema.EMA.export_weights: max_shard_size");
             PythonWarnings warnings;
             py::gil_scoped_release release;
             e.exportWeights(path, type, maxShardBytes, profile);

@@ -77,8 +77,19 @@ class PythonEma {
   /// followed[, frozen]) for a new watch, or raises. A parameter left out
   /// for being frozen (trainable_only) that requires grad now is refused
   /// naming it (ValueError), first. Then the requires_grad of each decider
-  /// is mirrored into its shard.
-  std::vector<std::string> checkModel(const py::object& replan);
+  /// is mirrored into its shard. `api`: the Python call the user made
+  /// ("shardema.EMA.export_weights"), which every refusal starts with.
+  /// Every call of the EMA that reads or writes the model, or answers for
+  /// it (exports, checkpoints, state_dict), runs this one check first.
+  std::vector<std::string> checkModel(const py::object& replan,
+                                      const std::string& api = "shardema.EMA");
+  /// The part of checkModel() that concerns a read answering for the model
+  /// from what the EMA holds (exports, checkpoints, state_dict, module): a
+  /// tracked tensor that became a DTensor (fully_shard after the EMA) is
+  /// refused as checkModel() refuses it, since the answer would be the
+  /// plain model's. Nothing is followed or replanned (update() does that;
+  /// the EMA's values are still its own).
+  void checkModelForRead(const std::string& api) const;
   /// step: the 1-based optimizer step; nullopt counts calls (step() + 1).
   /// Refused inside a swap (weight_swap.h). Call checkModel() first.
   bool update(std::optional<int64_t> step);

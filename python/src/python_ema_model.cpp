@@ -32,9 +32,27 @@ py::list listAt(const py::tuple& planned, size_t item, const char* what) {
   return planned[item].cast<py::list>();
 }
 
+// A tracked plain tensor whose module now holds a DTensor: the model was
+// sharded after the EMA, whose plan (and every answer) is the plain model's.
+void refuseShardedSince(PyObject* now, const std::string& name, const std::string& api) {
+  TORCH_CHECK_VALUE(!isDTensor(now), api, ": '", name,
+                    "' became a DTensor after the EMA was built (fully_shard or "
+                    "parallelize_module applied to the model afterwards); build the EMA "
+                    "after sharding the model");
+}
+
 }  // namespace
 
-std::vector<std::string> PythonEma::checkModel(const py::object& replan) {
+void PythonEma::checkModelForRead(const std::string& api) const {
+  for (size_t index : watch_.scan().replaced) {
+    const ModelWatch::Slot& slot = watch_.slots()[index];
+    PyObject* now = PyDict_GetItemWithError(slot.container.ptr(), slot.key.ptr());
+    if (now == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    if (now != nullptr) refuseShardedSince(now, slot.name, api);
+  }
+}
+
+std::vector<std::string> PythonEma::checkModel(const py::object& replan, const std::string& api) {
   std::vector<std::string> followed;
   const ModelWatch::Changes changes = watch_.scan();
   if (!changes.unfrozen.empty()) {
@@ -42,18 +60,18 @@ std::vector<std::string> PythonEma::checkModel(const py::object& replan) {
     for (const std::string& name : changes.unfrozen) {
       names += (names.empty() ? "'" : ", '") + name + "'";
     }
-    TORCH_CHECK_VALUE(false, kModelApi, ": ", names,
+    TORCH_CHECK_VALUE(false, api, ": ", names,
                       " requires grad now, but the EMA was built with trainable_only=True while "
                       "it was frozen, so it holds no EMA of it; freeze it again, or build a new "
                       "EMA (trainable_only=False keeps every parameter)");
   }
   if (changes.restructured) {
-    TORCH_CHECK_VALUE(!replan.is_none(), kModelApi,
+    TORCH_CHECK_VALUE(!replan.is_none(), api,
                       ": the model changed after the EMA was built (a module replaced, or a "
                       "parameter or buffer added or removed); build a new EMA");
     const py::object result = replan();
     if (!py::isinstance<py::tuple>(result) || (py::len(result) != 5 && py::len(result) != 6)) {
-      throw py::type_error(std::string(kModelApi) + " replan: expected a tuple of 5 or 6 lists");
+      throw py::type_error(api + " replan: expected a tuple of 5 or 6 lists");
     }
     const py::tuple planned = result.cast<py::tuple>();
     // followReplaced refuses before it rebinds each one; a refusal part-way
@@ -81,14 +99,11 @@ std::vector<std::string> PythonEma::checkModel(const py::object& replan) {
       const ModelWatch::Slot& slot = watch_.slots()[index];
       PyObject* now = PyDict_GetItemWithError(slot.container.ptr(), slot.key.ptr());
       if (now == nullptr && PyErr_Occurred()) throw py::error_already_set();
-      TORCH_CHECK_VALUE(now != nullptr && now != Py_None, kModelApi, ": '", slot.name,
+      TORCH_CHECK_VALUE(now != nullptr && now != Py_None, api, ": '", slot.name,
                         "' was removed from the model after the EMA was built; build a new EMA "
                         "for the new model");
-      TORCH_CHECK_VALUE(!isDTensor(now), kModelApi, ": '", slot.name,
-                        "' became a DTensor after the EMA was built (fully_shard or "
-                        "parallelize_module applied to the model afterwards); build the EMA "
-                        "after sharding the model");
-      TORCH_CHECK_TYPE(THPVariable_Check(now), kModelApi, ": '", slot.name,
+      refuseShardedSince(now, slot.name, api);
+      TORCH_CHECK_TYPE(THPVariable_Check(now), api, ": '", slot.name,
                        "' was replaced by a ", Py_TYPE(now)->tp_name, ", not a tensor");
       follow(slot.name, THPVariable_Unpack(now));
       watch_.refresh(index);
