@@ -35,7 +35,10 @@ void EmaStore::initStorage(const std::vector<TrackedTensor>& tracked, int numPro
 
 void EmaStore::recordPrefetch() {
   // Sizes: a TensorImpl's fields an update reads span its first 256
-  // bytes; a StorageImpl's data pointer and size its first 128.
+  // bytes; a StorageImpl's data pointer and size its first 128. Only the
+  // sources: an update of the same tensors reads no EMA tensor and no name
+  // (the pipeline keeps what it checked of the EMAs, the jobs their
+  // handles: pinned_host_ema_store.cpp).
   const auto addTensor = [this](const at::Tensor& t) {
     if (!t.defined()) return;
     prefetch_.add(t.unsafeGetTensorImpl(), 256);
@@ -44,18 +47,15 @@ void EmaStore::recordPrefetch() {
   prefetch_.clear();
   prefetchStale_ = false;
   for (size_t i = 0; i < bound_.size() && i < storage_.size(); ++i) {
-    prefetch_.add(bound_[i].name.data());
-    prefetch_.add(storage_[i].data(), storage_[i].size() * sizeof(at::Tensor));
     addTensor(bound_[i].source);
-    for (const at::Tensor& ema : storage_[i]) addTensor(ema);
-    // The version handle each update's job copies (PipelineJob::version,
-    // or the source's own): its counter's reference count is written.
+    // The version counter each update reads (PipelineJob::version, or the
+    // source's own); a DTensor's handle is also copied (its reference
+    // count written).
     const at::Tensor& source = bound_[i].source;
     if (bound_[i].writeVersion) {
       prefetch_.addForWrite(core::versionCounterAddress(*bound_[i].writeVersion));
     } else if (source.defined()) {
-      prefetch_.addForWrite(
-          core::versionCounterAddress(source.unsafeGetTensorImpl()->version_counter()));
+      prefetch_.add(core::versionCounterAddress(source.unsafeGetTensorImpl()->version_counter()));
     }
   }
 }

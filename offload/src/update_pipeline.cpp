@@ -35,49 +35,6 @@ constexpr int64_t kMinChunkBytes = 64;
 
 std::string describe(std::exception_ptr error) { return detail::describeError(error); }
 
-// The one validation of a job per update; returns its source type (unused
-// for raw copies), which plan() and the workers then trust.
-SourceType checkJob(const PipelineJob& job, size_t profiles) {
-  const char* api = "UpdatePipeline::submit";
-  TORCH_CHECK_VALUE(job.ema.defined() && job.source.defined(), api, ": tensor '", job.name,
-                    "' has an undefined ema or source");
-  TORCH_CHECK_VALUE(job.ema.device().is_cpu() && job.ema.is_contiguous(), api, ": ema of '",
-                    job.name, "' must be a contiguous CPU tensor, got device ", job.ema.device());
-  TORCH_CHECK_VALUE(job.source.is_contiguous(), api, ": source of '", job.name,
-                    "' is not contiguous (strides ", job.source.strides(),
-                    "); pass source.contiguous()");
-  TORCH_CHECK_VALUE(job.ema.numel() == job.source.numel(), api, ": tensor '", job.name, "' has ",
-                    job.source.numel(), " source elements but ", job.ema.numel(), " EMA elements");
-  TORCH_CHECK_VALUE(job.op != UpdateOp::kSkip, api, ": tensor '", job.name,
-                    "' has op kSkip; leave skipped tensors out of the jobs");
-  if (job.op == UpdateOp::kCopyRaw) {
-    TORCH_CHECK_VALUE(job.moreEmas.empty(), api, ": raw copy of '", job.name,
-                      "' cannot have more EMAs (copies are shared by every profile)");
-    TORCH_CHECK_TYPE(job.ema.scalar_type() == job.source.scalar_type(), api, ": raw copy of '",
-                     job.name, "' needs equal dtypes, got ema ", job.ema.scalar_type(),
-                     " and source ", job.source.scalar_type());
-    return SourceType::kFloat32;
-  }
-  TORCH_CHECK_TYPE(job.ema.scalar_type() == at::kFloat, api, ": ema of '", job.name,
-                   "' must be float32, got ", job.ema.scalar_type());
-  // float32 / bfloat16 / float16, else TypeError naming the tensor
-  const SourceType type = sourceTypeOf(job.source, job.name);
-  TORCH_CHECK_VALUE(job.moreEmas.size() + 1 == profiles, api, ": tensor '", job.name, "' has ",
-                    job.moreEmas.size() + 1, " EMAs but ", profiles, " weights were given");
-  for (size_t p = 0; p < job.moreEmas.size(); ++p) {
-    const at::Tensor& more = job.moreEmas[p];
-    TORCH_CHECK_VALUE(more.defined() && more.device().is_cpu() && more.is_contiguous() &&
-                          more.scalar_type() == at::kFloat && more.numel() == job.ema.numel(),
-                      api, ": EMA ", p + 1, " of '", job.name,
-                      "' must be a contiguous float32 CPU tensor of ", job.ema.numel(),
-                      " elements");
-    // Empty tensors may share a (null or arena) pointer: nothing is written.
-    TORCH_CHECK_VALUE(more.numel() == 0 || more.data_ptr() != job.ema.data_ptr(), api, ": EMA ",
-                      p + 1, " of '", job.name, "' shares memory with its first EMA");
-  }
-  return type;
-}
-
 }  // namespace
 
 UpdatePipeline::UpdatePipeline(UpdatePipelineOptions options) : options_(std::move(options)) {
@@ -141,6 +98,89 @@ UpdatePipeline::~UpdatePipeline() {
   options_.engine->synchronize();
 }
 
+// Whether `job` names the EMA tensors `checked` holds (the same TensorImpl
+// addresses, which the held handles keep from being reused): their checks
+// and addresses then stand. Reads the job's handles, not the tensors.
+bool UpdatePipeline::sameEmas(const CheckedEma& checked, const PipelineJob& job) {
+  if (!checked.ema.defined() || checked.ema.unsafeGetTensorImpl() != job.ema.unsafeGetTensorImpl() ||
+      checked.more.size() != job.moreEmas.size()) {
+    return false;
+  }
+  for (size_t p = 0; p < checked.more.size(); ++p) {
+    if (checked.more[p].unsafeGetTensorImpl() != job.moreEmas[p].unsafeGetTensorImpl()) return false;
+  }
+  return true;
+}
+
+// The one validation of a job per update; returns its source type (unused
+// for raw copies), which plan() and the workers then trust. The source is
+// checked every time (a parameter may change under the caller); the EMAs,
+// the pipeline's to write, when first seen at this index.
+SourceType UpdatePipeline::checkJob(const PipelineJob& job, size_t index, size_t profiles) {
+  const char* api = "UpdatePipeline::submit";
+  TORCH_CHECK_VALUE(job.ema.defined() && job.source.defined(), api, ": tensor '", job.name,
+                    "' has an undefined ema or source");
+  CheckedEma& checked = checkedEmas_[index];
+  const bool known = sameEmas(checked, job);
+  if (!known) {
+    TORCH_CHECK_VALUE(job.ema.device().is_cpu() && job.ema.is_contiguous(), api, ": ema of '",
+                      job.name, "' must be a contiguous CPU tensor, got device ", job.ema.device());
+  }
+  TORCH_CHECK_VALUE(job.source.is_contiguous(), api, ": source of '", job.name,
+                    "' is not contiguous (strides ", job.source.strides(),
+                    "); pass source.contiguous()");
+  const int64_t emaNumel = known ? checked.numel : job.ema.numel();
+  TORCH_CHECK_VALUE(emaNumel == job.source.numel(), api, ": tensor '", job.name, "' has ",
+                    job.source.numel(), " source elements but ", emaNumel, " EMA elements");
+  TORCH_CHECK_VALUE(job.op != UpdateOp::kSkip, api, ": tensor '", job.name,
+                    "' has op kSkip; leave skipped tensors out of the jobs");
+  const c10::ScalarType emaType = known ? checked.dtype : job.ema.scalar_type();
+  SourceType type = SourceType::kFloat32;
+  if (job.op == UpdateOp::kCopyRaw) {
+    TORCH_CHECK_VALUE(job.moreEmas.empty(), api, ": raw copy of '", job.name,
+                      "' cannot have more EMAs (copies are shared by every profile)");
+    TORCH_CHECK_TYPE(emaType == job.source.scalar_type(), api, ": raw copy of '", job.name,
+                     "' needs equal dtypes, got ema ", emaType, " and source ",
+                     job.source.scalar_type());
+  } else {
+    TORCH_CHECK_TYPE(emaType == at::kFloat, api, ": ema of '", job.name,
+                     "' must be float32, got ", emaType);
+    // float32 / bfloat16 / float16, else TypeError naming the tensor
+    type = sourceTypeOf(job.source, job.name);
+    TORCH_CHECK_VALUE(job.moreEmas.size() + 1 == profiles, api, ": tensor '", job.name, "' has ",
+                      job.moreEmas.size() + 1, " EMAs but ", profiles, " weights were given");
+    for (size_t p = 0; p < job.moreEmas.size() && !known; ++p) {
+      const at::Tensor& more = job.moreEmas[p];
+      TORCH_CHECK_VALUE(more.defined() && more.device().is_cpu() && more.is_contiguous() &&
+                            more.scalar_type() == at::kFloat && more.numel() == job.ema.numel(),
+                        api, ": EMA ", p + 1, " of '", job.name,
+                        "' must be a contiguous float32 CPU tensor of ", job.ema.numel(),
+                        " elements");
+      // Empty tensors may share a (null or arena) pointer: nothing is written.
+      TORCH_CHECK_VALUE(more.numel() == 0 || more.data_ptr() != job.ema.data_ptr(), api,
+                        ": EMA ", p + 1, " of '", job.name, "' shares memory with its first EMA");
+    }
+  }
+  if (!known) {
+    checked = CheckedEma{job.ema,
+                         job.moreEmas,
+                         static_cast<char*>(job.ema.data_ptr()),
+                         job.ema.numel(),
+                         static_cast<int64_t>(job.ema.element_size()),
+                         job.ema.scalar_type()};
+  }
+  return type;
+}
+
+std::vector<PipelineJob> UpdatePipeline::takeJobs() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!inFlight_, "UpdatePipeline::takeJobs: the update of step ", step_,
+                " has not been waited for; call wait() first");
+  }
+  return std::exchange(jobs_, {});
+}
+
 void UpdatePipeline::submit(std::vector<PipelineJob> jobs, std::vector<float> weights,
                             int64_t step) {
   {
@@ -159,16 +199,17 @@ void UpdatePipeline::submit(std::vector<PipelineJob> jobs, std::vector<float> we
     TORCH_CHECK_VALUE(weight >= 0.0f && weight <= 1.0f,
                       "UpdatePipeline::submit: weight (1 - decay) must be in [0, 1], got ", weight);
   }
-  std::vector<SourceType> types;
-  types.reserve(jobs.size());
-  for (const PipelineJob& job : jobs) types.push_back(checkJob(job, weights.size()));
-  // The previous update's jobs stay alive until its version handles are
-  // reused (recordVersions).
-  const std::vector<PipelineJob> previous = std::exchange(jobs_, std::move(jobs));
-  plan(jobs_, types);
+  // A job list of another length: the checks of indices past it go (and
+  // the EMAs they held).
+  checkedEmas_.resize(jobs.size());
+  types_.clear();
+  types_.reserve(jobs.size());
+  for (size_t j = 0; j < jobs.size(); ++j) types_.push_back(checkJob(jobs[j], j, weights.size()));
+  jobs_ = std::move(jobs);
+  plan(jobs_, types_);
   weights_ = std::move(weights);
   step_ = step;
-  recordVersions(previous);
+  recordVersions();
   const auto total = static_cast<int64_t>(chunks_.size());
   if (total == 0) return;
   const int64_t staged = total - directChunks_;
@@ -532,26 +573,28 @@ void UpdatePipeline::wait() {
   if (error) std::rethrow_exception(error);
 }
 
-void UpdatePipeline::recordVersions(const std::vector<PipelineJob>& previous) {
+void UpdatePipeline::recordVersions() {
   versions_.resize(jobs_.size());
+  versionSources_.resize(jobs_.size());
   for (size_t j = 0; j < jobs_.size(); ++j) {
     // A copy of the counter handle, taken here on the caller's thread, so
     // workers never touch the TensorImpl; the count itself is atomic. The
-    // same tensor as last update keeps its handle: copying it costs an
-    // atomic increment and a decrement of a refcount that shares its cache
-    // line with the count the workers read, a cross-core miss per tensor
-    // (a fifth of a 1000-tensor update's fixed cost). Both tensors are
-    // alive here (`previous` holds the old ones), so equal TensorImpl
-    // addresses are the same tensor, whose counter is its own for life. A
-    // job naming another tensor's counter (a DTensor's) hands it over each
-    // time: the pipeline cannot tell whether it is the same one.
+    // same tensor as last update at this index keeps its handle: copying it
+    // costs an atomic increment and a decrement of a refcount that shares
+    // its cache line with the count the workers read, a cross-core miss per
+    // tensor (a fifth of a 1000-tensor update's fixed cost).
+    // versionSources_ holds the tensor whose counter that is, so an equal
+    // TensorImpl address is the same tensor, whose counter is its own for
+    // life. A job naming another tensor's counter (a DTensor's) hands it
+    // over each time: the pipeline cannot tell whether it is the same one.
     auto& [counter, recorded] = versions_[j];
     if (jobs_[j].version.has_value()) {
       counter = *jobs_[j].version;
+      versionSources_[j] = at::Tensor();
     } else {
       c10::TensorImpl* impl = jobs_[j].source.unsafeGetTensorImpl();
-      if (j >= previous.size() || previous[j].version.has_value() ||
-          previous[j].source.unsafeGetTensorImpl() != impl) {
+      if (versionSources_[j].unsafeGetTensorImpl() != impl) {
+        versionSources_[j] = jobs_[j].source;
         counter = impl->version_counter();
       }
     }
@@ -578,10 +621,11 @@ std::vector<size_t> UpdatePipeline::writtenWhileRead() const {
 }
 
 std::vector<size_t> UpdatePipeline::uncheckedReads() const {
-  // inPlace_ and jobs_ are written by submit(), on this same thread.
+  // inPlace_ is written by submit(), on this same thread (one entry per
+  // job, also after takeJobs()).
   std::vector<size_t> out;
   if (checkOnLanding_) return out;
-  for (size_t j = 0; j < jobs_.size(); ++j) {
+  for (size_t j = 0; j < inPlace_.size(); ++j) {
     if (!inPlace_[j]) out.push_back(j);
   }
   return out;

@@ -56,9 +56,10 @@ void UpdatePipeline::plan(const std::vector<PipelineJob>& jobs,
   int64_t used = capacity;  // the first piece opens a chunk
   const auto cut = [&](size_t j) {
     const int64_t srcSize = jobs[j].source.element_size();
-    const int64_t emaSize = jobs[j].ema.element_size();
+    // The EMA's, as checkJob() recorded them: no read of its TensorImpl.
+    const int64_t emaSize = checkedEmas_[j].elementSize;
     const auto* src = static_cast<const char*>(jobs[j].source.data_ptr());
-    auto* ema = static_cast<char*>(jobs[j].ema.data_ptr());
+    char* ema = checkedEmas_[j].data;
     const int64_t total = jobs[j].source.numel();
     for (int64_t first = 0; first < total;) {
       int64_t offset = alignUp(used, kPieceAlign);

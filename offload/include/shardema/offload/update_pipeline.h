@@ -202,8 +202,21 @@ class UpdatePipeline {
   /// naming its step otherwise): the pipeline's owner waits once, and
   /// submit() never waits behind its back. Each job is validated once,
   /// here, before anything starts (c10::ValueError / TypeError naming the
-  /// tensor); the copies and the math trust it.
+  /// tensor); the copies and the math trust it. A job's EMA tensors are
+  /// checked when first seen at their index and then held: while a job
+  /// names the same EMA tensors as the one at its index last time, their
+  /// checks and addresses are reused, and their metadata must not change
+  /// (the pipeline is their one writer; resize or re-point one and submit
+  /// it under another index, or a new tensor).
   void submit(std::vector<PipelineJob> jobs, std::vector<float> weights, int64_t step);
+  /// The last submit()'s jobs, moved out, for a caller that submits the
+  /// same jobs again with a few fields changed: an update of the same
+  /// model then copies no tensor handle and no name (each a write to a
+  /// cold cache line with a large model). The previous update must have
+  /// been waited for (c10::Error otherwise); empty after a takeJobs() or
+  /// before any submit(). writtenWhileRead(), writtenSinceSubmit() and
+  /// uncheckedReads() still answer for that update.
+  std::vector<PipelineJob> takeJobs();
   /// Blocks until every chunk of the update in flight has been read out of
   /// its source: a direct chunk once its math is done (the direct chunks no
   /// worker has started yet run on this thread meanwhile), a staged one once
@@ -265,6 +278,22 @@ class UpdatePipeline {
     size_t end = 0;
   };
   struct SwapState;
+  // What the pipeline checked of one job's EMA tensors (held, so that an
+  // equal TensorImpl address is the same tensor) and what plan() reads of
+  // them, so that an update of the same jobs reads no EMA TensorImpl or
+  // storage on the submitting thread.
+  struct CheckedEma {
+    at::Tensor ema;
+    std::vector<at::Tensor> more;
+    char* data = nullptr;
+    int64_t numel = 0;
+    int64_t elementSize = 0;
+    c10::ScalarType dtype = c10::ScalarType::Undefined;
+  };
+  static bool sameEmas(const CheckedEma& checked, const PipelineJob& job);
+  // The one validation of job `index` per update (its source, and its EMAs
+  // when checkedEmas_ has not seen them at that index); its source type.
+  SourceType checkJob(const PipelineJob& job, size_t index, size_t profiles);
   // Cuts the jobs (of the given source types) into chunks of at most
   // chunkBytes: the direct jobs' chunks first, then the staged ones'.
   // Reuses pieces_ and chunks_'s memory from update to update.
@@ -303,9 +332,9 @@ class UpdatePipeline {
   void queueSwapCopies(const std::vector<SwapJob>& jobs, SwapState& state);
   // The error a failed update reports from wait(), naming its step.
   std::exception_ptr updateError(const std::string& what) const;
-  // Records each source's version counter; `previous` is the last update's
-  // jobs, whose handles are reused for the same tensors.
-  void recordVersions(const std::vector<PipelineJob>& previous);
+  // Records each source's version counter, reusing the handle of a source
+  // that is the one of the last update at that index (versionSources_).
+  void recordVersions();
   // Whether job `job`'s source moved since submit(). Any thread.
   bool movedSince(size_t job) const;
   // fence()/wait(): the sources may change from now on. Caller holds mutex_.
@@ -325,6 +354,7 @@ class UpdatePipeline {
   std::vector<Piece> pieces_;
   std::vector<Chunk> chunks_;   // direct chunks first, then staged ones
   std::vector<char> inPlace_;   // per job: takes the direct path (plan())
+  std::vector<SourceType> types_;  // per job: its checked source type
   int64_t directChunks_ = 0;    // chunks_[0, directChunks_) are direct
   int64_t stagedSlotBytes_ = 0;  // the largest staged chunk's extent in its slot
   std::vector<float> weights_;  // one per profile
@@ -349,6 +379,10 @@ class UpdatePipeline {
   // (disabled for inference tensors: never checked). Written by submit()
   // before any copy is queued, read-only afterwards.
   std::vector<std::pair<c10::VariableVersion, uint32_t>> versions_;
+  // Per job index: the source whose counter versions_ holds (kept alive, so
+  // an equal TensorImpl address is the same tensor), and the EMAs checked.
+  std::vector<at::Tensor> versionSources_;
+  std::vector<CheckedEma> checkedEmas_;
   bool checkOnLanding_ = false;  // the landing check; fixed by the engine's kind
   // Per job of the update in flight: a chunk check saw its source written
   // (1) or not (0). Guarded by mutex_.
