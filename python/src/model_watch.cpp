@@ -1,6 +1,7 @@
 #include "model_watch.h"
 
 #include <torch/csrc/autograd/python_variable.h>
+#include <unordered_set>
 
 #include "shardema/core/prefetch.h"
 
@@ -130,7 +131,13 @@ void ModelWatch::recordPrefetch() const {
     prefetch_.add(slot.data.sizes.data());
     addTensor(slot.tensor.ptr());
   }
-  for (const py::object& tensor : deciders_) addTensor(tensor.ptr());
+  // A decider is mostly a slot's own tensor, already recorded: its lines
+  // once (a prefetch of a line in flight still takes an issue slot).
+  std::unordered_set<const PyObject*> recorded;
+  for (const Slot& slot : slots_) recorded.insert(slot.tensor.ptr());
+  for (const py::object& tensor : deciders_) {
+    if (!recorded.count(tensor.ptr())) addTensor(tensor.ptr());
+  }
 }
 
 ModelWatch::Changes ModelWatch::scan() const {
