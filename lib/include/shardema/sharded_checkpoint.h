@@ -167,7 +167,22 @@ struct ExportOptions {
   /// Smaller files upload and load in parallel; a tensor larger than the
   /// limit still gets a file of its own.
   std::optional<int64_t> maxShardBytes;
+  /// exportCheckpoint only: the EMA profile written (an Averager of
+  /// moreSchedules, Python's EMA(schedules=[...]) / beta=[...], keeps
+  /// several; checkpointSchedules lists them): its tensors (copies are shared
+  /// by every profile) and its schedule in shardema.schedule, what
+  /// ShardedAverager::exportWeights(..., profile) writes. Default 0.
+  /// c10::IndexError naming it and the count when the checkpoint has no
+  /// such profile. Reshards keep every profile.
+  int profile = 0;
 };
+
+/// One schedule per EMA profile of the checkpoint in `dir`, profile 0
+/// first (Python's EMA.schedules; one for an Averager without
+/// moreSchedules), from rank 0's file (shardema.profiles). Reads the
+/// manifest and rank 0's header only (inspectCheckpoint checks that every
+/// rank agrees); c10::ValueError naming the file when they do not read.
+std::vector<DecaySchedule> checkpointSchedules(const std::string& dir);
 
 /// What an offline tool wrote.
 struct ExportSummary {
