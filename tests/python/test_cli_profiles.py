@@ -6,14 +6,18 @@ inspect lists the profiles; export --world-size keeps every profile, so
 load_checkpoint after a reshard and back restores each bit for bit; every
 refusal is one line naming the flag. The package's command (python -m
 shardema) runs the C++ CLI's code; the binary (SHARDEMA_CLI) is checked
-alike where the build has one."""
+alike where the build has one. A DCP checkpoint of such an EMA (read by the
+package's command only) exports, lists and reshards every profile alike."""
 import json
 import os
 import subprocess
 import sys
 
+import warnings
+
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -203,3 +207,44 @@ def test_reshard_keeps_every_profile_there_and_back(shardema_cli, tmp_path):
         want, got = ema.full_state_dict(profile=p), fresh.full_state_dict(profile=p)
         assert all(torch.equal(got[n], want[n]) for n in want), p
 
+
+def package_cli(*args):
+    done = subprocess.run([sys.executable, "-m", "shardema", *map(str, args)],
+                          capture_output=True, text=True, timeout=300)
+    return done.returncode, done.stdout, done.stderr
+
+
+def test_a_dcp_checkpoint_of_several_profiles_exports_each(tmp_path):
+    model, ema = trained()
+    folder = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": model.state_dict(), "ema": ema.state_dict()},
+                 checkpoint_id=str(folder), no_dist=True)
+    status, text, err = package_cli("inspect", folder)
+    assert status == 0, err
+    lines = text.splitlines()
+    assert "  2 EMA profiles (export --profile P):" in lines
+    for p, schedule in enumerate(ema.schedules):
+        assert f"  profile {p} schedule {schedule!r}" in lines, (p, text)
+    for p in (0, 1):
+        reference = tmp_path / f"reference_{p}.safetensors"
+        ema.export_weights(str(reference), profile=p)
+        out = tmp_path / f"cli_{p}.safetensors"
+        status, _, err = package_cli("export", "--checkpoint", folder, "--profile", p,
+                                     "--out", out)
+        assert status == 0, err
+        assert_same_file_tensors(out, reference)
+        assert metadata(out)["shardema.schedule"] == metadata(reference)["shardema.schedule"]
+    refused(package_cli("export", "--checkpoint", folder, "--profile", 2, "--out",
+                        tmp_path / "x"), "--profile 2 does not exist", folder, "2 EMA profiles")
+    assert not (tmp_path / "x").exists()
+    # A reshard to a per-rank checkpoint keeps both profiles for load_checkpoint.
+    status, _, err = package_cli("export", "--checkpoint", folder, "--world-size", 1, "--out",
+                                 tmp_path / "w1")
+    assert status == 0, err
+    _, fresh = trained(steps=2)
+    fresh.load_checkpoint(str(tmp_path / "w1"))
+    for p in (0, 1):
+        want, got = ema.full_state_dict(profile=p), fresh.full_state_dict(profile=p)
+        assert all(torch.equal(got[n], want[n]) for n in want), p
