@@ -77,7 +77,8 @@ int reshardToLayout(const ParsedFlags& flags, const std::string& dir, const std:
   if (flags.has("profile"))
     throw UsageError("--profile does not apply to --layout (a checkpoint keeps every profile)");
   if (flags.has("max-shard-size"))
-    throw UsageError("--max-shard-size does not apply to --layout (a checkpoint has one file per rank)");
+    throw UsageError(
+        "--max-shard-size does not apply to --layout (a checkpoint has one file per rank)");
   if (flags.has("dtype"))
     throw UsageError("--dtype does not apply to --layout (states keep their dtypes)");
   const std::string& file = flags.text("layout");
@@ -152,9 +153,8 @@ int runParsed(const ParsedFlags& flags, std::ostream& out) {
   const ExportSummary summary = exportCheckpoint(dir, target, exported);
   out << "exported " << dir;
   if (flags.has("profile")) out << " profile " << exported.profile;
-  out << " to " << target << ": " << summary.tensors << " tensors, step "
-      << summary.step << ", " << (flags.has("dtype") ? flags.text("dtype") : "f32") << ", "
-      << summary.bytes << " bytes";
+  out << " to " << target << ": " << summary.tensors << " tensors, step " << summary.step << ", "
+      << (flags.has("dtype") ? flags.text("dtype") : "f32") << ", " << summary.bytes << " bytes";
   if (options.maxShardBytes) out << " in " << summary.files << " files";
   out << "\n";
   return 0;

@@ -34,8 +34,7 @@ constexpr int64_t kSteps = 6;
 // function, so each profile's EMA differs from the others' at every step.
 AveragerOptions threeProfiles() {
   AveragerOptions options = testing::smallChunkOptions();
-  options.moreSchedules = {DecaySchedule::constant({0.5}),
-                           DecaySchedule::powerFunction({0.1})};
+  options.moreSchedules = {DecaySchedule::constant({0.5}), DecaySchedule::powerFunction({0.1})};
   return options;
 }
 
@@ -68,8 +67,7 @@ struct ProfilesJob {
 };
 
 // The exported tensors of `profile` against the reference's EMA of it.
-void expectProfileExported(const std::string& file, const testing::PerTensorJob& job,
-                           int profile) {
+void expectProfileExported(const std::string& file, const testing::PerTensorJob& job, int profile) {
   const TensorFile exported = readTensorFile(file);
   ASSERT_EQ(exported.tensors.size(), job.model.size());
   for (const auto& [name, tensor] : exported.tensors) {
@@ -185,14 +183,14 @@ TEST(ShardedProfilesTest, ReshardKeepsEveryProfile) {
         for (const auto& rank : loaded) {
           parts.push_back(rank.averager->averager().ema(model[i].name, p).reshape({-1}));
         }
-        EXPECT_TRUE(testing::sameTensor(
-            at::cat(parts), saved.job.reference.ema(model[i].name, p).reshape({-1})))
+        EXPECT_TRUE(testing::sameTensor(at::cat(parts),
+                                        saved.job.reference.ema(model[i].name, p).reshape({-1})))
             << model[i].name << " of profile " << p << " at world size " << world;
       }
     }
     // A load into another number of profiles is refused, naming both.
-    std::vector<testing::RankModel> two = testing::makeRanks(
-        model, shard::LayoutKind::kFsdp2, world, [] {
+    std::vector<testing::RankModel> two =
+        testing::makeRanks(model, shard::LayoutKind::kFsdp2, world, [] {
           AveragerOptions options = threeProfiles();
           options.moreSchedules.pop_back();
           return options;
