@@ -44,6 +44,20 @@ ExportOptions optionsFromFlags(const ParsedFlags& flags) {
   return options;
 }
 
+// --profile P: which EMA profile of a checkpoint of several (EMA(schedules=
+// [...])) the deployable weights hold; a reshard keeps them all.
+int profileFromFlags(const ParsedFlags& flags, const std::string& dir) {
+  if (!flags.has("profile")) return 0;
+  const int64_t profile = flags.integer("profile");
+  const int64_t count = static_cast<int64_t>(checkpointSchedules(dir).size());
+  if (profile < 0 || profile >= count) {
+    throw UsageError("--profile " + std::to_string(profile) + " does not exist: " + dir +
+                     " holds " + std::to_string(count) + " EMA profile" +
+                     (count == 1 ? " (0)" : "s (0 to " + std::to_string(count - 1) + ")"));
+  }
+  return static_cast<int>(profile);
+}
+
 std::string readLayoutFile(const std::string& path) {
   // A layout is JSON of a few hundred bytes per tensor; the bound keeps a
   // hostile or wrong file (a FIFO, a huge one) from hanging or flooding us.
@@ -60,8 +74,11 @@ std::string readLayoutFile(const std::string& path) {
 int reshardToLayout(const ParsedFlags& flags, const std::string& dir, const std::string& target,
                     const ExportOptions& options, std::ostream& out) {
   if (flags.has("world-size")) throw UsageError("--layout and --world-size exclude each other");
+  if (flags.has("profile"))
+    throw UsageError("--profile does not apply to --layout (a checkpoint keeps every profile)");
   if (flags.has("max-shard-size"))
-    throw UsageError("--max-shard-size does not apply to --layout (a checkpoint has one file per rank)");
+    throw UsageError(
+        "--max-shard-size does not apply to --layout (a checkpoint has one file per rank)");
   if (flags.has("dtype"))
     throw UsageError("--dtype does not apply to --layout (states keep their dtypes)");
   const std::string& file = flags.text("layout");
@@ -106,6 +123,10 @@ int runParsed(const ParsedFlags& flags, std::ostream& out) {
   if (flags.has("world-size")) {
     if (flags.has("dtype"))
       throw UsageError("--dtype does not apply to --world-size (states keep their dtypes)");
+    if (flags.has("profile")) {
+      throw UsageError(
+          "--profile does not apply to --world-size (a checkpoint keeps every profile)");
+    }
     if (flags.has("max-shard-size")) {
       throw UsageError(
           "--max-shard-size does not apply to --world-size (a checkpoint has one file per rank)");
@@ -127,10 +148,13 @@ int runParsed(const ParsedFlags& flags, std::ostream& out) {
         << " bytes\n";
     return 0;
   }
-  const ExportSummary summary = exportCheckpoint(dir, target, options);
-  out << "exported " << dir << " to " << target << ": " << summary.tensors << " tensors, step "
-      << summary.step << ", " << (flags.has("dtype") ? flags.text("dtype") : "f32") << ", "
-      << summary.bytes << " bytes";
+  ExportOptions exported = options;
+  exported.profile = profileFromFlags(flags, dir);
+  const ExportSummary summary = exportCheckpoint(dir, target, exported);
+  out << "exported " << dir;
+  if (flags.has("profile")) out << " profile " << exported.profile;
+  out << " to " << target << ": " << summary.tensors << " tensors, step " << summary.step << ", "
+      << (flags.has("dtype") ? flags.text("dtype") : "f32") << ", " << summary.bytes << " bytes";
   if (options.maxShardBytes) out << " in " << summary.files << " files";
   out << "\n";
   return 0;
@@ -139,7 +163,7 @@ int runParsed(const ParsedFlags& flags, std::ostream& out) {
 }  // namespace
 
 void printExportUsage(std::ostream& out) {
-  out << "usage: shardema export --checkpoint DIR --out FILE [--dtype f32|bf16|f16]\n"
+  out << "usage: shardema export --checkpoint DIR --out FILE [--dtype f32|bf16|f16] [--profile P]\n"
          "       shardema export --checkpoint DIR --out FOLDER --max-shard-size SIZE [--dtype D]\n"
          "       shardema export --checkpoint DIR --world-size W --out NEW_DIR\n"
          "       shardema export --checkpoint DIR --layout FILE --out NEW_DIR\n\n"
@@ -152,12 +176,15 @@ void printExportUsage(std::ostream& out) {
          "FOLDER gets Hugging Face's layout, which from_pretrained loads: files\n"
          "model-00001-of-0000N.safetensors of at most SIZE bytes of tensors and\n"
          "model.safetensors.index.json, written last (or one model.safetensors when all\n"
-         "fit); a tensor larger than SIZE gets a file of its own.\n\n"
+         "fit); a tensor larger than SIZE gets a file of its own. An EMA of several\n"
+         "profiles (EMA(schedules=[...]) or beta=[...]) exports one, --profile P; a\n"
+         "reshard keeps every profile.\n\n"
          "  --checkpoint DIR   per-rank checkpoint folder (manifest.json + rank files), or,\n"
          "                     from the Python package's shardema, a DCP checkpoint folder\n"
          "  --out PATH         output file, or output folder with --world-size, --layout\n"
          "                     or --max-shard-size\n"
          "  --dtype D          f32 (default), bf16 or f16 for floating tensors\n"
+         "  --profile P        the EMA profile to export, of those inspect lists (default 0)\n"
          "  --world-size W     reshard to W ranks instead of merging\n"
          "  --layout FILE      reshard to the layout in FILE (ShardLayout JSON) instead\n"
          "  --buffer-mib N     bytes read per piece, in MiB (default 8)\n"
@@ -170,6 +197,7 @@ int runExportCommand(const std::vector<std::string>& args, std::ostream& out) {
                             {"checkpoint", FlagArity::kValue},
                             {"out", FlagArity::kValue},
                             {"dtype", FlagArity::kValue},
+                            {"profile", FlagArity::kValue},
                             {"world-size", FlagArity::kValue},
                             {"layout", FlagArity::kValue},
                             {"buffer-mib", FlagArity::kValue},

@@ -94,6 +94,14 @@ void printCheckpoint(const std::string& dir, std::ostream& out) {
       << manifest.worldSize() << ", " << manifest.layout.specs.size() << " tensors, layout "
       << manifest.layout.describe() << '\n';
   out << "  schedule " << manifest.schedule.describe() << '\n';
+  const std::vector<DecaySchedule> schedules = checkpointSchedules(dir);
+  if (schedules.size() > 1) {
+    // EMA(schedules=[...]): `export --profile P` writes profile P's weights.
+    out << "  " << schedules.size() << " EMA profiles (export --profile P):\n";
+    for (size_t p = 0; p < schedules.size(); ++p) {
+      out << "  profile " << p << " schedule " << schedules[p].describe() << '\n';
+    }
+  }
   for (const RankFileRecord& record : manifest.files) {
     out << "  rank " << record.rank << ' ' << record.name << ' ' << record.size << " bytes, xxh64 "
         << checksumHex(record.checksum) << " ok\n";
@@ -152,9 +160,10 @@ void printInspectUsage(std::ostream& out) {
          "Averager state the metadata Averager::load checks) and lists its metadata and\n"
          "tensors with its XXH64; or validates a per-rank checkpoint folder: the manifest,\n"
          "every rank file's size, XXH64, metadata and tensors against it, every tensor's\n"
-         "checksum, and lists the layout; or a post-hoc snapshot folder as synthesize reads\n"
-         "it, listing its profiles, steps, files and tensors; or, from the Python package's\n"
-         "shardema, the EMA of a torch.distributed.checkpoint (DCP) folder.\n";
+         "checksum, and lists the layout and its EMA profiles; or a post-hoc snapshot\n"
+         "folder as synthesize reads it, listing its profiles, steps, files and tensors;\n"
+         "or, from the Python package's shardema, the EMA of a torch.distributed.checkpoint\n"
+         "(DCP) folder.\n";
 }
 
 int runInspectCommand(const std::vector<std::string>& args, std::ostream& out) {

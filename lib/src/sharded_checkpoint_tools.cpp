@@ -8,9 +8,9 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <unordered_set>
 
 #include "deployable_writer.h"
+#include "open_checkpoint.h"
 #include "sharded_internal.h"
 #include "shardema/averager.h"
 #include "shardema/core/file_system.h"
@@ -23,74 +23,8 @@
 namespace shardema {
 namespace {
 
-// A verified checkpoint with every rank's file open and checked against the
-// layout: exactly its tensors, each 1-D of the rank's size, one dtype per
-// tensor across ranks, the manifest's step.
-struct OpenCheckpoint {
-  RankManifest manifest;
-  std::vector<TensorFileReader> readers;
-  std::vector<c10::ScalarType> dtypes;  // per layout spec
-};
-
-void checkRankFile(const TensorFileReader& reader, const RankManifest& manifest, int64_t rank) {
-  const shard::ShardLayout& layout = manifest.layout;
-  // Not yet read by the offline tools: refused by name rather than taken
-  // for tensors outside the layout.
-  TORCH_CHECK_VALUE(reader.header().metadata.count(detail::kProfilesKey) == 0, reader.path(),
-                    ": the checkpoint holds several EMA profiles (", detail::kProfilesKey,
-                    "), which the offline tools do not read yet; load it with "
-                    "shardema.EMA.load_checkpoint and use export_weights(path, profile=p)");
-  std::unordered_set<std::string> names;
-  for (const shard::ShardSpec& spec : layout.specs) names.insert(spec.name);
-  for (const std::string& name : reader.names()) {
-    TORCH_CHECK_VALUE(names.count(name), reader.path(), ": tensor '", name,
-                      "' is not in the checkpoint's layout");
-  }
-  for (const shard::ShardSpec& spec : layout.specs) {
-    TORCH_CHECK_VALUE(reader.contains(spec.name), reader.path(), ": tensor '", spec.name,
-                      "' of the layout is missing");
-    const TensorEntry& entry = reader.entry(spec.name);
-    TORCH_CHECK_VALUE(entry.shape.size() == 1 && entry.numel() == spec.rangeOf(rank).size(),
-                      reader.path(), ": tensor '", spec.name, "' must be 1-D with ",
-                      spec.rangeOf(rank).size(), " elements (rank ", rank, "'s range), found ",
-                      entry.numel());
-  }
-  detail::checkRankMetadata(reader.path(), reader.header().metadata, rank, manifest.worldSize(),
-                            layout.fingerprint(), manifest.step);
-  // What loadCheckpoint's Averager::loadState would refuse; a reshard would
-  // otherwise copy rank 0's metadata into every new file under fresh checksums.
-  try {
-    checkAveragerStateMetadata(reader.header().metadata, "Averager state");
-  } catch (const c10::ValueError& error) {
-    TORCH_CHECK_VALUE(false, reader.path(), ": ", error.what_without_backtrace());
-  }
-}
-
-// The manifest's XXH64 only says a file is the one it names: a rank file
-// rewritten together with its manifest record passes it. Every tensor's own
-// checksum (the check loadCheckpoint makes through TensorFileReader::read)
-// is verified too, in pieces of bufferBytes, before any tool reports the
-// checkpoint sound or writes a byte from it, so corrupted data is never
-// re-signed into a clean-looking export or reshard.
-OpenCheckpoint openCheckpoint(const std::string& dir, int64_t bufferBytes) {
-  OpenCheckpoint checkpoint{verifyRankFiles(dir), {}, {}};
-  const RankManifest& manifest = checkpoint.manifest;
-  for (const RankFileRecord& record : manifest.files) {
-    checkpoint.readers.emplace_back(detail::joinPath(dir, record.name));
-    checkRankFile(checkpoint.readers.back(), manifest, record.rank);
-  }
-  for (const shard::ShardSpec& spec : manifest.layout.specs) {
-    const c10::ScalarType dtype = checkpoint.readers.front().scalarType(spec.name);
-    for (const TensorFileReader& reader : checkpoint.readers) {
-      TORCH_CHECK_VALUE(reader.scalarType(spec.name) == dtype, reader.path(), ": tensor '",
-                        spec.name, "' is stored as ", reader.scalarType(spec.name), " but as ",
-                        dtype, " in ", checkpoint.readers.front().path());
-    }
-    checkpoint.dtypes.push_back(dtype);
-  }
-  for (const TensorFileReader& reader : checkpoint.readers) reader.verifyChecksums(bufferBytes);
-  return checkpoint;
-}
+using detail::OpenCheckpoint;
+using detail::openCheckpoint;
 
 // Appends elements [begin, begin + count) of `name` in `reader` to `writer`
 // in pieces of at most buffer.numel(), converted to `dtype`.
@@ -129,24 +63,31 @@ RankFileRecord writeReshardedRank(const OpenCheckpoint& source, const shard::Sha
                                   int64_t rank, const std::string& outDir, uint64_t saveId,
                                   const ExportOptions& options) {
   const shard::ShardLayout& layout = source.manifest.layout;
+  // Every profile's tensors, in the order Averager::state() writes them:
+  // profile 0's, then each further profile's averaged ones.
+  std::vector<std::pair<size_t, std::string>> stored;  // (spec, stored name)
+  for (int p = 0; p < source.numProfiles(); ++p) {
+    for (size_t i = 0; i < target.specs.size(); ++i) {
+      if (p == 0 || source.averaged[i]) stored.emplace_back(i, source.storedName(i, p));
+    }
+  }
   std::vector<TensorFileEntry> entries;
-  for (size_t i = 0; i < target.specs.size(); ++i) {
-    entries.push_back(
-        {target.specs[i].name, source.dtypes[i], {target.specs[i].rangeOf(rank).size()}});
+  for (const auto& [i, storedName] : stored) {
+    entries.push_back({storedName, source.dtypes[i], {target.specs[i].rangeOf(rank).size()}});
   }
   const std::string name = rankFileName(rank, source.manifest.step, saveId);
   TensorFileWriter writer(
       detail::joinPath(outDir, name), std::move(entries),
       detail::rankMetadata(source.readers.front().header().metadata, rank, target));
-  for (size_t i = 0; i < target.specs.size(); ++i) {
+  for (const auto& [i, storedName] : stored) {
     const shard::ElementRange wanted = target.specs[i].rangeOf(rank);
     const at::Tensor buffer = pieceBuffer(wanted.size(), source.dtypes[i], options);
     for (int64_t q = 0; q < layout.worldSize(); ++q) {
       const shard::ElementRange old = layout.specs[i].rangeOf(q);
       const shard::ElementRange overlap = shard::intersect(wanted, old);
       if (overlap.empty()) continue;
-      copyRange(source.readers[q], layout.specs[i].name, overlap.begin - old.begin, overlap.size(),
-                buffer, source.dtypes[i], writer);
+      copyRange(source.readers[q], storedName, overlap.begin - old.begin, overlap.size(), buffer,
+                source.dtypes[i], writer);
     }
   }
   writer.commit();
@@ -181,6 +122,22 @@ RankManifest inspectCheckpoint(const std::string& dir) {
   return openCheckpoint(dir, ExportOptions{}.bufferBytes).manifest;
 }
 
+std::vector<DecaySchedule> checkpointSchedules(const std::string& dir) {
+  const RankManifest manifest = readManifest(dir);
+  const TensorFileReader reader(detail::joinPath(dir, manifest.files.front().name));
+  AveragerStateInfo info;
+  try {
+    info = checkAveragerStateMetadata(reader.header().metadata, "Averager state");
+  } catch (const c10::ValueError& error) {
+    TORCH_CHECK_VALUE(false, reader.path(), ": ", error.what_without_backtrace());
+  }
+  std::vector<DecaySchedule> schedules;
+  for (const AveragerStateInfo::Profile& profile : info.profiles) {
+    schedules.push_back(profile.schedule);
+  }
+  return schedules;
+}
+
 ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFile,
                                ExportOptions options) {
   detail::checkExportDtype(options.outputDtype, "exportCheckpoint");
@@ -189,8 +146,14 @@ ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFil
   TORCH_CHECK_VALUE(!options.maxShardBytes || *options.maxShardBytes >= 1,
                     "exportCheckpoint: maxShardBytes must be >= 1, got ",
                     options.maxShardBytes.value_or(0));
+  TORCH_CHECK_INDEX(options.profile >= 0, "exportCheckpoint: profile ", options.profile,
+                    " does not exist (profiles are numbered from 0)");
   detail::refuseOutputOverInput("exportCheckpoint", outFile, {dir});
   const OpenCheckpoint source = openCheckpoint(dir, options.bufferBytes);
+  const int count = source.numProfiles();
+  TORCH_CHECK_INDEX(options.profile < count, "exportCheckpoint: profile ", options.profile,
+                    " does not exist; the checkpoint at ", dir, " holds ", count, " profile",
+                    count == 1 ? " (0)" : "s (0 to " + std::to_string(count - 1) + ")");
   const shard::ShardLayout& layout = source.manifest.layout;
   // Each tensor under its name and then its aliases (a tied weight's other
   // state_dict keys), each copy read again from the rank files; not the
@@ -213,7 +176,7 @@ ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFil
   }
   detail::DeployableWriter writer(
       outFile, entries,
-      detail::exportedMetadata(source.manifest.step, source.manifest.schedule,
+      detail::exportedMetadata(source.manifest.step, source.profiles[options.profile].schedule,
                                source.manifest.worldSize()),
       options.maxShardBytes, "exportCheckpoint");
   for (size_t e = 0; e < entries.size(); ++e) {
@@ -222,8 +185,8 @@ ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFil
     for (const shard::ElementRange& range : spec.ranges) largest = std::max(largest, range.size());
     const at::Tensor buffer = pieceBuffer(largest, source.dtypes[specOf[e]], options);
     for (int64_t r = 0; r < spec.worldSize(); ++r) {
-      copyRange(source.readers[r], spec.name, 0, spec.rangeOf(r).size(), buffer, entries[e].dtype,
-                writer);
+      copyRange(source.readers[r], source.storedName(specOf[e], options.profile), 0,
+                spec.rangeOf(r).size(), buffer, entries[e].dtype, writer);
     }
   }
   writer.commit();

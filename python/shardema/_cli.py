@@ -42,7 +42,7 @@ def _checkpoint_flag(args: List[str]) -> Optional[Tuple[int, str]]:
 def _inspect_dcp(folder: str) -> int:
     from ._dcp_folder import DcpEma
     ema = DcpEma(folder)
-    ema.engine_checked()  # reads every tensor; the checks of EMA.load_state_dict
+    schedules = ema.engine_checked().schedules  # reads every tensor; EMA.load_state_dict's checks
     progress, roles = ema.progress, ema.roles()
     from . import _C
     schedule = _C.DecaySchedule.from_json(progress["schedule"])
@@ -52,6 +52,10 @@ def _inspect_dcp(folder: str) -> int:
           f"{len(ema.tensors)} tensors, {len(data_files)} .distcp files (torch's format, "
           "read by torch.distributed.checkpoint)")
     print(f"  schedule {schedule!r}")
+    if len(schedules) > 1:  # as the C++ inspect of a checkpoint folder lists them
+        print(f"  {len(schedules)} EMA profiles (export --profile P):")
+        for p, each in enumerate(schedules):
+            print(f"  profile {p} schedule {each!r}")
     print(f"  last decay {progress['last_decay']!r}, initialized "
           f"{str(progress['initialized']).lower()}")
     for name, (shape, dtype) in ema.tensors.items():

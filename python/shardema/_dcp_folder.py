@@ -4,7 +4,8 @@ command line (_cli.py).
 DCP's format is torch's (a pickled .metadata plus .distcp data files), so
 torch's own reader reads it, in one process, into full tensors: the EMA that
 EMA.state_dict() put under some key ("ema" in the docs: entries
-"ema.weights.<name>" and "ema.progress.<field>"). The engine then takes it
+"ema.weights.<name>" and "ema.progress.<field>", and with several profiles
+"ema.profile_weights.<p>.<name>"). The engine then takes it
 as EMA.load_state_dict() would, which checks the progress (schedule, roles,
 step) and every tensor, and writes it as a one-rank per-rank checkpoint,
 which the CLI's own export and inspect read (tools/): each command lives
@@ -92,6 +93,17 @@ class DcpEma:
                 if not isinstance(entry, TensorStorageMetadata):
                     raise FolderError(f"{metadata_path}: '{key}' is not a tensor")
                 self.tensors[key[len(weights):]] = (tuple(entry.size), entry.properties.dtype)
+        # EMA(schedules=[...]): each further profile's averaged tensors,
+        # "<key>.profile_weights.<p>.<name>" (_dcp.py).
+        more = prefix + "profile_weights."
+        self.profile_tensors: Dict[str, Dict[str, Tuple[Tuple[int, ...], torch.dtype]]] = {}
+        for key, entry in entries.items():
+            if key.startswith(more):
+                if not isinstance(entry, TensorStorageMetadata):
+                    raise FolderError(f"{metadata_path}: '{key}' is not a tensor")
+                profile, _, name = key[len(more):].partition(".")
+                self.profile_tensors.setdefault(profile, {})[name] = \
+                    (tuple(entry.size), entry.properties.dtype)
         roles = self.roles()
         for name in sorted(set(roles) ^ set(self.tensors)):
             where = "the progress's roles" if name in roles else f"'{weights}{name}'"
@@ -117,13 +129,9 @@ class DcpEma:
 
     def _read_progress(self, prefix: str, entries: Dict[str, Any],
                        metadata_path: str) -> Dict[str, Any]:
-        keys = {field: f"{prefix}progress.{field}" for field in _FIELDS}
-        if f"{prefix}progress.profiles" in entries:
-            # EMA(schedules=[...]): as the offline tools refuse a
-            # checkpoint of several profiles rather than export profile 0.
-            raise FolderError(f"{metadata_path}: holds an EMA of several profiles "
-                              "(EMA(schedules=[...])); the CLI reads one-profile EMAs: load it "
-                              "with EMA.load_state_dict and export_weights(path, profile=p)")
+        several = f"{prefix}progress.profiles" in entries  # EMA(schedules=[...])
+        keys = {field: f"{prefix}progress.{field}"
+                for field in _FIELDS + (("profiles",) if several else ())}
         missing = [key for key in keys.values() if key not in entries]
         if missing:
             raise FolderError(f"{metadata_path}: the EMA's '{missing[0]}' is missing")
@@ -145,13 +153,22 @@ class DcpEma:
                               f"roles: {str(self.progress['roles'])[:80]!r}")
         return roles
 
-    def values(self) -> Dict[str, torch.Tensor]:
-        """Every EMA tensor, full, read through torch's reader."""
-        prefix = (self.key + "." if self.key else "") + "weights."
-        state = {prefix + name: torch.empty(shape, dtype=dtype)
-                 for name, (shape, dtype) in self.tensors.items()}
+    def values(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]]]:
+        """Every EMA tensor, full, read through torch's reader: profile 0's
+        by name, and each further profile's by profile and name."""
+        prefix = self.key + "." if self.key else ""
+        wanted = {f"{prefix}weights.{name}": ("", name, spec) for name, spec in self.tensors.items()}
+        for p, tensors in self.profile_tensors.items():
+            wanted.update({f"{prefix}profile_weights.{p}.{name}": (p, name, spec)
+                           for name, spec in tensors.items()})
+        state = {key: torch.empty(shape, dtype=dtype)
+                 for key, (_, _, (shape, dtype)) in wanted.items()}
         _quiet_load(state, self._reader, self.folder, "its EMA's tensors")
-        return {name: state[prefix + name] for name in self.tensors}
+        weights: Dict[str, torch.Tensor] = {}
+        more: Dict[str, Dict[str, torch.Tensor]] = {}
+        for key, (p, name, _) in wanted.items():
+            (more.setdefault(p, {}) if p else weights)[name] = state[key]
+        return weights, more
 
     def engine_checked(self) -> Any:
         """An EMA of one process holding this one, loaded through
@@ -164,7 +181,15 @@ class DcpEma:
         except Exception as error:
             raise FolderError(f"{self.folder}: the EMA's progress.schedule does not read "
                               f"({error})") from None
-        values = self.values()
+        schedules = [schedule]
+        if "profiles" in self.progress:
+            try:
+                schedules = [_C.DecaySchedule.from_json(json.dumps(entry["schedule"]))
+                             for entry in json.loads(str(self.progress["profiles"]))]
+            except Exception as error:
+                raise FolderError(f"{self.folder}: the EMA's progress.profiles does not read "
+                                  f"({error})") from None
+        values, more = self.values()
         roles = self.roles()
         # FSDP2 rows of one rank, i.e. everything: what export --world-size
         # then splits as FSDP2 does (which DDP's replicated layout matches).
@@ -172,10 +197,15 @@ class DcpEma:
                               _C.layout_spec(name, list(v.shape), v.dtype, "fsdp2", 1),
                               roles[name]) for name, v in values.items()]
         try:
-            ema = EMA.from_local_shards(shards, schedule=schedule)
+            ema = EMA.from_local_shards(shards, schedules=schedules)
             # Each tensor as this EMA holds it: its one rank's flat piece.
             pieces = {name: shard[0] for name, shard in zip(values, shards)}
-            ema.load_state_dict({"weights": pieces, "progress": dict(self.progress)})
+            state = {"weights": pieces, "progress": dict(self.progress)}
+            if more:
+                state["profile_weights"] = {
+                    p: {name: v.detach().reshape(-1) for name, v in tensors.items()}
+                    for p, tensors in more.items()}
+            ema.load_state_dict(state)
         except (ValueError, TypeError, RuntimeError) as error:
             message = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise FolderError(f"{self.folder}: its EMA does not load: {message}") from None

@@ -175,14 +175,7 @@ def test_bad_dcp_folders_are_refused_in_one_line(dcp_run, tmp_path):
     refused(*shardema_command("inspect", cut), cut / ".metadata", "missing")
     (cut / ".metadata").write_bytes(b"not a pickle")
     refused(*shardema_command("inspect", cut), cut / ".metadata", "not DCP metadata")
-    # An EMA of several profiles: refused rather than exported as profile 0.
-    profiles = shardema.EMA(model, beta=[0.9, 0.99], update_after_step=0, update_every=1)
-    profiles.update()
-    several = tmp_path / "several"
-    dcp.save({"ema": profiles.state_dict()}, checkpoint_id=str(several), no_dist=True)
-    refused(*shardema_command("export", "--checkpoint", several, "--out", tmp_path / "y"),
-            several / ".metadata", "several profiles", "profile=p")
-    assert not (tmp_path / "y").exists()
+    # An EMA of several profiles: test_cli_profiles.py.
 
 
 FSDP2_SAVE = """

@@ -290,22 +290,3 @@ def test_a_one_profile_ema_is_unchanged():
     assert len(ema.schedules) == 1
     assert set(ema.state_dict()) == {"weights", "progress"}
     assert "profiles" not in ema.state_dict()["progress"]
-
-
-def test_the_offline_tools_refuse_a_checkpoint_of_several_profiles_by_name(tmp_path):
-    import os
-    import subprocess
-    cli = os.environ.get("SHARDEMA_CLI")
-    if not cli:
-        pytest.skip("SHARDEMA_CLI is not set: the build has no shardema CLI (tools off)")
-    ema = shardema.EMA(small_model(), beta=[0.9, 0.99])
-    ema.update()
-    ema.save_checkpoint(tmp_path / "ckpt")
-    for args in (["inspect", str(tmp_path / "ckpt")],
-                 ["export", "--checkpoint", str(tmp_path / "ckpt"), "--out",
-                  str(tmp_path / "x.safetensors")]):
-        done = subprocess.run([cli, *args], capture_output=True, text=True, timeout=60)
-        assert done.returncode == 2, done.stderr
-        assert "several EMA profiles" in done.stderr and "profile=p" in done.stderr
-        assert len(done.stderr.strip().splitlines()) == 1
-    assert not (tmp_path / "x.safetensors").exists()

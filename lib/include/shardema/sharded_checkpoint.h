@@ -7,6 +7,7 @@
 //   inspect   inspectCheckpoint(dir)                check everything, load nothing
 //   export    exportCheckpoint(dir, file)           one deployable file of full tensors
 //   reshard   reshardCheckpoint(dir, newDir, W)     the same checkpoint for W ranks
+//   profiles  checkpointSchedules(dir)              one schedule per EMA profile
 //
 // The folder holds one safetensors file per rank, named uniquely per save
 // (rank_{r:05d}.step_{step}.{saveId:016x}.safetensors), so a failed or
@@ -144,7 +145,10 @@ void loadCheckpoint(const std::string& dir, ShardedAverager& averager);
 /// world_size, layout_fingerprint and step agree with the manifest, the
 /// Averager state's keys pass checkAveragerStateMetadata of averager.h) and
 /// tensors (exactly the layout's, 1-D of the rank's size, one dtype per
-/// tensor across ranks); then every tensor's data against its own checksum
+/// tensor across ranks; with several EMA profiles, each further profile's
+/// copy of every averaged tensor (by the saved shardema.roles) and nothing
+/// else, and shardema.profiles and the averaged tensors the same on every
+/// rank as on rank 0); then every tensor's data against its own checksum
 /// (shardema.xxh64, the check loadCheckpoint makes; one streaming read of
 /// every file), which a file rewritten together with its manifest record
 /// still fails. Returns the manifest. c10::ValueError naming the file and
@@ -167,7 +171,22 @@ struct ExportOptions {
   /// Smaller files upload and load in parallel; a tensor larger than the
   /// limit still gets a file of its own.
   std::optional<int64_t> maxShardBytes;
+  /// exportCheckpoint only: the EMA profile written (an Averager of
+  /// moreSchedules, Python's EMA(schedules=[...]) / beta=[...], keeps
+  /// several; checkpointSchedules lists them): its tensors (copies are shared
+  /// by every profile) and its schedule in shardema.schedule, what
+  /// ShardedAverager::exportWeights(..., profile) writes. Default 0.
+  /// c10::IndexError naming it and the count when the checkpoint has no
+  /// such profile. Reshards keep every profile.
+  int profile = 0;
 };
+
+/// One schedule per EMA profile of the checkpoint in `dir`, profile 0
+/// first (Python's EMA.schedules; one for an Averager without
+/// moreSchedules), from rank 0's file (shardema.profiles). Reads the
+/// manifest and rank 0's header only (inspectCheckpoint checks that every
+/// rank agrees); c10::ValueError naming the file when they do not read.
+std::vector<DecaySchedule> checkpointSchedules(const std::string& dir);
 
 /// What an offline tool wrote.
 struct ExportSummary {
@@ -194,7 +213,7 @@ ExportSummary exportCheckpoint(const std::string& dir, const std::string& outFil
                                ExportOptions options = {});
 
 /// Writes a checkpoint for `target` (same tensors, names, shapes, dtypes
-/// and order as the source layout, any world size) into `outDir` (created
+/// and order as the source layout, any world size; every EMA profile) into `outDir` (created
 /// if missing; must not be or lie inside `dir`): for each new rank, the
 /// elements of its ranges read from the old ranks' files, once the source
 /// passed inspectCheckpoint's checks (nothing is written otherwise). An old
