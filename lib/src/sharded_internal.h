@@ -14,6 +14,7 @@
 #include "shardema/core/file_metadata.h"
 #include "shardema/shard/gather.h"
 #include "shardema/shard/shard_layout.h"
+#include "shardema/sharded_averager.h"
 
 namespace shardema {
 namespace detail {
@@ -87,12 +88,15 @@ struct ExportedTensor {
 /// `api` names the caller in errors. `tensors`: one per spec, or empty for
 /// none with aliases. `maxShardBytes`: `path` is a folder of files of at
 /// most that many bytes in Hugging Face's layout (DeployableWriter).
+/// `untracked`: whole tensors the root writes among the gathered ones
+/// (ShardedAverager::exportWeights).
 void exportPieces(shard::Communicator& comm, const std::string& path,
                   const shard::ShardLayout& layout, const std::vector<at::Tensor>& pieces,
                   c10::ScalarType dtype, const std::map<std::string, std::string>& metadata,
                   shard::GatherOptions options, const char* api,
                   const std::vector<ExportedTensor>& tensors = {},
-                  std::optional<int64_t> maxShardBytes = std::nullopt);
+                  std::optional<int64_t> maxShardBytes = std::nullopt,
+                  const std::vector<UntrackedTensor>& untracked = {});
 
 }  // namespace detail
 }  // namespace shardema

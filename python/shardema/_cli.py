@@ -59,8 +59,11 @@ def _inspect_dcp(folder: str) -> int:
     print(f"  last decay {progress['last_decay']!r}, initialized "
           f"{str(progress['initialized']).lower()}")
     for name, (shape, dtype) in ema.tensors.items():
+        # Other names and non-persistence as inspect of a per-rank checkpoint says them.
+        also = f" also {' '.join(ema.aliases[name])}" if ema.aliases.get(name) else ""
+        transient = " non-persistent (not exported)" if name in ema.non_persistent else ""
         print(f"  tensor {name} {roles[name]} {str(dtype).replace('torch.', '')} "
-              f"[{', '.join(str(s) for s in shape)}]")
+              f"[{', '.join(str(s) for s in shape)}]{also}{transient}")
     return 0
 
 

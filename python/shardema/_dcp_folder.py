@@ -23,10 +23,11 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from ._dcp import FORMAT
+from ._dcp_progress import FORMAT, PROGRESS, STATE_DICT_NAMES, read_state_dict_names
 
-# The progress fields EMA.state_dict() writes (_dcp._PROGRESS, and "format").
-_FIELDS = ("format", "step", "initialized", "last_decay", "schedule", "roles")
+# The progress fields EMA.state_dict() writes (and "format"); an older one
+# lacks STATE_DICT_NAMES, as does one with no tied or non-persistent tensor.
+_FIELDS = ("format",) + tuple(PROGRESS)
 
 
 class FolderError(ValueError):
@@ -109,6 +110,14 @@ class DcpEma:
             where = "the progress's roles" if name in roles else f"'{weights}{name}'"
             raise FolderError(f"{metadata_path}: tensor '{name}' is in {where} only, not in both "
                               "(an EMA's entries of another save, or a partial one)")
+        try:
+            #: Each tensor's other state_dict names (tied weights), and the
+            #: names no state_dict key holds (non-persistent buffers): none
+            #: for an older save, whose export keeps every tensor under its name.
+            self.aliases, self.non_persistent = read_state_dict_names(
+                self.progress.get(STATE_DICT_NAMES), set(self.tensors), metadata_path)
+        except ValueError as error:
+            raise FolderError(str(error)) from None
 
     @staticmethod
     def _ema_key(entries: Dict[str, Any], metadata_path: str) -> str:
@@ -135,6 +144,8 @@ class DcpEma:
         missing = [key for key in keys.values() if key not in entries]
         if missing:
             raise FolderError(f"{metadata_path}: the EMA's '{missing[0]}' is missing")
+        if f"{prefix}progress.{STATE_DICT_NAMES}" in entries:
+            keys[STATE_DICT_NAMES] = f"{prefix}progress.{STATE_DICT_NAMES}"
         state: Dict[str, Any] = {key: None for key in keys.values()}
         _quiet_load(state, self._reader, self.folder, "its EMA's progress values")
         progress = {field: state[key] for field, key in keys.items()}
@@ -193,13 +204,18 @@ class DcpEma:
         roles = self.roles()
         # FSDP2 rows of one rank, i.e. everything: what export --world-size
         # then splits as FSDP2 does (which DDP's replicated layout matches).
-        shards: List[Any] = [(v.detach().reshape(-1),
-                              _C.layout_spec(name, list(v.shape), v.dtype, "fsdp2", 1),
-                              roles[name]) for name, v in values.items()]
+        # The aliases and non-persistent marks go into the checkpoint's
+        # manifest, so its export holds the model's state_dict() keys.
         try:
+            shards: List[Any] = [
+                _C.LocalShard(v.detach().reshape(-1),
+                              _C.layout_spec(name, list(v.shape), v.dtype, "fsdp2", 1),
+                              roles[name], aliases=self.aliases.get(name, []),
+                              persistent=name not in self.non_persistent)
+                for name, v in values.items()]
             ema = EMA.from_local_shards(shards, schedules=schedules)
             # Each tensor as this EMA holds it: its one rank's flat piece.
-            pieces = {name: shard[0] for name, shard in zip(values, shards)}
+            pieces = {name: shard.local for name, shard in zip(values, shards)}
             state = {"weights": pieces, "progress": dict(self.progress)}
             if more:
                 state["profile_weights"] = {

@@ -1,12 +1,13 @@
 """shardema.EMALoadPlanner: DCP's DefaultLoadPlanner for checkpoints that
 hold an EMA state dict (_dcp.py) or lack one: an EMA the checkpoint lacks
-is emptied, so its load_state_dict() cold-starts it, and an EMA of another
-number of profiles than the checkpoint's is refused before DCP reads
-anything."""
+is emptied, so its load_state_dict() cold-starts it, a progress entry an
+older save lacks (state_dict_names) is left out of the load, and an EMA of
+another number of profiles than the checkpoint's is refused before DCP
+reads anything."""
 import functools
 from typing import Any, List, Tuple
 
-from ._dcp import FORMAT
+from ._dcp_progress import FORMAT, STATE_DICT_NAMES
 
 
 @functools.lru_cache(maxsize=None)
@@ -19,8 +20,10 @@ def planner_class() -> type:
         """DCP's DefaultLoadPlanner, except that an EMA state dict
         (EMA.state_dict(), or the EMA itself) whose entries the checkpoint
         lacks is emptied instead of refused: its load_state_dict() then
-        cold-starts the EMA from the loaded weights, with a warning. Every
-        other key stays required (unless allow_partial_load=True)."""
+        cold-starts the EMA from the loaded weights, with a warning; and
+        its progress's state_dict_names, which saves before it lack, is
+        not asked of them. Every other key stays required (unless
+        allow_partial_load=True)."""
 
         def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
             if metadata is not None:
@@ -29,6 +32,11 @@ def planner_class() -> type:
                     if key not in metadata.state_dict_metadata:
                         ema_state.clear()
                         continue
+                    names = ".".join(path + ("progress", STATE_DICT_NAMES))
+                    if names not in metadata.state_dict_metadata:
+                        # An older save: nothing to load there, and
+                        # load_state_dict() does not need it.
+                        ema_state["progress"].pop(STATE_DICT_NAMES, None)
                     _check_saved_profiles(path, ema_state, metadata.state_dict_metadata)
             super().set_up_planner(state_dict, metadata, is_coordinator)
 

@@ -233,6 +233,10 @@ class EMA(EmaModelTransfer, EmaState):
         self._aliases = plan.aliases  # tied tensors' other names, for load_ema_values()
         self._schedules = list(options.schedules)  # one per profile, profile 0 first
         self._names = [shard.spec.name for shard in plan.shards]
+        # Each tensor's other state_dict names and whether a key holds it,
+        # which a DCP state records for readers without the model (_dcp_progress.py).
+        self._state_dict_names = {shard.spec.name: (list(shard.aliases), bool(shard.persistent))
+                                  for shard in plan.shards}
         slots, edges, counted, deciders = watch_of(self._model, plan, self._names)
         self._engine = _C.Ema(process_group=plan.group, shards=plan.shards,
                               whole_tensors=plan.whole, options=options, layout=plan.layout,

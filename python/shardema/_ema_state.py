@@ -142,41 +142,33 @@ class EmaState:
         of its own.
         include_untracked: True also writes the model's own current values
         of what the EMA leaves out (frozen parameters under
-        trainable_only=True, buffers, ignore_names), so that the file loads
-        strict into the plain model; rank 0 then holds those full tensors
-        while it writes (their names are listed in the file's metadata
-        under "shardema.from_model"). One file only: not with
-        max_shard_size."""
+        trainable_only=True, buffers, ignore_names), in state_dict() order
+        among the EMA's, into the file or the split folder, so that it
+        loads strict into the plain model (their names are listed in each
+        file's metadata under "shardema.from_model"); rank 0 reads them
+        from the model as it writes (a DTensor's it gathers first and holds
+        while it writes)."""
         profile = self._profile(profile, "export_weights")
         self._refuse_unshared_write("export_weights")
         self._check_model_for_read("export_weights")
         if not isinstance(include_untracked, bool):
             raise TypeError("shardema.EMA.export_weights: include_untracked must be a bool, got "
                             f"{include_untracked!r}")
-        if not include_untracked:
-            write_on_first_replica(
-                self._replicas,
-                lambda: self._engine.export_weights(str(path), dtype, max_shard_size, profile),
-                self._timeout_s, "export_weights")
-            return
-        if max_shard_size is not None:
-            raise ValueError("shardema.EMA.export_weights: include_untracked=True writes one "
-                             "file; leave out max_shard_size (or export the EMA split and save "
-                             "the frozen weights beside it)")
-        if self._model is None:
-            raise ValueError("shardema.EMA.export_weights: include_untracked=True takes the "
-                             "values from the model, and this EMA was built from named tensors "
-                             "or local shards")
-        self._refuse_fsdp1("export_weights(include_untracked=True)")
-        from ._export_untracked import add_to_export, untracked_values
-        ema_names = set(self._names) | set(self._aliases)
-        values = untracked_values(self._model, ema_names, dtype, keep=self.rank == 0)
-
-        def write() -> None:
-            self._engine.export_weights(str(path), dtype, None, profile)
-            if self.rank == 0:
-                add_to_export(str(path), values)
-        write_on_first_replica(self._replicas, write, self._timeout_s, "export_weights")
+        untracked: list = []
+        if include_untracked:
+            if self._model is None:
+                raise ValueError("shardema.EMA.export_weights: include_untracked=True takes the "
+                                 "values from the model, and this EMA was built from named "
+                                 "tensors or local shards")
+            self._refuse_fsdp1("export_weights(include_untracked=True)")
+            from ._export_untracked import untracked_tensors
+            untracked = untracked_tensors(self._model, set(self._names), set(self._aliases),
+                                          keep=self.rank == 0)
+        write_on_first_replica(
+            self._replicas,
+            lambda: self._engine.export_weights(str(path), dtype, max_shard_size, profile,
+                                                untracked),
+            self._timeout_s, "export_weights")
 
     def full_state_dict(self, rank0_only: bool = True, names: Optional[Sequence[str]] = None, *,
                         profile: int = 0) -> Dict[str, torch.Tensor]:

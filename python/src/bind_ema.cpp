@@ -274,16 +274,22 @@ void bindEma(py::module_& m) {
       .def(
           "export_weights",
           [](PythonEma& e, const std::string& path, py::handle dtype, py::handle maxShardSize,
-             int profile) {
+             int profile,
+             const std::vector<std::tuple<std::string, at::Tensor, std::string>>& untracked) {
             const c10::ScalarType type = scalarTypeOf(dtype, "shardema.EMA.export_weights: dtype");
             const std::optional<int64_t> maxShardBytes =
                 byteSizeOf(maxShardSize, "shardema.EMA.export_weights: max_shard_size");
+            std::vector<UntrackedTensor> model;
+            for (const auto& [name, value, before] : untracked) {
+              model.push_back({name, value, before});
+            }
             PythonWarnings warnings;
             py::gil_scoped_release release;
-            e.exportWeights(path, type, maxShardBytes, profile);
+            e.exportWeights(path, type, maxShardBytes, profile, model);
           },
           py::arg("path"), py::arg("dtype"), py::arg("max_shard_size") = py::none(),
-          py::arg("profile") = 0)
+          py::arg("profile") = 0,
+          py::arg("untracked") = std::vector<std::tuple<std::string, at::Tensor, std::string>>())
       .def("full_state_dict", &PythonEma::fullStateDict, py::arg("rank0_only"),
            py::arg("names") = py::none(), py::arg("profile") = 0, Release())
       .def("offload_stats", [](const PythonEma& e) {

@@ -308,8 +308,10 @@ void PythonEma::loadCheckpoint(const std::string& folder) {
 }
 
 void PythonEma::exportWeights(const std::string& path, c10::ScalarType dtype,
-                              std::optional<int64_t> maxShardBytes, int profile) {
-  averager_->exportWeights(*comm_, path, dtype, shard::GatherOptions{}, maxShardBytes, profile);
+                              std::optional<int64_t> maxShardBytes, int profile,
+                              const std::vector<UntrackedTensor>& untracked) {
+  averager_->exportWeights(*comm_, path, dtype, shard::GatherOptions{}, maxShardBytes, profile,
+                           untracked);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> PythonEma::fullStateDict(

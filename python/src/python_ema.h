@@ -152,9 +152,11 @@ class PythonEma {
   /// none changed.
   void loadCheckpoint(const std::string& folder);
   /// Collective: rank 0 streams deployable safetensors of `profile` to
-  /// `path` (with maxShardBytes: a folder in Hugging Face's layout).
+  /// `path` (with maxShardBytes: a folder in Hugging Face's layout), with
+  /// the model's `untracked` tensors among them (rank 0's are written).
   void exportWeights(const std::string& path, c10::ScalarType dtype,
-                     std::optional<int64_t> maxShardBytes, int profile);
+                     std::optional<int64_t> maxShardBytes, int profile,
+                     const std::vector<UntrackedTensor>& untracked);
   /// Collective: the full EMA tensors on rank 0 (rank0Only) or on every
   /// rank, an empty list on the others; `names`: just those (every rank
   /// the same), nullopt: all.

@@ -235,9 +235,6 @@ def test_bad_sizes_and_paths_are_refused_naming_them(tmp_path):
     with pytest.raises(ValueError, match="exists and is not a folder"):
         ema.export_weights(str(tmp_path / "a_file"), max_shard_size="1GB")
     assert (tmp_path / "a_file").read_text() == "mine"
-    # The model's own values are added to one file only.
-    with pytest.raises(ValueError, match="include_untracked=True writes one file"):
-        ema.export_weights(str(tmp_path / "out"), max_shard_size="1GB", include_untracked=True)
     assert sorted(os.listdir(tmp_path)) == ["a_file"]
     ema.export_weights(str(tmp_path / "out"), max_shard_size=64)  # 64 + 16 bytes: two files
     assert sorted(os.listdir(tmp_path / "out")) == [

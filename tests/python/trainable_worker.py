@@ -3,7 +3,8 @@ under torch's real fully_shard on CPU/Gloo, EMA(trainable_only=True),
 checked after every update against a float64 EMA of the trainable
 parameters' full_tensor() recomputed here; the swap, a refused unfreeze,
 a checkpoint round trip and the export with the model's own frozen
-weights, loaded strict into a plain model.
+weights, one file and split (huggingface_hub's split of the combined state
+dict), loaded strict into a plain model.
 
 Started by rank_launch.launch; rank_worker.py says how and what it reports."""
 import os
@@ -100,6 +101,30 @@ def hand_frozen_fsdp2(rank, world, out):
             want = reference[name].float() if name in reference else raw[name]
             torch.testing.assert_close(t, want.to(t.dtype), atol=1e-6, rtol=1e-6,
                                        msg=f"exported '{name}'")
+    # Split: rank 0 writes the frozen layers' full_tensor() among the rows
+    # both ranks send, in state_dict() order, as huggingface_hub splits the
+    # combined state dict.
+    folder = os.path.join(out, "trainable_split")
+    ema.export_weights(folder, max_shard_size=64, include_untracked=True)
+    ema_full = ema.full_state_dict(rank0_only=False)
+    torch.distributed.barrier()
+    if rank == 0:
+        import json
+        from huggingface_hub import load_torch_model, split_torch_state_dict_into_shards
+        combined = {n: (ema_full[n] if n in ema_full else raw[n]).clone() for n in raw}
+        split = split_torch_state_dict_into_shards(combined, max_shard_size=64)
+        with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+            index = json.load(f)
+        assert len(split.filename_to_tensors) > 3, split.filename_to_tensors
+        assert index["weight_map"] == split.tensor_to_filename, index["weight_map"]
+        assert index["metadata"] == split.metadata, index["metadata"]
+        plain = model_of()
+        for p in plain.parameters():
+            p.data.normal_()
+        result = load_torch_model(plain, folder, strict=True)
+        assert not result.missing_keys and not result.unexpected_keys
+        for name, t in plain.state_dict().items():
+            assert torch.equal(t, combined[name]), f"split '{name}'"
 
 
 def posthoc_sharded_fsdp2(rank, world, out):

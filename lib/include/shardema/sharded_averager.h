@@ -83,6 +83,23 @@ struct LocalShard {
   int64_t splitDim = 0;
 };
 
+/// A full tensor the EMA does not track, which exportWeights writes beside
+/// the EMA's: the model's own current value of what the EMA leaves out (a
+/// frozen weight under trainable-only tracking, a buffer, an ignored name),
+/// so that the export loads strict into the plain model (Python's
+/// export_weights(include_untracked=True)).
+struct UntrackedTensor {
+  /// Its state_dict key; unique across the export's names.
+  std::string name;
+  /// The full tensor, any device and layout; read on the root only, a
+  /// piece at a time, floating ones written as the export's dtype.
+  at::Tensor value;
+  /// The exported EMA tensor (its first name) it is written right before,
+  /// so the file order is the model's state_dict() order; empty: after the
+  /// EMA's last tensor.
+  std::string before;
+};
+
 class ShardedAverager {
  public:
   /// Validates every shard (spec invariants, every spec for `worldSize`
@@ -195,12 +212,20 @@ class ShardedAverager {
   /// root cannot create the file, or any rank's localEma() throws,
   /// every rank fails (c10::Error naming it) before anything moves; when
   /// the root's append/commit fails, every rank fails after the gather.
+  /// `untracked` (read on the root; the others may pass none): written
+  /// too, each right before the EMA tensor it names, into the same file or
+  /// the same folder's split (the split counts them like the EMA's), and
+  /// listed in the metadata under shardema.from_model (a JSON list of
+  /// names); the root holds them, nothing more. A name the export already
+  /// holds, or a `before` naming no exported tensor, is a c10::ValueError
+  /// on the root (the others fail as when it cannot create the file).
   /// Blocks.
   void exportWeights(shard::Communicator& comm, const std::string& path,
                      c10::ScalarType outputDtype = c10::ScalarType::Float,
                      shard::GatherOptions options = {},
                      std::optional<int64_t> maxShardBytes = std::nullopt,
-                     int profile = 0) const;
+                     int profile = 0,
+                     const std::vector<UntrackedTensor>& untracked = {}) const;
 
  private:
   // localEma() with each splitDim piece in its spec's element order (what

@@ -36,6 +36,9 @@ constexpr const char* kProfilesKey = "shardema.profiles";
 /// XXH64 of an Averager state's own keys (averager.h, checkAveragerStateMetadata).
 constexpr const char* kStateChecksumKey = "shardema.state_xxh64";
 constexpr const char* kPostHocCallsKey = "shardema.posthoc.calls";
+/// A deployable file's names written from the model, not the EMA (a JSON
+/// list; ShardedAverager::exportWeights' untracked tensors).
+constexpr const char* kFromModelKey = "shardema.from_model";
 /// EmaCallback's progress keys ("shardema.ema.step", ...) in a training
 /// checkpoint.
 constexpr const char* kEmaCallbackPrefix = "shardema.ema.";
