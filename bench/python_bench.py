@@ -167,7 +167,11 @@ def return_times(count, repeats):
     math over a large model leave the caches). update() walks every tracked
     tensor's metadata (parameter objects, TensorImpls, version counters), so
     what it costs is a few cache misses per tensor, not the tensors' size.
-    Returns {state: median ms}."""
+    The stream runs on one intra-op thread: torch's OpenMP threads spin for
+    about a millisecond after a parallel op, and on this 2-core VM that
+    took a core from update() (cold medians of 1.1-1.2 ms against
+    0.44 ms with OMP_WAIT_POLICY=passive): a measure of the machine's
+    contention, not of the caches. Returns {state: median ms}."""
     import shardema
     model = Model(sizes_for(1 << 20, count, seed=1), torch.float32)
     ema = shardema.EMA(model, schedule=shardema.DecaySchedule.constant(peers.DECAY),
@@ -175,18 +179,23 @@ def return_times(count, repeats):
     stream = torch.ones(64 << 20)  # 256 MiB, far beyond the L3 cache
     out = {}
     step = 0
-    for state in ("warm", "cold"):
-        times = []
-        for _ in range(max(repeats, 5) * 4):
-            ema.wait()
-            if state == "cold":
-                stream.add_(1.0)
-            step += 1
-            start = time.perf_counter()
-            ema.update(step)
-            times.append(time.perf_counter() - start)
-        out[state] = statistics.median(times[1:]) * 1e3
-    ema.wait()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for state in ("warm", "cold"):
+            times = []
+            for _ in range(max(repeats, 5) * 4):
+                ema.wait()
+                if state == "cold":
+                    stream.add_(1.0)
+                step += 1
+                start = time.perf_counter()
+                ema.update(step)
+                times.append(time.perf_counter() - start)
+            out[state] = statistics.median(times[1:]) * 1e3
+        ema.wait()
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
