@@ -29,6 +29,7 @@ in each validation, and where the callback put its files."""
 import functools
 import os
 import shutil
+import sys
 
 import rank_worker
 
@@ -217,6 +218,16 @@ def run(scenario, rank, world, out):
         from lightning.pytorch.strategies import ModelParallelStrategy
         fit(L, "A", out, world=world, layout="sharded", sharded="tp",
             strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=world))
+    elif scenario == "tp_resume_exit":
+        # A fit and its resume with both callbacks, then the interpreter's
+        # own exit (rank_worker's os._exit skipped): the EMAs, their
+        # threads and the Gloo group (never destroyed) end in its order.
+        from lightning.pytorch.strategies import ModelParallelStrategy
+        common = dict(world=world, layout="sharded", sharded="tp", ema_callback="before")
+        tp = dict(data_parallel_size=1, tensor_parallel_size=world)
+        fit(L, "A", out, strategy=ModelParallelStrategy(**tp), **common)
+        fit(L, "C", out, strategy=ModelParallelStrategy(**tp), folder_of="A",
+            resume=checkpoint_of_epoch(out, "A", 1), **common)
     else:
         raise ValueError(scenario)
 
@@ -224,8 +235,9 @@ def run(scenario, rank, world, out):
 SCENARIOS = {name: functools.partial(run, name)
              for name in ("ddp", "ddp_sharded", "two_callbacks_ema_first",
                           "two_callbacks_posthoc_first", "model_parallel",
-                          "model_parallel_tp")}
+                          "model_parallel_tp", "tp_resume_exit")}
 
 
 if __name__ == "__main__":
-    rank_worker.main(SCENARIOS, start_group=False)
+    rank_worker.main(SCENARIOS, start_group=False,
+                     exit_normally=sys.argv[1] == "tp_resume_exit")

@@ -256,6 +256,20 @@ def test_model_parallel_fsdp2_two_processes_sharded_layout(tmp_path):
             assert_same(seen1, seen0, f"{name}: rank 1's validation weights")
 
 
+def test_a_tensor_parallel_resume_ends_with_the_interpreters_own_exit(tmp_path):
+    """Issue 32: rank 1 of a tensor-parallel Lightning resume (both
+    callbacks' EMAs alive at exit, no destroy_process_group) once died with
+    "terminate called without an active exception" after a correct fit. The
+    other workers leave with os._exit; this one runs Python's finalization
+    and the C++ exit handlers, so a thread that outlives its owner in any
+    exit order shows here."""
+    codes, errors = launch("tp_resume_exit", tmp_path)
+    outputs = [(tmp_path / f"output{rank}.txt").read_text() for rank in range(WORLD)]
+    assert errors == {} and codes == [0] * WORLD, (codes, errors)
+    for rank, text in enumerate(outputs):
+        assert "terminate called" not in text and "Aborted" not in text, (rank, text[-2000:])
+
+
 def test_model_parallel_tensor_parallel_two_processes_sharded_layout(tmp_path):
     """ModelParallelStrategy's tensor-parallel mesh (ColwiseParallel `inp`,
     RowwiseParallel `out`): each rank's snapshots hold its pieces in their
